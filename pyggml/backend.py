@@ -1,0 +1,269 @@
+"""The five interfaces of ggml-backend: buffer type, buffer, backend, device, registry.
+
+Method names are ggml's (``alloc_buffer``, ``set_tensor``, ``graph_compute`` ...).  A
+backend implementation (numpy CPU, CuPy, RPC) subclasses these; the allocator and
+scheduler only ever talk to these interfaces.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+
+class DeviceType(enum.IntEnum):
+    CPU = 0
+    GPU = 1
+    ACCEL = 2
+
+
+class BufferUsage(enum.IntEnum):
+    ANY = 0
+    WEIGHTS = 1
+    COMPUTE = 2
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class BufferType(abc.ABC):
+    """Where buffers come from (host memory, one GPU, one remote device)."""
+
+    @abc.abstractmethod
+    def get_name(self) -> str: ...
+
+    @abc.abstractmethod
+    def alloc_buffer(self, size: int) -> Buffer: ...
+
+    def get_alignment(self) -> int:
+        return 32
+
+    def get_max_size(self) -> int:
+        return 1 << 62
+
+    def get_alloc_size(self, tensor: Tensor) -> int:
+        return tensor.nbytes()
+
+    def is_host(self) -> bool:
+        return False
+
+    def get_device(self) -> Device | None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.get_name()}>"
+
+
+class Buffer(abc.ABC):
+    """One allocation; tensors live in it at byte offsets (``tensor.offset``)."""
+
+    def __init__(self, buft: BufferType, size: int) -> None:
+        self.buft = buft
+        self.size = size
+        self.usage = BufferUsage.ANY
+
+    def get_size(self) -> int:
+        return self.size
+
+    def get_type(self) -> BufferType:
+        return self.buft
+
+    def get_base(self) -> int:
+        return 0  # offsets are relative: a tensor's place is (buffer, offset)
+
+    def init_tensor(self, tensor: Tensor) -> None:
+        """Called when a tensor is placed in this buffer; views share their source's bytes."""
+        if tensor.view_src is not None:
+            tensor.buffer = tensor.view_src.buffer
+            tensor.offset = tensor.view_src.offset + tensor.view_offs
+
+    @abc.abstractmethod
+    def set_tensor(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None: ...
+
+    def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
+        """Copy between buffers without a host round trip where possible; False if not."""
+        return False
+
+    @abc.abstractmethod
+    def clear(self, value: int) -> None: ...
+
+    def free(self) -> None:
+        pass
+
+    def set_usage(self, usage: BufferUsage) -> None:
+        self.usage = usage
+
+    def is_host(self) -> bool:
+        return self.buft.is_host()
+
+
+class Backend(abc.ABC):
+    """Something that executes graphs (one stream of one device)."""
+
+    @abc.abstractmethod
+    def get_name(self) -> str: ...
+
+    @abc.abstractmethod
+    def graph_compute(self, graph: Graph) -> None: ...
+
+    def synchronize(self) -> None:
+        pass
+
+    def set_tensor_async(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
+        tensor_set(tensor, data, offset)
+
+    def get_tensor_async(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
+        return tensor_get(tensor, offset, size)
+
+    @abc.abstractmethod
+    def get_device(self) -> Device: ...
+
+    def get_default_buffer_type(self) -> BufferType:
+        return self.get_device().get_buffer_type()
+
+    def supports_op(self, op: Tensor) -> bool:
+        return self.get_device().supports_op(op)
+
+    def free(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.get_name()}>"
+
+
+class Device(abc.ABC):
+    """A place that can hold tensors and run graphs: a CPU, a GPU, a remote device."""
+
+    @abc.abstractmethod
+    def get_name(self) -> str: ...
+
+    @abc.abstractmethod
+    def get_description(self) -> str: ...
+
+    @abc.abstractmethod
+    def get_memory(self) -> tuple[int, int]:
+        """(free, total) bytes."""
+
+    @abc.abstractmethod
+    def get_type(self) -> DeviceType: ...
+
+    @abc.abstractmethod
+    def init_backend(self) -> Backend: ...
+
+    @abc.abstractmethod
+    def get_buffer_type(self) -> BufferType: ...
+
+    @abc.abstractmethod
+    def supports_op(self, op: Tensor) -> bool: ...
+
+    def supports_buft(self, buft: BufferType) -> bool:
+        return buft.get_device() is self
+
+    def get_host_buffer_type(self) -> BufferType | None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.get_name()}>"
+
+
+class Registry:
+    """The devices this process knows about (ggml_backend_reg + dev list)."""
+
+    def __init__(self) -> None:
+        self._devices: list[Device] = []
+
+    def register(self, device: Device) -> None:
+        if all(d.get_name() != device.get_name() for d in self._devices):
+            self._devices.append(device)
+
+    def devices(self) -> list[Device]:
+        return list(self._devices)
+
+    def get(self, name: str) -> Device:
+        for d in self._devices:
+            if d.get_name().lower() == name.lower():
+                return d
+        raise KeyError(f"no device named {name!r}; devices: {', '.join(d.get_name() for d in self._devices)}")
+
+
+# -- tensor data helpers (ggml_backend_tensor_set/get/memset/copy) --------------------------
+
+def _require_buffer(tensor: Tensor) -> Buffer:
+    if tensor.buffer is None:
+        raise ValueError(f"tensor {tensor.name or '?'} has no buffer: allocate it first")
+    return tensor.buffer
+
+
+def tensor_set(tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
+    """Write bytes (or an array's bytes) into a tensor, checking they fit."""
+    buf = _require_buffer(tensor)
+    n = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else np.asarray(data).nbytes
+    if offset < 0 or offset + n > tensor.nbytes():
+        raise ValueError(f"tensor_set: {n} bytes at offset {offset} do not fit {tensor.name or '?'} "
+                         f"({tensor.nbytes()} bytes)")
+    buf.set_tensor(tensor, data, offset)
+
+
+def tensor_get(tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
+    """The tensor's bytes as a uint8 array (a copy)."""
+    buf = _require_buffer(tensor)
+    size = tensor.nbytes() - offset if size is None else size
+    if offset < 0 or size < 0 or offset + size > tensor.nbytes():
+        raise ValueError(f"tensor_get: {size} bytes at offset {offset} outside {tensor.name or '?'}")
+    return buf.get_tensor(tensor, offset, size)
+
+
+def tensor_memset(tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
+    _require_buffer(tensor).memset_tensor(tensor, value, offset, size)
+
+
+def tensor_copy(src: Tensor, dst: Tensor) -> None:
+    """ggml_backend_tensor_copy: same bytes, any two buffers."""
+    if src.nbytes() != dst.nbytes():
+        raise ValueError(f"tensor_copy: sizes differ ({src.nbytes()} vs {dst.nbytes()} bytes)")
+    if src.buffer is dst.buffer and src.offset == dst.offset:
+        return
+    dst_buf = _require_buffer(dst)
+    if dst_buf.cpy_tensor(src, dst):
+        return
+    tensor_set(dst, tensor_get(src))
+
+
+def tensor_array(tensor: Tensor) -> np.ndarray:
+    """The values of a plain-typed (F32/F16/I32 ...) tensor as a numpy array shaped ne[::-1]."""
+    if tensor.type.np_dtype is None:
+        raise ValueError(f"tensor_array: {tensor.type.name} is quantized; use quants.dequantize")
+    raw = tensor_get(tensor)
+    root = np.lib.stride_tricks.as_strided(raw.view(np.uint8), shape=tuple(reversed(tensor.ne)) + (tensor.type.type_size,),
+                                           strides=tuple(reversed(tensor.nb)) + (1,))
+    return np.ascontiguousarray(root).view(tensor.type.np_dtype)[..., 0]
+
+
+def alloc_tensors(tensors: Iterable[Tensor], buft: BufferType, usage: BufferUsage = BufferUsage.WEIGHTS) -> Buffer:
+    """Place tensors one after another in one new buffer (ggml_backend_alloc_ctx_tensors_from_buft)."""
+    tensors = [t for t in tensors if t.view_src is None]
+    align = buft.get_alignment()
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size = align_up(size + buft.get_alloc_size(t), align)
+    buffer = buft.alloc_buffer(max(size, align))
+    buffer.set_usage(usage)
+    for t, off in zip(tensors, offsets):
+        t.buffer, t.offset = buffer, off
+        buffer.init_tensor(t)
+    return buffer

@@ -1,0 +1,92 @@
+"""Host memory buffers: one ``uint8`` numpy array per buffer, tensors at byte offsets."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import Buffer, BufferType, Device
+from ..tensor import Tensor
+
+
+class CPUBufferType(BufferType):
+    def __init__(self, device: Device | None = None, name: str = "CPU") -> None:
+        self.device = device
+        self.name = name
+
+    def get_name(self) -> str:
+        return self.name
+
+    def alloc_buffer(self, size: int) -> CPUBuffer:
+        if size < 0 or size > self.get_max_size():
+            raise ValueError(f"{self.name}: cannot allocate {size} bytes")
+        try:
+            return CPUBuffer(self, np.zeros(size, dtype=np.uint8))
+        except MemoryError:
+            raise MemoryError(f"{self.name}: out of host memory allocating {size / 2**20:.1f} MiB") from None
+
+    def get_alignment(self) -> int:
+        return 64
+
+    def is_host(self) -> bool:
+        return True
+
+    def get_device(self) -> Device | None:
+        return self.device
+
+
+class CPUBuffer(Buffer):
+    def __init__(self, buft: BufferType, data: np.ndarray) -> None:
+        super().__init__(buft, data.size)
+        self.data = data
+
+    def _span(self, tensor: Tensor, offset: int, size: int | None) -> slice:
+        size = tensor.nbytes() - offset if size is None else size
+        start = tensor.offset + offset
+        if offset < 0 or size < 0 or start + size > self.size:
+            raise ValueError(f"{self.buft.get_name()}: bytes [{start}, {start + size}) outside the buffer "
+                             f"of {self.size} bytes")
+        return slice(start, start + size)
+
+    def set_tensor(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
+        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) \
+            else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.data[self._span(tensor, offset, src.size)] = src
+
+    def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
+        return self.data[self._span(tensor, offset, size)].copy()
+
+    def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
+        self.data[self._span(tensor, offset, size)] = value
+
+    def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
+        if isinstance(src.buffer, CPUBuffer):
+            n = src.nbytes()
+            self.data[self._span(dst, 0, n)] = src.buffer.data[src.offset:src.offset + n]
+            return True
+        return False
+
+    def clear(self, value: int) -> None:
+        self.data[:] = value
+
+    def free(self) -> None:
+        self.data = np.zeros(0, dtype=np.uint8)
+        self.size = 0
+
+
+def tensor_view(t: Tensor) -> np.ndarray:
+    """A numpy view of a plain-typed tensor's bytes, shaped ne[::-1] with its strides (no copy)."""
+    buf = t.buffer
+    if not isinstance(buf, CPUBuffer):
+        raise ValueError(f"tensor {t.name or '?'} is not in host memory")
+    ne, nb = t.ne, t.nb
+    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=t.type.np_dtype, buffer=buf.data, offset=t.offset,
+                      strides=(nb[3], nb[2], nb[1], nb[0]))
+
+
+def tensor_rows(t: Tensor) -> np.ndarray:
+    """The raw bytes of a (quantized) tensor's rows: uint8 [ne3, ne2, ne1, row_bytes]."""
+    buf = t.buffer
+    if not isinstance(buf, CPUBuffer):
+        raise ValueError(f"tensor {t.name or '?'} is not in host memory")
+    ne, nb = t.ne, t.nb
+    return np.ndarray((ne[3], ne[2], ne[1], t.row_size()), dtype=np.uint8, buffer=buf.data, offset=t.offset,
+                      strides=(nb[3], nb[2], nb[1], 1))

@@ -1,0 +1,290 @@
+"""The CPU backend's op table: one numpy (or numba) function per op.
+
+Each kernel receives the node to compute; its sources and its own storage are read and
+written in place through numpy views of the buffers (``tensor_view``), in float32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from .. import quants
+from ..ops import GluOp, Op, RopeMode, UnaryOp
+from ..tensor import Tensor
+from ..types import Type
+from .buffer import tensor_rows, tensor_view
+from .qmatmul import dequantize_rows, quant_matmul, supports as quant_supported
+
+f32 = np.float32
+Kernel = Callable[[Tensor], None]
+
+
+def values(t: Tensor) -> np.ndarray:
+    """A tensor's values as float32 [ne3, ne2, ne1, ne0] (a view when it already is F32)."""
+    if t.type == Type.F32:
+        return tensor_view(t)
+    if t.type.np_dtype is not None and t.type != Type.BF16:
+        return tensor_view(t).astype(f32)
+    rows = tensor_rows(t)
+    return quants.dequantize(rows.reshape(-1, rows.shape[-1]), t.type).reshape(t.ne[::-1])
+
+
+def store(dst: Tensor, x: np.ndarray) -> None:
+    """Write float values into dst, converting to dst's type (quantizing row by row)."""
+    if dst.type.np_dtype is not None and dst.type != Type.BF16:
+        tensor_view(dst)[...] = x.reshape(dst.ne[::-1])
+    else:
+        q = quants.quantize(np.ascontiguousarray(x, dtype=f32).reshape(dst.ne[::-1]), dst.type)
+        tensor_rows(dst)[...] = q
+
+
+def _tile(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """ggml's broadcasting: b repeats to fill shape (each of b's dims divides shape's)."""
+    if b.shape == shape or all(x in (1, y) for x, y in zip(b.shape, shape)):
+        return b
+    return np.tile(b, tuple(y // x for x, y in zip(b.shape, shape)))
+
+
+def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Kernel:
+    def kernel(node: Tensor) -> None:
+        a, b = node.src[0], node.src[1]
+        out = tensor_view(node)
+        fn(values(a), _tile(values(b), out.shape), out=out)
+    return kernel
+
+
+def k_scale(node: Tensor) -> None:
+    s, bias = node.get_op_params_f32(0), node.get_op_params_f32(1)
+    out = tensor_view(node)
+    np.multiply(values(node.src[0]), f32(s), out=out)
+    if bias:
+        out += f32(bias)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return f32(0.5) * x * (f32(1) + np.tanh(f32(math.sqrt(2 / math.pi)) * x * (f32(1) + f32(0.044715) * x * x)))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (f32(1) + np.exp(-x))
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    from math import erf
+    return (f32(0.5) * x * (f32(1) + np.vectorize(erf, otypes=[np.float64])(x / math.sqrt(2)))).astype(f32)
+
+
+UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    UnaryOp.ABS: np.abs,
+    UnaryOp.NEG: np.negative,
+    UnaryOp.TANH: np.tanh,
+    UnaryOp.RELU: lambda x: np.maximum(x, f32(0)),
+    UnaryOp.SIGMOID: lambda x: f32(1) / (f32(1) + np.exp(-x)),
+    UnaryOp.GELU: _gelu_tanh,
+    UnaryOp.GELU_QUICK: lambda x: x / (f32(1) + np.exp(f32(-1.702) * x)),
+    UnaryOp.SILU: _silu,
+    UnaryOp.EXP: np.exp,
+    UnaryOp.GELU_ERF: _gelu_erf,
+}
+
+GLU_ACT = {GluOp.REGLU: UNARY[UnaryOp.RELU], GluOp.GEGLU: _gelu_tanh, GluOp.SWIGLU: _silu}
+
+
+def k_unary(node: Tensor) -> None:
+    tensor_view(node)[...] = UNARY[int(node.op_params[0])](values(node.src[0]))
+
+
+def k_glu(node: Tensor) -> None:
+    a = values(node.src[0])
+    if node.src[1] is None:
+        half = a.shape[-1] // 2
+        a, b = a[..., :half], a[..., half:]
+    else:
+        b = values(node.src[1])
+    if node.op_params[1]:
+        a, b = b, a
+    tensor_view(node)[...] = GLU_ACT[GluOp(int(node.op_params[0]))](a) * b
+
+
+def k_rms_norm(node: Tensor) -> None:
+    x = values(node.src[0])
+    eps = node.get_op_params_f32(0)
+    mean_sq = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    tensor_view(node)[...] = x * (1.0 / np.sqrt(mean_sq + eps)).astype(f32)
+
+
+def k_norm(node: Tensor) -> None:
+    x = values(node.src[0]).astype(np.float64)
+    eps = node.get_op_params_f32(0)
+    centered = x - x.mean(axis=-1, keepdims=True)
+    tensor_view(node)[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
+
+
+def k_soft_max(node: Tensor) -> None:
+    a, mask = node.src[0], node.src[1]
+    scale = node.get_op_params_f32(0)
+    x = values(a) * f32(scale)
+    if mask is not None:
+        m = values(mask)[:, :, :a.ne[1], :]
+        x += _tile(m, x.shape)
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    tensor_view(node)[...] = x
+
+
+def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
+    return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+               attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
+               freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle, [n_tokens, n_dims/2] (ggml's rope_yarn)."""
+    i = np.arange(n_dims // 2, dtype=np.float64)
+    theta_extrap = pos.astype(np.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)
+    if freq_factors is not None:
+        theta_extrap = theta_extrap / freq_factors[: n_dims // 2].astype(np.float64)
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base)))
+        high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base)))
+        ramp = 1 - np.clip((i - low) / max(0.001, high - low), 0, 1)
+        mix = ramp * ext_factor
+        theta = theta * (1 - mix) + theta_extrap * mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    return (np.cos(theta) * mscale).astype(f32), (np.sin(theta) * mscale).astype(f32)
+
+
+def k_rope(node: Tensor) -> None:
+    a, pos, ff = node.src[0], node.src[1], node.src[2]
+    p = node.op_params
+    n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
+    fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
+    cos, sin = rope_cache(tensor_view(pos).reshape(-1), n_dims, fb, fs, ef, af, bf, bs, n_ctx_orig,
+                          tensor_view(ff).reshape(-1) if ff is not None else None)
+    x = values(a)  # [ne3, n_tokens, n_head, head_dim]
+    out = tensor_view(node)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if mode == RopeMode.NEOX:
+        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
+        r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        out[..., : n_dims // 2], out[..., n_dims // 2: n_dims] = r0, r1
+    else:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = r0, r1
+    if n_dims < a.ne[0]:
+        out[..., n_dims:] = x[..., n_dims:]
+
+
+def k_mul_mat(node: Tensor) -> None:
+    a, b = node.src[0], node.src[1]
+    out = tensor_view(node)  # [b3, b2, N, M]
+    x = values(b)            # [b3, b2, N, K]
+    r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+    if a.type.is_quantized and quant_supported(a.type):
+        w = tensor_rows(a)   # [a3, a2, M, row_bytes]
+        if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
+            out[...] = quant_matmul(w[0, 0], a.type, x.reshape(-1, x.shape[-1])).reshape(out.shape)
+            return
+        for i3 in range(b.ne[3]):
+            for i2 in range(b.ne[2]):
+                wi = np.ascontiguousarray(w[i3 // r3, i2 // r2])
+                out[i3, i2] = quant_matmul(wi, a.type, x[i3, i2])
+        return
+    wa = values(a)            # [a3, a2, M, K]
+    a3, a2, m, k = wa.shape
+    n = x.shape[2]
+    xs = x.reshape(a3, r3, a2, r2, n, k)
+    res = np.matmul(xs, wa.reshape(a3, 1, a2, 1, m, k).swapaxes(-1, -2))
+    out[...] = res.reshape(out.shape)
+
+
+def _index_array(t: Tensor) -> np.ndarray:
+    return tensor_view(t).astype(np.int64)
+
+
+def k_get_rows(node: Tensor) -> None:
+    a, idx = node.src[0], node.src[1]
+    ids = _index_array(idx)  # [1, i2, i1, n]
+    if np.any(ids < 0) or np.any(ids >= a.ne[1]):
+        raise IndexError(f"GET_ROWS: index out of range [0, {a.ne[1]}) in {idx.name or 'indices'}")
+    out = tensor_view(node)  # [i2, i1, n, ne0]
+    if a.type.is_quantized:
+        rows = tensor_rows(a)
+        for i2 in range(idx.ne[2]):
+            for i1 in range(idx.ne[1]):
+                picked = np.ascontiguousarray(rows[i2, i1][ids[0, i2, i1]])
+                out[i2, i1] = dequantize_rows(picked, a.type, a.ne[0]) if quant_supported(a.type) \
+                    else quants.dequantize(picked, a.type)
+        return
+    src = values(a)
+    for i2 in range(idx.ne[2]):
+        for i1 in range(idx.ne[1]):
+            out[i2, i1] = src[i2, i1][ids[0, i2, i1]]
+
+
+def k_set_rows(node: Tensor) -> None:
+    src, idx, dst = node.src[0], node.src[1], node.src[2]
+    ids = _index_array(idx)  # [1, i2, i1, n]
+    if np.any(ids < 0) or np.any(ids >= dst.ne[1]):
+        raise IndexError(f"SET_ROWS: index out of range [0, {dst.ne[1]})")
+    x = values(src)          # [s3, s2, n, ne0]
+    r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
+    if node.type.is_quantized:
+        rows = tensor_rows(node)
+        for i3 in range(src.ne[3]):
+            for i2 in range(src.ne[2]):
+                rows[i3, i2][ids[0, i3 // r3, i2 // r2]] = quants.quantize(x[i3, i2], node.type)
+        return
+    out = tensor_view(node)
+    for i3 in range(src.ne[3]):
+        for i2 in range(src.ne[2]):
+            out[i3, i2][ids[0, i3 // r3, i2 // r2]] = x[i3, i2]
+
+
+def k_cpy(node: Tensor) -> None:
+    """CPY/CONT/DUP: same values, possibly another type and another layout."""
+    src = node.src[0]
+    if src.type == node.type and node.type.np_dtype is not None:
+        tensor_view(node)[...] = tensor_view(src).reshape(node.ne[::-1]) if src.is_contiguous() \
+            else np.ascontiguousarray(tensor_view(src)).reshape(node.ne[::-1])
+        return
+    store(node, values(src).reshape(node.ne[::-1]))
+
+
+def k_concat(node: Tensor) -> None:
+    dim = int(node.op_params[0])
+    tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
+
+
+def k_argmax(node: Tensor) -> None:
+    tensor_view(node)[...] = values(node.src[0])[0, 0].argmax(axis=-1).astype(np.int32).reshape(1, 1, 1, -1)
+
+
+OP_TABLE: dict[Op, Kernel] = {
+    Op.ADD: _binary(np.add),
+    Op.SUB: _binary(np.subtract),
+    Op.MUL: _binary(np.multiply),
+    Op.DIV: _binary(np.divide),
+    Op.SCALE: k_scale,
+    Op.UNARY: k_unary,
+    Op.GLU: k_glu,
+    Op.RMS_NORM: k_rms_norm,
+    Op.NORM: k_norm,
+    Op.SOFT_MAX: k_soft_max,
+    Op.ROPE: k_rope,
+    Op.MUL_MAT: k_mul_mat,
+    Op.GET_ROWS: k_get_rows,
+    Op.SET_ROWS: k_set_rows,
+    Op.CPY: k_cpy,
+    Op.CONT: k_cpy,
+    Op.DUP: k_cpy,
+    Op.CONCAT: k_concat,
+    Op.ARGMAX: k_argmax,
+}

@@ -1,0 +1,247 @@
+"""Row decoders for the quantized weight formats, compiled with numba.
+
+Each ``dec_<type>(row, out, f16)`` turns the bytes of one row into float32 values with
+exactly the float operations of :mod:`pyggml.quants` (so results are bit-identical), but
+one row at a time into a small scratch vector: the matrix kernels decode a weight row in
+cache and use it at once, never materializing the whole matrix.  ``f16`` is the 65536-entry
+half -> float table (ggml's ``ggml_table_f32_f16``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ..types import Type
+
+F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+_jit = njit(cache=True, fastmath=False, boundscheck=False, inline="always")
+
+
+@_jit
+def _u(row, i):
+    return np.int64(row[i])
+
+
+@_jit
+def _h(row, p, f16):
+    return f16[_u(row, p) | (_u(row, p + 1) << 8)]
+
+
+@_jit
+def dec_q4_0(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 18, b * 32
+        d = _h(row, p, f16)
+        for j in range(16):
+            q = _u(row, p + 2 + j)
+            out[o + j] = d * np.float32(np.int64(q & 15) - 8)
+            out[o + 16 + j] = d * np.float32(np.int64(q >> 4) - 8)
+
+
+@_jit
+def dec_q4_1(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 20, b * 32
+        d, m = _h(row, p, f16), _h(row, p + 2, f16)
+        for j in range(16):
+            q = _u(row, p + 4 + j)
+            out[o + j] = d * np.float32(q & 15) + m
+            out[o + 16 + j] = d * np.float32(q >> 4) + m
+
+
+@_jit
+def _qh32(row, p):
+    return _u(row, p) | (_u(row, p + 1) << 8) | (_u(row, p + 2) << 16) | (_u(row, p + 3) << 24)
+
+
+@_jit
+def dec_q5_0(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 22, b * 32
+        d = _h(row, p, f16)
+        qh = _qh32(row, p + 2)
+        for j in range(16):
+            q = _u(row, p + 6 + j)
+            out[o + j] = d * np.float32(((q & 15) | (((qh >> j) & 1) << 4)) - 16)
+            out[o + 16 + j] = d * np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16)
+
+
+@_jit
+def dec_q5_1(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 24, b * 32
+        d, m = _h(row, p, f16), _h(row, p + 2, f16)
+        qh = _qh32(row, p + 4)
+        for j in range(16):
+            q = _u(row, p + 8 + j)
+            out[o + j] = d * np.float32((q & 15) | (((qh >> j) & 1) << 4)) + m
+            out[o + 16 + j] = d * np.float32((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m
+
+
+@_jit
+def _dec_q8(row, out, f16, size, skip):
+    for b in range(out.size // 32):
+        p, o = b * size, b * 32
+        d = _h(row, p, f16)
+        for j in range(32):
+            out[o + j] = np.float32(np.int8(_u(row, p + skip + j))) * d
+
+
+@_jit
+def dec_q8_0(row, out, f16):
+    _dec_q8(row, out, f16, 34, 2)
+
+
+@_jit
+def dec_q8_1(row, out, f16):
+    _dec_q8(row, out, f16, 36, 4)
+
+
+@_jit
+def dec_iq4_nl(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 18, b * 32
+        d = _h(row, p, f16)
+        for j in range(16):
+            q = _u(row, p + 2 + j)
+            out[o + j] = d * KV_IQ4NL[q & 15]
+            out[o + 16 + j] = d * KV_IQ4NL[q >> 4]
+
+
+@_jit
+def dec_q2_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 84, b * 256
+        d, dmin = _h(row, p + 80, f16), _h(row, p + 82, f16)
+        for g in range(16):  # 16 groups of 16: scale byte g, plane (g // 2) % 4 of half g // 8
+            sc = _u(row, p + g)
+            dl, ml = d * np.float32(sc & 15), dmin * np.float32(sc >> 4)
+            qs, shift = p + 16 + (g // 8) * 32 + (g % 2) * 16, 2 * ((g // 2) % 4)
+            for j in range(16):
+                out[o + g * 16 + j] = dl * np.float32((_u(row, qs + j) >> shift) & 3) - ml
+
+
+@_jit
+def _q3k_scale(row, p, i):
+    low = (_u(row, p + i) & 15) if i < 8 else (_u(row, p + i - 8) >> 4)
+    high = (_u(row, p + 8 + i % 4) >> (2 * (i // 4))) & 3
+    return np.int64(low | (high << 4)) - 32
+
+
+@_jit
+def dec_q3_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 110, b * 256
+        d = _h(row, p + 108, f16)
+        for g in range(16):
+            dl = d * np.float32(_q3k_scale(row, p + 96, g))
+            half, plane = g // 8, (g // 2) % 4
+            qs, hm, l0 = p + 32 + half * 32, p, (g % 2) * 16
+            shift, hshift = 2 * plane, half * 4 + plane
+            for j in range(16):
+                low = (_u(row, qs + l0 + j) >> shift) & 3
+                hbit = (_u(row, hm + l0 + j) >> hshift) & 1
+                out[o + g * 16 + j] = dl * np.float32(low - ((hbit ^ 1) << 2))
+
+
+@_jit
+def _k4_scale_min(row, p, j):
+    if j < 4:
+        return _u(row, p + j) & 63, _u(row, p + j + 4) & 63
+    return (_u(row, p + j + 4) & 15) | ((_u(row, p + j - 4) >> 6) << 4), (_u(row, p + j + 4) >> 4) | ((_u(row, p + j) >> 6) << 4)
+
+
+@_jit
+def dec_q4_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 144, b * 256
+        d, dmin = _h(row, p, f16), _h(row, p + 2, f16)
+        for s in range(8):
+            sc, mn = _k4_scale_min(row, p + 4, s)
+            ds, dm = d * np.float32(sc), dmin * np.float32(mn)
+            shift = 4 * (s & 1)
+            for l in range(32):
+                q = (_u(row, p + 16 + (s // 2) * 32 + l) >> shift) & 15
+                out[o + s * 32 + l] = ds * np.float32(q) - dm
+
+
+@_jit
+def dec_q5_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 176, b * 256
+        d, dmin = _h(row, p, f16), _h(row, p + 2, f16)
+        for s in range(8):
+            sc, mn = _k4_scale_min(row, p + 4, s)
+            ds, dm = d * np.float32(sc), dmin * np.float32(mn)
+            shift = 4 * (s & 1)
+            for l in range(32):
+                q = ((_u(row, p + 48 + (s // 2) * 32 + l) >> shift) & 15) | (((_u(row, p + 16 + l) >> s) & 1) << 4)
+                out[o + s * 32 + l] = ds * np.float32(q) - dm
+
+
+@_jit
+def dec_q6_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 210, b * 256
+        d = _h(row, p + 208, f16)
+        for half in range(2):
+            ql, qh, sc, oo = p + half * 64, p + 128 + half * 32, p + 192 + half * 8, o + half * 128
+            for plane in range(4):
+                lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
+                for g in range(2):
+                    ds = d * np.float32(np.int8(_u(row, sc + plane * 2 + g)))
+                    for j in range(16):
+                        l = g * 16 + j
+                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
+                        out[oo + plane * 32 + l] = ds * np.float32(q - 32)
+
+
+@_jit
+def dec_q8_k(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 292, b * 256
+        d = _f32(row, p)
+        for j in range(256):
+            out[o + j] = np.float32(np.int8(_u(row, p + 4 + j))) * d
+
+
+@_jit
+def _f32(row, p):
+    """Little-endian IEEE float32 from 4 bytes (numba cannot reinterpret a scalar)."""
+    bits = _qh32(row, p)
+    exp, man = (bits >> 23) & 255, bits & 0x7FFFFF
+    if exp == 255:
+        val = np.inf if man == 0 else np.nan
+    elif exp == 0:
+        val = math.ldexp(float(man), -149)
+    else:
+        val = math.ldexp(float(man | 0x800000), exp - 150)
+    return np.float32(-val if bits >> 31 else val)
+
+
+@_jit
+def dec_iq4_xs(row, out, f16):
+    for b in range(out.size // 256):
+        p, o = b * 136, b * 256
+        d = _h(row, p, f16)
+        sh = _u(row, p + 2) | (_u(row, p + 3) << 8)
+        for s in range(8):
+            lo = (_u(row, p + 4 + s // 2) >> (4 * (s % 2))) & 15
+            ls = np.int64(lo | (((sh >> (2 * s)) & 3) << 4)) - 32
+            dl = d * np.float32(ls)
+            for j in range(16):
+                q = _u(row, p + 8 + s * 16 + j)
+                out[o + s * 32 + j] = dl * KV_IQ4NL[q & 15]
+                out[o + s * 32 + 16 + j] = dl * KV_IQ4NL[q >> 4]
+
+
+DECODERS = {
+    Type.Q4_0: dec_q4_0, Type.Q4_1: dec_q4_1, Type.Q5_0: dec_q5_0, Type.Q5_1: dec_q5_1,
+    Type.Q8_0: dec_q8_0, Type.Q8_1: dec_q8_1, Type.IQ4_NL: dec_iq4_nl,
+    Type.Q2_K: dec_q2_k, Type.Q3_K: dec_q3_k, Type.Q4_K: dec_q4_k, Type.Q5_K: dec_q5_k,
+    Type.Q6_K: dec_q6_k, Type.Q8_K: dec_q8_k, Type.IQ4_XS: dec_iq4_xs,
+}

@@ -1,0 +1,50 @@
+"""Compute graphs: the ops needed for some outputs, in an order that respects dependencies."""
+from __future__ import annotations
+
+from .ops import Op
+from .tensor import Tensor, TensorFlag
+
+
+class Graph:
+    """ggml_cgraph: ``nodes`` are computed in order, ``leafs`` are data the graph reads."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Tensor] = []
+        self.leafs: list[Tensor] = []
+        self._seen: set[int] = set()
+
+    def build_forward_expand(self, tensor: Tensor) -> Graph:
+        """Add ``tensor`` and everything it depends on (depth first, sources before users)."""
+        stack: list[tuple[Tensor, int]] = [(tensor, 0)]
+        while stack:  # iterative DFS: deep models would overflow Python's recursion limit
+            t, i = stack.pop()
+            if i == 0 and id(t) in self._seen:
+                continue
+            srcs = [s for s in t.src if s is not None]
+            if i < len(srcs):
+                stack.append((t, i + 1))
+                if id(srcs[i]) not in self._seen:
+                    stack.append((srcs[i], 0))
+                continue
+            if id(t) in self._seen:
+                continue
+            self._seen.add(id(t))
+            if t.op == Op.NONE and not (t.flags & TensorFlag.PARAM):
+                self.leafs.append(t)
+            else:
+                self.nodes.append(t)
+        return self
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes)
+
+    def output(self) -> Tensor:
+        return self.nodes[-1]
+
+    def __repr__(self) -> str:
+        return f"Graph({len(self.nodes)} nodes, {len(self.leafs)} leafs)"
+
+
+def build_forward(tensor: Tensor) -> Graph:
+    return Graph().build_forward_expand(tensor)

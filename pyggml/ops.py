@@ -1,0 +1,371 @@
+"""Graph-building ops, named and numbered like ggml's.
+
+Each function returns a new :class:`Tensor` that records its op, parameters and sources;
+nothing is computed.  Shapes are checked here, when the op is built, and a mismatch is a
+``ValueError`` naming the op and the shapes involved.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Sequence
+
+from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
+from .types import Type
+
+
+class Op(enum.IntEnum):
+    """ggml_op, same numbers (the RPC protocol sends them)."""
+    NONE = 0
+    DUP = 1
+    ADD = 2
+    ADD_ID = 3
+    ADD1 = 4
+    ACC = 5
+    SUB = 6
+    MUL = 7
+    DIV = 8
+    SQR = 9
+    SQRT = 10
+    LOG = 11
+    SIN = 12
+    COS = 13
+    SUM = 14
+    SUM_ROWS = 15
+    CUMSUM = 16
+    MEAN = 17
+    ARGMAX = 18
+    COUNT_EQUAL = 19
+    REPEAT = 20
+    REPEAT_BACK = 21
+    CONCAT = 22
+    SILU_BACK = 23
+    NORM = 24
+    RMS_NORM = 25
+    RMS_NORM_BACK = 26
+    GROUP_NORM = 27
+    L2_NORM = 28
+    MUL_MAT = 29
+    MUL_MAT_ID = 30
+    OUT_PROD = 31
+    SCALE = 32
+    SET = 33
+    CPY = 34
+    CONT = 35
+    RESHAPE = 36
+    VIEW = 37
+    PERMUTE = 38
+    TRANSPOSE = 39
+    GET_ROWS = 40
+    GET_ROWS_BACK = 41
+    SET_ROWS = 42
+    DIAG = 43
+    DIAG_MASK_INF = 44
+    DIAG_MASK_ZERO = 45
+    SOFT_MAX = 46
+    SOFT_MAX_BACK = 47
+    ROPE = 48
+    ROPE_BACK = 49
+    CLAMP = 50
+    UNARY = 92
+    GLU = 101
+
+
+class UnaryOp(enum.IntEnum):
+    """ggml_unary_op; GELU is the tanh approximation, as in ggml."""
+    ABS = 0
+    SGN = 1
+    NEG = 2
+    STEP = 3
+    TANH = 4
+    ELU = 5
+    RELU = 6
+    SIGMOID = 7
+    GELU = 8
+    GELU_QUICK = 9
+    SILU = 10
+    HARDSWISH = 11
+    HARDSIGMOID = 12
+    EXP = 13
+    GELU_ERF = 14
+    GELU_TANH = 8  # alias: the name the model code uses for clarity
+
+
+class GluOp(enum.IntEnum):
+    REGLU = 0
+    GEGLU = 1
+    SWIGLU = 2
+
+
+class RopeMode(enum.IntEnum):
+    NORMAL = 0  # rotate pairs (x[2i], x[2i+1]) - llama
+    NEOX = 2    # rotate pairs (x[i], x[i + n_dims/2]) - gemma, qwen
+
+
+VIEW_OPS = frozenset({Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
+"""Ops that compute nothing: their result is other bytes seen another way."""
+
+
+def _shapes(*ts: Tensor) -> str:
+    return ", ".join(f"{t.name or '?'}{list(t.ne)}:{t.type.name}" for t in ts)
+
+
+def _check(cond: bool, op: str, msg: str, *ts: Tensor) -> None:
+    if not cond:
+        raise ValueError(f"{op}: {msg} ({_shapes(*ts)})")
+
+
+def _result(op: Op, type: Type, ne: Sequence[int], src: Sequence[Tensor | None], name: str = "") -> Tensor:
+    return Tensor(type, ne, op=op, src=src, name=name)
+
+
+def _f32_params(t: Tensor, start: int, *values: float) -> None:
+    for i, v in enumerate(values):
+        t.set_op_params_f32(start + i, v)
+
+
+def _is_float(t: Tensor) -> bool:
+    return t.type in (Type.F32, Type.F16, Type.BF16)
+
+
+# -- element-wise ---------------------------------------------------------------------------
+
+def _binary(op: Op, a: Tensor, b: Tensor) -> Tensor:
+    _check(can_repeat(b, a), op.name, "second operand must broadcast to the first", a, b)
+    _check(_is_float(a) and _is_float(b), op.name, "operands must be float tensors", a, b)
+    return _result(op, Type.F32, a.ne, [a, b])
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(Op.ADD, a, b)
+
+
+def sub(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(Op.SUB, a, b)
+
+
+def mul(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(Op.MUL, a, b)
+
+
+def div(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(Op.DIV, a, b)
+
+
+def scale(a: Tensor, s: float, bias: float = 0.0) -> Tensor:
+    """a * s + bias."""
+    _check(_is_float(a), "SCALE", "operand must be a float tensor", a)
+    t = _result(Op.SCALE, Type.F32, a.ne, [a])
+    _f32_params(t, 0, s, bias)
+    return t
+
+
+def unary(a: Tensor, op: UnaryOp) -> Tensor:
+    _check(_is_float(a), "UNARY", "operand must be a float tensor", a)
+    t = _result(Op.UNARY, Type.F32, a.ne, [a])
+    t.op_params[0] = int(op)
+    return t
+
+
+def silu(a: Tensor) -> Tensor:
+    return unary(a, UnaryOp.SILU)
+
+
+def gelu(a: Tensor) -> Tensor:
+    return unary(a, UnaryOp.GELU)
+
+
+def tanh(a: Tensor) -> Tensor:
+    return unary(a, UnaryOp.TANH)
+
+
+def glu(a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False) -> Tensor:
+    """act(a) * b; with ``b`` None, ``a``'s first half of ne[0] is gated by the second half."""
+    if b is None:
+        _check(a.ne[0] % 2 == 0, "GLU", "ne[0] must be even when the gate is fused", a)
+        ne = (a.ne[0] // 2, *a.ne[1:])
+    else:
+        _check(a.ne == b.ne, "GLU", "gate and value must have the same shape", a, b)
+        ne = a.ne
+    t = _result(Op.GLU, Type.F32, ne, [a, b])
+    t.op_params[0], t.op_params[1] = int(op), int(swapped)
+    return t
+
+
+def swiglu(a: Tensor, b: Tensor | None = None) -> Tensor:
+    return glu(a, b, GluOp.SWIGLU)
+
+
+def geglu(a: Tensor, b: Tensor | None = None) -> Tensor:
+    return glu(a, b, GluOp.GEGLU)
+
+
+# -- normalization, softmax, rope -------------------------------------------------------------
+
+def _norm(op: Op, a: Tensor, eps: float) -> Tensor:
+    _check(_is_float(a), op.name, "operand must be a float tensor", a)
+    t = _result(op, Type.F32, a.ne, [a])
+    _f32_params(t, 0, eps)
+    return t
+
+
+def rms_norm(a: Tensor, eps: float) -> Tensor:
+    return _norm(Op.RMS_NORM, a, eps)
+
+
+def norm(a: Tensor, eps: float) -> Tensor:
+    return _norm(Op.NORM, a, eps)
+
+
+def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
+    """softmax(a * scale + mask) over ne[0]; the mask broadcasts over heads (ne[2], ne[3])."""
+    _check(_is_float(a), "SOFT_MAX", "operand must be a float tensor", a)
+    if max_bias != 0.0:
+        raise ValueError("SOFT_MAX: ALiBi (max_bias != 0) is not supported")
+    if mask is not None:
+        _check(mask.type in (Type.F32, Type.F16), "SOFT_MAX", "mask must be F32 or F16", a, mask)
+        _check(mask.ne[0] == a.ne[0] and mask.ne[1] >= a.ne[1], "SOFT_MAX",
+               "mask must be [n_kv, >= n_rows]", a, mask)
+        _check(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, "SOFT_MAX",
+               "mask must broadcast over ne[2] and ne[3]", a, mask)
+    t = _result(Op.SOFT_MAX, Type.F32, a.ne, [a, mask])
+    _f32_params(t, 0, scale, max_bias)
+    return t
+
+
+def soft_max(a: Tensor) -> Tensor:
+    return soft_max_ext(a)
+
+
+def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, mode: int,
+             n_ctx_orig: int = 0, freq_base: float = 10000.0, freq_scale: float = 1.0,
+             ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+             beta_slow: float = 1.0) -> Tensor:
+    """Rotary position embedding of a [head_dim, n_head, n_tokens] tensor at positions ``pos``."""
+    _check(_is_float(a), "ROPE", "operand must be a float tensor", a)
+    _check(pos.type == Type.I32 and pos.n_dims == 1 and pos.ne[0] == a.ne[2], "ROPE",
+           "positions must be an I32 vector with one entry per token (ne[2])", a, pos)
+    _check(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, "ROPE", f"n_dims={n_dims} must be even and <= ne[0]", a)
+    _check(mode in (RopeMode.NORMAL, RopeMode.NEOX), "ROPE", f"unsupported mode {mode}", a)
+    if freq_factors is not None:
+        _check(freq_factors.type == Type.F32 and freq_factors.ne[0] >= n_dims // 2, "ROPE",
+               "freq_factors must be F32 with n_dims/2 entries", a, freq_factors)
+    t = _result(Op.ROPE, Type.F32, a.ne, [a, pos, freq_factors])
+    t.op_params[1], t.op_params[2], t.op_params[4] = n_dims, int(mode), n_ctx_orig
+    _f32_params(t, 5, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+    return t
+
+
+# -- matrix products and row gathers -----------------------------------------------------------
+
+def mul_mat(a: Tensor, b: Tensor) -> Tensor:
+    """a: [K, M, ...] (weights, any type), b: [K, N, ...] -> [M, N, ...] F32; b broadcasts a."""
+    _check(a.ne[0] == b.ne[0], "MUL_MAT", "inner dimensions (ne[0]) differ", a, b)
+    _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, "MUL_MAT",
+           "a's batch dims must divide b's", a, b)
+    _check(not (a.nb[0] > a.nb[1]), "MUL_MAT", "first operand must not be transposed", a, b)
+    _check(_is_float(b), "MUL_MAT", "second operand must be a float tensor", a, b)
+    return _result(Op.MUL_MAT, Type.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
+
+
+def get_rows(a: Tensor, idx: Tensor) -> Tensor:
+    """Rows of a [ne0, n_rows, ne2, ne3] picked by I32 idx [n, ne2, ne3] -> F32 [ne0, n, ne2, ne3]."""
+    _check(idx.type in (Type.I32, Type.I64), "GET_ROWS", "indices must be I32 or I64", a, idx)
+    _check(a.ne[2] == idx.ne[1] and a.ne[3] == idx.ne[2] and idx.ne[3] == 1, "GET_ROWS",
+           "index batch dims must match the source's ne[2], ne[3]", a, idx)
+    return _result(Op.GET_ROWS, Type.F32, (a.ne[0], idx.ne[0], idx.ne[1], idx.ne[2]), [a, idx])
+
+
+def set_rows(dst: Tensor, src: Tensor, idx: Tensor) -> Tensor:
+    """Write src's rows into dst at rows idx (converting to dst's type); returns a view of dst."""
+    _check(idx.type in (Type.I32, Type.I64), "SET_ROWS", "indices must be I32 or I64", dst, idx)
+    _check(src.ne[0] == dst.ne[0], "SET_ROWS", "row lengths differ", dst, src)
+    _check(src.ne[1] == idx.ne[0], "SET_ROWS", "one index per source row is needed", src, idx)
+    _check(src.ne[2] % idx.ne[1] == 0 and src.ne[3] % idx.ne[2] == 0, "SET_ROWS",
+           "index batch dims must divide the source's", src, idx)
+    _check(dst.ne[2] == src.ne[2] and dst.ne[3] == src.ne[3], "SET_ROWS", "batch dims differ", dst, src)
+    _check(_is_float(src), "SET_ROWS", "source must be a float tensor", src)
+    t = Tensor(dst.type, dst.ne, dst.nb, op=Op.SET_ROWS, src=[src, idx, dst], view_src=dst.data_root(),
+               view_offs=_offs(dst))
+    return t
+
+
+# -- copies and views -------------------------------------------------------------------------------
+
+def _offs(t: Tensor) -> int:
+    return t.view_offs if t.view_src is not None else 0
+
+
+def cpy(a: Tensor, b: Tensor) -> Tensor:
+    """Copy a's values into b (converting type); the result is b, as a view, to be computed."""
+    _check(a.nelements() == b.nelements(), "CPY", "element counts differ", a, b)
+    t = Tensor(b.type, b.ne, b.nb, op=Op.CPY, src=[a, b], view_src=b.data_root(), view_offs=_offs(b))
+    t.name = f"{b.name} (copy of {a.name})" if b.name else ""
+    return t
+
+
+def cont(a: Tensor, *ne: int) -> Tensor:
+    """A contiguous copy of a, optionally with a new shape of the same size (ggml_cont_Nd)."""
+    shape = tuple(ne) if ne else a.ne
+    _check(math.prod(shape) == a.nelements(), "CONT", f"new shape {shape} has another size", a)
+    return _result(Op.CONT, a.type, shape, [a])
+
+
+def _view(op: Op, a: Tensor, ne: Sequence[int], nb: Sequence[int], offset: int) -> Tensor:
+    return Tensor(a.type, ne, nb, op=op, src=[a], view_src=a.data_root(), view_offs=_offs(a) + offset,
+                  name=f"{a.name} ({op.name.lower()})" if a.name else "")
+
+
+def view(a: Tensor, ne: Sequence[int], nb: Sequence[int] = (), offset: int = 0) -> Tensor:
+    """ggml_view_Nd: ``nb`` gives the strides of dims 1.. (contiguous where not given)."""
+    full = tuple(ne) + (1,) * (MAX_DIMS - len(ne))
+    strides = list(contiguous_strides(a.type, full))
+    for i, stride in enumerate(nb):
+        strides[i + 1] = stride
+    t = _view(Op.VIEW, a, full, strides, offset)
+    root = a.data_root()
+    _check(offset >= 0 and t.view_offs + t.nbytes() <= root.nbytes(), "VIEW",
+           f"view of {list(full)} at offset {offset} leaves the source", a)
+    return t
+
+
+def reshape(a: Tensor, *ne: int) -> Tensor:
+    _check(a.is_contiguous(), "RESHAPE", "source must be contiguous", a)
+    _check(math.prod(ne) == a.nelements(), "RESHAPE", f"new shape {list(ne)} has another size", a)
+    full = tuple(ne) + (1,) * (MAX_DIMS - len(ne))
+    return _view(Op.RESHAPE, a, full, contiguous_strides(a.type, full), 0)
+
+
+def permute(a: Tensor, ax0: int, ax1: int, ax2: int, ax3: int) -> Tensor:
+    """ggml_permute: source dim i becomes result dim ax_i."""
+    axes = (ax0, ax1, ax2, ax3)
+    _check(sorted(axes) == [0, 1, 2, 3], "PERMUTE", f"axes {axes} are not a permutation", a)
+    ne, nb = [0] * 4, [0] * 4
+    for i, ax in enumerate(axes):
+        ne[ax], nb[ax] = a.ne[i], a.nb[i]
+    t = _view(Op.PERMUTE, a, ne, nb, 0)
+    t.op_params[:4] = axes
+    return t
+
+
+def transpose(a: Tensor) -> Tensor:
+    return permute(a, 1, 0, 2, 3)
+
+
+def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    _check(0 <= dim < MAX_DIMS, "CONCAT", f"dim {dim} out of range", a, b)
+    _check(a.type == b.type, "CONCAT", "types differ", a, b)
+    _check(all(a.ne[i] == b.ne[i] for i in range(MAX_DIMS) if i != dim), "CONCAT",
+           f"shapes differ outside dim {dim}", a, b)
+    ne = list(a.ne)
+    ne[dim] += b.ne[dim]
+    t = _result(Op.CONCAT, a.type, ne, [a, b])
+    t.op_params[0] = dim
+    return t
+
+
+def argmax(a: Tensor) -> Tensor:
+    """Index of the largest value of each row, I32 [ne1]."""
+    _check(a.type == Type.F32 and a.ne[2] == 1 and a.ne[3] == 1, "ARGMAX", "needs a 2-D F32 tensor", a)
+    return _result(Op.ARGMAX, Type.I32, (a.ne[1],), [a])
+

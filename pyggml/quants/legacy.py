@@ -1,0 +1,148 @@
+"""The 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 and IQ4_NL.
+
+Every function takes/returns whole blocks: ``(n_blocks,)`` structured arrays on the
+quantized side and ``(n_blocks, 32)`` float32 on the float side.  The arithmetic is done in
+float32 in the same order as ggml's reference code, so results are bit-identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..types import Type
+from .layouts import KVALUES_IQ4NL, bits_lsb_first, empty_blocks, low_high_nibbles, pack_nibbles
+
+f32 = np.float32
+
+
+def _d(b: np.ndarray, field: str = "d") -> np.ndarray:
+    return b[field].astype(f32)[:, None]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    return low_high_nibbles(qs).reshape(qs.shape[0], 32)
+
+
+def _five_bit(b: np.ndarray) -> np.ndarray:
+    return _nibbles(b["qs"]) | (bits_lsb_first(b["qh"], 32) << 4)
+
+
+# -- dequantize ---------------------------------------------------------------------------
+
+def dequant_q4_0(b: np.ndarray) -> np.ndarray:
+    return _d(b) * (_nibbles(b["qs"]).astype(np.int8) - np.int8(8)).astype(f32)
+
+
+def dequant_q4_1(b: np.ndarray) -> np.ndarray:
+    return _d(b) * _nibbles(b["qs"]).astype(f32) + _d(b, "m")
+
+
+def dequant_q5_0(b: np.ndarray) -> np.ndarray:
+    return _d(b) * (_five_bit(b).astype(np.int8) - np.int8(16)).astype(f32)
+
+
+def dequant_q5_1(b: np.ndarray) -> np.ndarray:
+    return _d(b) * _five_bit(b).astype(f32) + _d(b, "m")
+
+
+def dequant_q8_0(b: np.ndarray) -> np.ndarray:
+    return b["qs"].astype(f32) * _d(b)
+
+
+dequant_q8_1 = dequant_q8_0  # the extra field s = d * sum(qs) only speeds up dot products
+
+
+def dequant_iq4_nl(b: np.ndarray) -> np.ndarray:
+    return _d(b) * KVALUES_IQ4NL[_nibbles(b["qs"])].astype(f32)
+
+
+# -- quantize (ggml's reference quantizers, bit for bit) ----------------------------------
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, f32(0), f32(1) / d).astype(f32)
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The element of largest magnitude, keeping its sign (first one on ties, like ggml)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1, keepdims=True), axis=-1)
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf(): halves go away from zero (numpy's round goes to even)."""
+    a = np.abs(x)
+    fl = np.floor(a)
+    return np.copysign(fl + (a - fl >= 0.5), x)
+
+
+def _scale_offset_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1/Q5_1: q = trunc((x - min) / d + 0.5) with d = (max - min) / (levels - 1)."""
+    mn = x.min(axis=-1, keepdims=True)
+    d = (x.max(axis=-1, keepdims=True) - mn) / f32(levels - 1)
+    q = np.trunc((x - mn) * _inverse(d) + f32(0.5)).astype(np.uint8).clip(0, levels - 1)
+    return d, mn, q
+
+
+def _symmetric_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0/Q5_0: d = absmax / -(levels/2), q = trunc(x / d + levels/2 + 0.5)."""
+    half = levels // 2
+    d = _signed_absmax(x) / f32(-half)
+    q = np.trunc(x * _inverse(d) + f32(half + 0.5)).astype(np.uint8).clip(0, levels - 1)
+    return d, q
+
+
+def _pack_q5_high(q: np.ndarray) -> np.ndarray:
+    return np.packbits((q >> 4).astype(np.uint8), axis=-1, bitorder="little").view("<u4")[:, 0]
+
+
+def quant_q4_0(x: np.ndarray) -> np.ndarray:
+    d, q = _symmetric_quant(x, 16)
+    b = empty_blocks(len(x), Type.Q4_0)
+    b["d"] = d[:, 0]
+    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
+    return b
+
+
+def quant_q4_1(x: np.ndarray) -> np.ndarray:
+    d, mn, q = _scale_offset_quant(x, 16)
+    b = empty_blocks(len(x), Type.Q4_1)
+    b["d"], b["m"] = d[:, 0], mn[:, 0]
+    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
+    return b
+
+
+def quant_q5_0(x: np.ndarray) -> np.ndarray:
+    d, q = _symmetric_quant(x, 32)
+    b = empty_blocks(len(x), Type.Q5_0)
+    b["d"] = d[:, 0]
+    b["qh"] = _pack_q5_high(q)
+    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
+    return b
+
+
+def quant_q5_1(x: np.ndarray) -> np.ndarray:
+    d, mn, q = _scale_offset_quant(x, 32)
+    b = empty_blocks(len(x), Type.Q5_1)
+    b["d"], b["m"] = d[:, 0], mn[:, 0]
+    b["qh"] = _pack_q5_high(q)
+    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
+    return b
+
+
+def _q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d = np.abs(x).max(axis=-1, keepdims=True) / f32(127)
+    return d, round_half_away(x * _inverse(d)).astype(np.int8)
+
+
+def quant_q8_0(x: np.ndarray) -> np.ndarray:
+    d, q = _q8(x)
+    b = empty_blocks(len(x), Type.Q8_0)
+    b["d"], b["qs"] = d[:, 0], q
+    return b
+
+
+def quant_q8_1(x: np.ndarray) -> np.ndarray:
+    d, q = _q8(x)
+    b = empty_blocks(len(x), Type.Q8_1)
+    b["d"], b["qs"] = d[:, 0], q
+    b["s"] = d[:, 0] * q.astype(np.int32).sum(axis=-1).astype(f32)
+    return b

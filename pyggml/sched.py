@@ -1,0 +1,162 @@
+"""Scheduler (ggml_backend_sched): run one graph across several backends.
+
+1. Assign every node a backend: the one holding its weights (any source that already
+   lives in a buffer, e.g. a weight or the KV cache), else the previous node's backend,
+   else the last backend (the CPU).  Views go where their bytes are; graph inputs start
+   on the CPU.
+2. Cut the node list into splits, one per run of nodes on the same backend.
+3. For each split, every source that lives on another backend gets a copy on the
+   split's backend; the split's nodes are rewired to read the copy.
+4. Allocate all intermediates (and the copies) with one :class:`GraphAllocator` that
+   has a compute buffer per backend, then run: copy inputs in, compute, next split.
+
+The assignment, splits and allocation are kept and reused while the same graph (same
+object, same node count) is computed again, as a decode loop does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .alloc import GraphAllocator
+from .backend import Backend, tensor_copy
+from .graph import Graph
+from .ops import VIEW_OPS, Op
+from .tensor import Tensor
+
+
+@dataclass
+class Split:
+    backend_id: int
+    nodes: list[Tensor] = field(default_factory=list)
+    copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (source elsewhere, local copy)
+    graph: Graph = field(default_factory=Graph)
+
+
+class Scheduler:
+    def __init__(self, backends: Sequence[Backend]) -> None:
+        if not backends:
+            raise ValueError("Scheduler needs at least one backend (the last one is the fallback, the CPU)")
+        self.backends = list(backends)
+        self._buft_ids = {id(b.get_default_buffer_type()): i for i, b in enumerate(self.backends)}
+        self.galloc = GraphAllocator([b.get_default_buffer_type() for b in self.backends])
+        self.assigned: dict[int, int] = {}
+        self.user_assigned: dict[int, int] = {}
+        self.splits: list[Split] = []
+        self._key: tuple[int, int] | None = None
+        self.n_copies = 0  # bytes copied between backends in the last graph_compute
+
+    # -- assignment ---------------------------------------------------------------------------
+    def set_tensor_backend(self, tensor: Tensor, backend: Backend) -> None:
+        self.user_assigned[id(tensor)] = self.backends.index(backend)
+        self._key = None
+
+    def get_tensor_backend(self, tensor: Tensor) -> Backend | None:
+        i = self._backend_of(tensor)
+        return self.backends[i] if i is not None else None
+
+    def _buffer_backend(self, t: Tensor) -> int | None:
+        buf = t.data_root().buffer if t.view_src is not None else t.buffer
+        if buf is None:
+            return None
+        i = self._buft_ids.get(id(buf.get_type()))
+        if i is None:
+            raise ValueError(f"tensor {t.name or '?'} lives in buffer type {buf.get_type().get_name()}, "
+                             f"which none of the scheduler's backends owns")
+        return i
+
+    def _backend_of(self, t: Tensor) -> int | None:
+        if id(t) in self.assigned:
+            return self.assigned[id(t)]
+        root = t.data_root()
+        if id(root) in self.assigned:
+            return self.assigned[id(root)]
+        return self._buffer_backend(t)
+
+    def _assign(self, graph: Graph) -> None:
+        cpu = len(self.backends) - 1
+        self.assigned = {}
+        for leaf in graph.leafs:
+            if leaf.buffer is None:  # an input the caller fills: it starts on the host
+                self.assigned[id(leaf)] = self.user_assigned.get(id(leaf), cpu)
+        prev = None
+        for node in graph.nodes:
+            b = self.user_assigned.get(id(node))
+            if b is None and node.view_src is not None:
+                b = self._backend_of(node.view_src)  # views (and writes into a cache) stay with their bytes
+            if b is None:
+                for s in node.src:
+                    if s is not None and s.op == Op.NONE and s.buffer is not None:
+                        b = self._buffer_backend(s)  # the weights decide
+                        break
+            if b is None:
+                b = prev if prev is not None else cpu
+            if node.op not in VIEW_OPS and not self.backends[b].supports_op(node):
+                b = cpu
+            self.assigned[id(node)] = b
+            prev = b
+
+    # -- splits ----------------------------------------------------------------------------------
+    def _split(self, graph: Graph) -> None:
+        self.splits = []
+        for node in graph.nodes:
+            b = self.assigned[id(node)]
+            if not self.splits or self.splits[-1].backend_id != b:
+                self.splits.append(Split(b))
+            self.splits[-1].nodes.append(node)
+        for split in self.splits:
+            local: dict[int, Tensor] = {}
+            for node in split.nodes:
+                for j, s in enumerate(node.src):
+                    if s is None:
+                        continue
+                    home = self._backend_of(s)
+                    if home is None or home == split.backend_id:
+                        continue
+                    copy = local.get(id(s))
+                    if copy is None:
+                        copy = Tensor(s.type, s.ne, s.nb, op=Op.DUP, src=[s],
+                                      name=f"{s.name or 'tensor'}#{self.backends[split.backend_id].get_name()}")
+                        self.assigned[id(copy)] = split.backend_id
+                        local[id(s)] = copy
+                        split.copies.append((s, copy))
+                    node.src[j] = copy
+            split.graph = Graph()
+            split.graph.nodes = list(split.nodes)
+
+    def alloc_graph(self, graph: Graph) -> None:
+        """Assign, split and allocate ``graph`` (done once per graph, reused afterwards)."""
+        key = (id(graph), graph.n_nodes)
+        if key == self._key:
+            return
+        self._assign(graph)
+        self._split(graph)
+        order: list[Tensor] = []
+        for split in self.splits:
+            order.extend(copy for _, copy in split.copies)
+            order.extend(split.nodes)
+        inputs = [leaf for leaf in graph.leafs if leaf.buffer is None]
+        self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
+        self._key = key
+
+    # -- execution ---------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph) -> None:
+        self.alloc_graph(graph)
+        copied = 0
+        for split in self.splits:
+            for src, copy in split.copies:
+                tensor_copy(src, copy)
+                copied += src.nbytes()
+            backend = self.backends[split.backend_id]
+            backend.graph_compute(split.graph)
+            backend.synchronize()
+        self.n_copies = copied
+
+    @property
+    def n_splits(self) -> int:
+        return len(self.splits)
+
+    def reset(self) -> None:
+        self._key = None
+        self.assigned = {}
+        self.splits = []
