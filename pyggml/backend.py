@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from .tensor import Tensor
+from .types import Type
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -244,10 +245,13 @@ def tensor_copy(src: Tensor, dst: Tensor) -> None:
 
 
 def tensor_array(tensor: Tensor) -> np.ndarray:
-    """The values of a plain-typed (F32/F16/I32 ...) tensor as a numpy array shaped ne[::-1]."""
-    if tensor.type.np_dtype is None:
-        raise ValueError(f"tensor_array: {tensor.type.name} is quantized; use quants.dequantize")
+    """A tensor's values as a numpy array shaped ne[::-1] (quantized types come back as float32)."""
     raw = tensor_get(tensor)
+    if tensor.type.is_quantized or tensor.type == Type.BF16:
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor_array: {tensor.name or '?'} is a non-contiguous {tensor.type.name} view")
+        from . import quants
+        return quants.dequantize(raw.reshape(-1, tensor.row_size()), tensor.type).reshape(tensor.ne[::-1])
     root = np.lib.stride_tricks.as_strided(raw.view(np.uint8), shape=tuple(reversed(tensor.ne)) + (tensor.type.type_size,),
                                            strides=tuple(reversed(tensor.nb)) + (1,))
     return np.ascontiguousarray(root).view(tensor.type.np_dtype)[..., 0]

@@ -1,0 +1,54 @@
+"""MUL_MAT with every weight type against dequantize-then-matmul in float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import Type, ops
+from pyggml.cpu import qmatmul
+from tests.conftest import run_graph
+from tests.test_quants import random_blocks
+
+WEIGHT_TYPES = [t for t in Type if t.is_quantized] + [Type.F16, Type.BF16, Type.F32]
+
+
+def weight(qtype: Type, m: int, k: int, seed: int) -> tuple[pg.Tensor, np.ndarray]:
+    """A weight tensor [k, m] in qtype, and its exact float values."""
+    if qtype.is_quantized:
+        raw = random_blocks(qtype, n_rows=m, blocks_per_row=k // qtype.block_size, seed=seed)
+    else:
+        raw = pg.quants.quantize(np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32), qtype)
+    w = pg.new_tensor(qtype, (k, m), f"w_{qtype.name}")
+    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
+    pg.tensor_set(w, raw)
+    return w, pg.quants.dequantize(raw.view(np.uint8).reshape(m, -1), qtype).astype(np.float64)
+
+
+@pytest.mark.parametrize("n_cols", [1, 3, qmatmul.FUSED_MAX_COLS + 5], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_mul_mat_weight_types(qtype, n_cols):
+    k, m = 512, 37
+    w, wv = weight(qtype, m, k, seed=int(qtype))
+    x = pg.new_tensor(Type.F32, (k, n_cols), "x").set_input()
+    xv = np.random.default_rng(1).standard_normal((n_cols, k)).astype(np.float32)
+    out = run_graph(ops.mul_mat(w, x), {x: xv})[0, 0]
+    ref = xv.astype(np.float64) @ wv.T
+    err = float(((out - ref) ** 2).sum() / (ref ** 2).sum())
+    assert out.shape == (n_cols, m)
+    assert err < 1e-10, f"{qtype.name}: nmse {err}"
+
+
+def test_quantized_mul_mat_batched_weights():
+    """A 3-D quantized first operand broadcast over b's batch dimension."""
+    k, m = 64, 5
+    data = np.random.default_rng(3).standard_normal((2, m, k)).astype(np.float32)
+    raw = pg.quants.quantize(data, Type.Q8_0)
+    w = pg.new_tensor(Type.Q8_0, (k, m, 2), "w3")
+    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
+    pg.tensor_set(w, raw)
+    x = pg.new_tensor(Type.F32, (k, 3, 4), "x").set_input()
+    xv = np.random.default_rng(4).standard_normal((4, 3, k)).astype(np.float32)
+    out = run_graph(ops.mul_mat(w, x), {x: xv})[0]
+    wv = np.repeat(pg.quants.dequantize(raw, Type.Q8_0).astype(np.float64), 2, axis=0)
+    assert np.allclose(out, xv @ wv.swapaxes(-1, -2), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,262 @@
+"""Every op on the CPU backend against an independent float64 numpy reference.
+
+Arrays in these tests are numpy-ordered: shape (ne3, ne2, ne1, ne0).  Each op is run on
+several shapes, and on non-contiguous inputs (a permuted or strided view) where the op
+accepts them, and checked by normalized mean squared error like ggml's test-backend-ops.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import Type, ops
+from tests.conftest import run_graph
+
+rng = np.random.default_rng(42)
+
+
+def nmse(a: np.ndarray, ref: np.ndarray) -> float:
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(((a - ref) ** 2).sum() / max((ref ** 2).sum(), 1e-30))
+
+
+def inp(shape, type=Type.F32, name="x"):
+    """An input tensor for numpy shape (ne3, ne2, ne1, ne0) and data to feed it."""
+    data = rng.standard_normal(shape).astype(type.np_dtype)
+    t = pg.new_tensor(type, tuple(reversed(shape)), name).set_input()
+    return t, data
+
+
+SHAPES = [(1, 1, 3, 32), (2, 3, 4, 64), (1, 2, 5, 10)]
+
+
+def permuted(shape):
+    """A permuted view (swap dims 1 and 2) of a fresh input, and its values as numpy sees them."""
+    t, data = inp(shape)
+    return ops.permute(t, 0, 2, 1, 3), t, data, data.transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name,fn", [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide)])
+def test_binary_broadcast(shape, name, fn):
+    a, av = inp(shape, name="a")
+    for bshape in [shape, (1, 1, 1, shape[3]), (1, shape[1], 1, shape[3])]:
+        b, bv = inp(bshape, name="b")
+        if name == "div":
+            bv = np.abs(bv) + 0.5
+        out = run_graph(getattr(ops, name)(a, b), {a: av, b: bv})
+        assert nmse(out, fn(av.astype(np.float64), bv.astype(np.float64))) < 1e-12
+
+
+def test_binary_tiles_like_ggml_repeat():
+    a, av = inp((1, 1, 4, 6), name="a")
+    b, bv = inp((1, 1, 2, 3), name="b")
+    out = run_graph(ops.add(a, b), {a: av, b: bv})
+    assert nmse(out, av + np.tile(bv, (1, 1, 2, 2))) < 1e-12
+
+
+def test_binary_on_permuted_view():
+    v, t, data, seen = permuted((2, 3, 4, 8))
+    b, bv = inp((1, 1, 1, 8), name="b")
+    out = run_graph(ops.mul(v, b), {t: data, b: bv})
+    assert nmse(out, seen * bv) < 1e-12
+
+
+def test_scale_and_bias():
+    a, av = inp((1, 2, 3, 16))
+    assert nmse(run_graph(ops.scale(a, 0.25, 1.5), {a: av}), av.astype(np.float64) * 0.25 + 1.5) < 1e-12
+
+
+UNARY_REF = {
+    pg.UnaryOp.SILU: lambda x: x / (1 + np.exp(-x)),
+    pg.UnaryOp.GELU: lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    pg.UnaryOp.GELU_ERF: lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+    pg.UnaryOp.TANH: np.tanh,
+    pg.UnaryOp.RELU: lambda x: np.maximum(x, 0),
+    pg.UnaryOp.NEG: np.negative,
+    pg.UnaryOp.EXP: np.exp,
+}
+
+
+@pytest.mark.parametrize("op", list(UNARY_REF), ids=lambda o: o.name)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unary(op, shape):
+    a, av = inp(shape)
+    assert nmse(run_graph(ops.unary(a, op), {a: av}), UNARY_REF[op](av.astype(np.float64))) < 1e-10
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("op", [pg.GluOp.SWIGLU, pg.GluOp.GEGLU], ids=lambda o: o.name)
+def test_glu(op, fused):
+    act = UNARY_REF[pg.UnaryOp.SILU if op == pg.GluOp.SWIGLU else pg.UnaryOp.GELU]
+    if fused:
+        a, av = inp((1, 2, 3, 32))
+        out = run_graph(ops.glu(a, None, op), {a: av})
+        x = av.astype(np.float64)
+        ref = act(x[..., :16]) * x[..., 16:]
+    else:
+        a, av = inp((1, 2, 3, 16), name="gate")
+        b, bv = inp((1, 2, 3, 16), name="up")
+        out = run_graph(ops.glu(a, b, op), {a: av, b: bv})
+        ref = act(av.astype(np.float64)) * bv
+    assert nmse(out, ref) < 1e-10
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_and_norm(shape):
+    a, av = inp(shape)
+    x = av.astype(np.float64)
+    ref = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert nmse(run_graph(ops.rms_norm(a, 1e-6), {a: av}), ref) < 1e-12
+    c = x - x.mean(-1, keepdims=True)
+    ref = c / np.sqrt((c ** 2).mean(-1, keepdims=True) + 1e-5)
+    assert nmse(run_graph(ops.norm(a, 1e-5), {a: av}), ref) < 1e-12
+
+
+def test_rms_norm_on_permuted_view():
+    v, t, data, seen = permuted((1, 3, 4, 16))
+    x = seen.astype(np.float64)
+    ref = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert nmse(run_graph(ops.rms_norm(v, 1e-6), {t: data}), ref) < 1e-12
+
+
+@pytest.mark.parametrize("mask_type", [None, Type.F32, Type.F16])
+@pytest.mark.parametrize("shape", [(1, 4, 3, 8), (2, 2, 5, 33)])
+def test_soft_max_ext(shape, mask_type):
+    a, av = inp(shape)
+    x = av.astype(np.float64) * 0.7
+    inputs = {a: av}
+    mask = None
+    if mask_type is not None:
+        mv = np.where(rng.random((1, 1, shape[2] + 2, shape[3])) < 0.3, -np.inf, 0).astype(mask_type.np_dtype)
+        mv[..., 0] = 0  # keep at least one visible column per row
+        mask = pg.new_tensor(mask_type, (shape[3], shape[2] + 2), "mask").set_input()  # padded rows, like llama.cpp
+        inputs[mask] = mv
+        x = x + mv[:, :, : shape[2], :].astype(np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)
+    assert nmse(run_graph(ops.soft_max_ext(a, mask, 0.7), inputs), ref) < 1e-10
+
+
+def rope_ref(x, pos, n_dims, mode, base, freq_scale=1.0):
+    """x: (ne3, n_tokens, n_head, head_dim) float64."""
+    out = x.copy()
+    half = n_dims // 2
+    theta = pos[:, None] * freq_scale * base ** (-2.0 * np.arange(half) / n_dims)  # (tokens, half)
+    c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
+    if mode == pg.RopeMode.NEOX:
+        i0, i1 = np.arange(half), np.arange(half) + half
+    else:
+        i0, i1 = np.arange(0, n_dims, 2), np.arange(1, n_dims, 2)
+    out[..., i0] = x[..., i0] * c - x[..., i1] * s
+    out[..., i1] = x[..., i0] * s + x[..., i1] * c
+    return out
+
+
+@pytest.mark.parametrize("mode", [pg.RopeMode.NORMAL, pg.RopeMode.NEOX], ids=lambda m: m.name)
+@pytest.mark.parametrize("n_dims", [64, 32])
+def test_rope(mode, n_dims):
+    a, av = inp((1, 5, 3, 64))  # [head_dim 64, 3 heads, 5 tokens]
+    pos = pg.new_tensor(Type.I32, (5,), "pos").set_input()
+    pv = np.array([0, 1, 7, 100, 2047], dtype=np.int32)
+    out = run_graph(ops.rope_ext(a, pos, None, n_dims, mode, freq_base=10000.0, freq_scale=0.5),
+                    {a: av, pos: pv})
+    assert nmse(out, rope_ref(av.astype(np.float64), pv.astype(np.float64), n_dims, mode, 10000.0, 0.5)) < 1e-10
+
+
+def test_rope_rejects_bad_positions():
+    a, _ = inp((1, 5, 3, 64))
+    with pytest.raises(ValueError, match="ROPE"):
+        ops.rope_ext(a, pg.new_tensor(Type.I32, (4,)), None, 64, 0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 32), (1, 2, 3, 64)])
+@pytest.mark.parametrize("src_type", [Type.F32, Type.F16, Type.Q8_0])
+def test_get_rows(shape, src_type):
+    data = rng.standard_normal(shape).astype(np.float32)
+    src = pg.new_tensor(src_type, tuple(reversed(shape)), "table").set_input()
+    stored = pg.quants.quantize(data, src_type)
+    idx = pg.new_tensor(Type.I32, (4, shape[1]), "idx").set_input()
+    iv = rng.integers(0, shape[2], (1, 1, shape[1], 4)).astype(np.int32)
+    out = run_graph(ops.get_rows(src, idx), {src: stored, idx: iv})
+    table = pg.quants.dequantize(stored, src_type).reshape(shape).astype(np.float64)
+    ref = np.stack([table[0, i2][iv[0, 0, i2]] for i2 in range(shape[1])])[None]
+    assert nmse(out, ref) < 1e-14
+
+
+@pytest.mark.parametrize("dst_type", [Type.F32, Type.F16])
+def test_set_rows_writes_into_destination(dst_type):
+    dst = pg.new_tensor(dst_type, (16, 10), "cache")
+    pg.alloc_tensors([dst], pg.cpu_device().get_buffer_type())
+    before = rng.standard_normal((10, 16)).astype(dst_type.np_dtype)
+    pg.tensor_set(dst, before)
+    src, sv = inp((1, 1, 3, 16), name="new")
+    idx = pg.new_tensor(Type.I64, (3,), "rows").set_input()
+    iv = np.array([7, 2, 9], dtype=np.int64)
+    run_graph(ops.set_rows(dst, src, idx), {src: sv, idx: iv})
+    expected = before.astype(np.float64)
+    expected[iv] = sv[0, 0].astype(dst_type.np_dtype)
+    assert np.array_equal(pg.tensor_array(dst)[0, 0].astype(np.float64), expected)
+
+
+@pytest.mark.parametrize("dst_type", [Type.F32, Type.F16, Type.Q8_0])
+def test_cpy_converts_and_relayouts(dst_type):
+    v, t, data, seen = permuted((1, 2, 3, 32))
+    dst = pg.new_tensor(dst_type, (32, 3, 2), "dst")
+    pg.alloc_tensors([dst], pg.cpu_device().get_buffer_type())
+    run_graph(ops.cpy(v, dst), {t: data})
+    got = pg.quants.dequantize(pg.tensor_get(dst).reshape(-1, dst.row_size()), dst_type).reshape(seen.shape)
+    ref = pg.quants.dequantize(pg.quants.quantize(np.ascontiguousarray(seen), dst_type), dst_type)
+    assert np.array_equal(got, ref.reshape(seen.shape))
+
+
+def test_cont_reshape_transpose_view_concat():
+    a, av = inp((1, 2, 3, 4))
+    out = run_graph(ops.cont(ops.transpose(a)), {a: av})
+    assert np.array_equal(out, av.transpose(0, 1, 3, 2))
+    out = run_graph(ops.cont(ops.reshape(a, 12, 2)), {a: av})
+    assert np.array_equal(out.reshape(-1), av.reshape(-1))
+    view = ops.view(a, (2, 3), (a.nb[1],), offset=2 * 4)  # columns 2..3 of every row of the first matrix
+    out = run_graph(ops.cont(view), {a: av})
+    assert np.array_equal(out[0, 0], av[0, 0, :, 2:4])
+    b, bv = inp((1, 2, 5, 4), name="b")
+    out = run_graph(ops.concat(a, b, 1), {a: av, b: bv})
+    assert np.array_equal(out, np.concatenate([av, bv], axis=2))
+
+
+def test_argmax():
+    a, av = inp((1, 1, 4, 50))
+    assert np.array_equal(run_graph(ops.argmax(a), {a: av}).reshape(-1), av[0, 0].argmax(-1))
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((1, 1, 8, 32), (1, 1, 5, 32)), ((1, 2, 6, 16), (1, 4, 3, 16)),
+                                             ((2, 1, 4, 8), (2, 3, 7, 8))])
+def test_mul_mat_float_with_broadcast(a_shape, b_shape):
+    a, av = inp(a_shape, Type.F16, "a")
+    b, bv = inp(b_shape, name="b")
+    out = run_graph(ops.mul_mat(a, b), {a: av, b: bv})
+    r2, r3 = b_shape[1] // a_shape[1], b_shape[0] // a_shape[0]
+    aa = np.repeat(np.repeat(av.astype(np.float64), r2, axis=1), r3, axis=0)
+    assert nmse(out, bv.astype(np.float64) @ aa.swapaxes(-1, -2)) < 1e-12
+
+
+def test_mul_mat_with_transposed_b_view():
+    a, av = inp((1, 1, 6, 16), name="a")
+    bt, btv = inp((1, 1, 16, 4), name="bt")
+    out = run_graph(ops.mul_mat(a, ops.transpose(bt)), {a: av, bt: btv})
+    assert nmse(out, btv[0, 0].T.astype(np.float64) @ av[0, 0].T.astype(np.float64)) < 1e-12
+
+
+def test_shape_errors_name_the_op():
+    a, _ = inp((1, 1, 4, 8))
+    b, _ = inp((1, 1, 4, 16))
+    for build, op in [(lambda: ops.mul_mat(a, b), "MUL_MAT"), (lambda: ops.add(a, b), "ADD"),
+                      (lambda: ops.reshape(a, 5, 5), "RESHAPE"), (lambda: ops.concat(a, b, 1), "CONCAT"),
+                      (lambda: ops.view(a, (8, 8)), "VIEW")]:
+        with pytest.raises(ValueError, match=op):
+            build()
+    with pytest.raises(ValueError, match="block size"):
+        pg.new_tensor(Type.Q4_0, (40, 2))
