@@ -187,7 +187,7 @@ def k_mul_mat(node: Tensor) -> None:
     out = tensor_view(node)  # [b3, b2, N, M]
     x = values(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
-    if a.type.is_quantized and quant_supported(a.type):
+    if quant_supported(a.type):  # quantized and F16 weights: decoded row by row
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
             out[...] = quant_matmul(w[0, 0], a.type, x.reshape(-1, x.shape[-1])).reshape(out.shape)

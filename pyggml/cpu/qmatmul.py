@@ -19,7 +19,8 @@ FUSED_MAX_COLS = 16
 TILE_ROWS = 1024
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+# no cache=True: numba cannot pickle cache entries whose arguments are jitted functions
+@njit(parallel=True, fastmath=True)
 def _fused_matmul(decode, w, x, out, f16):
     """out[n, m] = dot(decode(w[m]), x[n]) for all m, n."""
     m_rows, k = w.shape[0], x.shape[1]
@@ -38,7 +39,7 @@ def _fused_matmul(decode, w, x, out, f16):
                 out[n, m] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _decode_rows(decode, w, out, f16):
     for m in prange(w.shape[0]):
         decode(w[m], out[m], f16)
