@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .backend import Buffer, BufferType, BufferUsage, align_up
-from .ops import VIEW_OPS, Op
+from .ops import VIEW_OPS
 from .tensor import Tensor, TensorFlag
 
 
@@ -132,4 +132,4 @@ def alloc_graph(graph, buft: BufferType) -> GraphAllocator:
     return galloc
 
 
-__all__ = ["GraphAllocator", "alloc_graph", "Op"]
+__all__ = ["GraphAllocator", "alloc_graph"]

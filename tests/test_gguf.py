@@ -10,7 +10,7 @@ from pyggml.gguf import GGUFError, GGUFFile
 
 
 @pytest.fixture(scope="module")
-def loaded(request, smollm2_path, gemma3_path):
+def loaded(smollm2_path, gemma3_path):
     return {name: pg.gguf.load(path) for name, path in (("smollm2", smollm2_path), ("gemma3", gemma3_path))}
 
 

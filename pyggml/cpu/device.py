@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 import platform
 
-from ..backend import Backend, Buffer, BufferType, Device, DeviceType
+from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
-from ..ops import VIEW_OPS, Op
+from ..ops import VIEW_OPS
 from ..tensor import Tensor
 from .buffer import CPUBufferType
 from .kernels import OP_TABLE
@@ -122,8 +122,4 @@ def compute_node(node: Tensor) -> None:
     kernel(node)
 
 
-def is_cpu_buffer(buf: Buffer | None) -> bool:
-    return buf is not None and buf.is_host()
-
-
-__all__ = ["CPUDevice", "CPUBackend", "configure_threads", "Op"]
+__all__ = ["CPUDevice", "CPUBackend", "configure_threads"]
