@@ -34,12 +34,20 @@ def devices() -> list[Device]:
     return registry.devices()
 
 
+def __getattr__(name: str):
+    # the model API pulls in tokenizers and jinja2: imported only when asked for
+    if name == "Model":
+        from .models import Model
+        return Model
+    raise AttributeError(f"module 'pyggml' has no attribute {name!r}")
+
+
 def cpu_device() -> Device:
     return next(d for d in devices() if d.get_type() == DeviceType.CPU)
 
 
 __all__ = [
-    "Backend", "Buffer", "BufferType", "Device", "DeviceType", "Graph", "GraphAllocator", "GluOp", "Op",
+    "Backend", "Buffer", "Model", "BufferType", "Device", "DeviceType", "Graph", "GraphAllocator", "GluOp", "Op",
     "QK_K", "Registry", "RopeMode", "Scheduler", "Tensor", "TensorFlag", "Type", "UnaryOp", "alloc_graph",
     "alloc_tensors", "build_forward", "cpu_device", "devices", "new_tensor", "ops", "quants", "registry",
     "tensor_array", "tensor_copy", "tensor_get", "tensor_memset", "tensor_set",

@@ -7,7 +7,7 @@ buffer of the backend it runs on, and each buffer type is planned independently.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .backend import Buffer, BufferType, BufferUsage, align_up
 from .ops import VIEW_OPS
@@ -52,8 +52,10 @@ class _FreeList:
         self.free = merged
 
 
-def _needs_memory(t: Tensor) -> bool:
-    return t.buffer is None and t.view_src is None
+def needs_compute_memory(t: Tensor) -> bool:
+    """True for tensors the graph allocator places: not views, and either unallocated or
+    placed by an earlier allocation (in a compute buffer), which a new plan may move."""
+    return t.view_src is None and (t.buffer is None or t.buffer.usage == BufferUsage.COMPUTE)
 
 
 class GraphAllocator:
@@ -70,7 +72,7 @@ class GraphAllocator:
         offsets: dict[int, tuple[Tensor, int, int]] = {}  # id -> (tensor, buft index, offset)
 
         def place(t: Tensor) -> None:
-            if _needs_memory(t) and id(t) not in offsets:
+            if needs_compute_memory(t) and id(t) not in offsets:
                 i = buft_of(t)
                 offsets[id(t)] = (t, i, plans[i].alloc(self.bufts[i].get_alloc_size(t)))
 
@@ -132,4 +134,4 @@ def alloc_graph(graph, buft: BufferType) -> GraphAllocator:
     return galloc
 
 
-__all__ = ["GraphAllocator", "alloc_graph"]
+__all__ = ["GraphAllocator", "alloc_graph", "needs_compute_memory"]

@@ -8,9 +8,10 @@ end) is a :class:`GGUFError` that names the file and the problem.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -125,8 +126,12 @@ class GGUFFile:
         return Tensor(info.type, info.ne, name=name)
 
     def load(self, tensors: Iterable[Tensor], buft_of: Callable[[Tensor], BufferType] | BufferType,
-             progress: bool | None = None) -> list[Buffer]:
-        """Allocate ``tensors`` (made by :meth:`new_tensor`) per buffer type and fill them from the file."""
+             progress: bool | None = None, source_of: Callable[[Tensor], str] | None = None) -> list[Buffer]:
+        """Allocate ``tensors`` (made by :meth:`new_tensor`) per buffer type and fill them from the file.
+
+        ``source_of`` names the file tensor each one is read from (default: its own name), so
+        that one file tensor can fill several (a tied output head on another device).
+        """
         from tqdm import tqdm
 
         tensors = list(tensors)
@@ -136,12 +141,13 @@ class GGUFFile:
             buft = pick(t)
             groups.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
-        total = sum(self.tensors[t.name].nbytes for t in tensors)
+        source = source_of or (lambda t: t.name)
+        total = sum(self.tensors[source(t)].nbytes for t in tensors)
         show = progress if progress is not None else total > 32 << 20
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar:
             for t in tensors:
-                info = self.tensors[t.name]
+                info = self.tensors[source(t)]
                 t.buffer.set_tensor(t, info.data)
                 bar.update(info.nbytes)
         return buffers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
 from .types import Type
@@ -67,6 +67,7 @@ class Op(enum.IntEnum):
     ROPE = 48
     ROPE_BACK = 49
     CLAMP = 50
+    FLASH_ATTN_EXT = 79
     UNARY = 92
     GLU = 101
 
@@ -361,6 +362,32 @@ def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
     ne[dim] += b.ne[dim]
     t = _result(Op.CONCAT, a.type, ne, [a, b])
     t.op_params[0] = dim
+    return t
+
+
+def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
+    """Fused attention softmax(q k^T * scale + mask) v, as ggml_flash_attn_ext.
+
+    q: [head_dim, n_tokens, n_head], k: [head_dim, n_kv, n_head_kv], v: [head_dim_v, n_kv,
+    n_head_kv] (n_head a multiple of n_head_kv: grouped-query attention), mask: [n_kv,
+    >= n_tokens].  The result is [head_dim_v, n_head, n_tokens] - already in the layout of
+    the attention output projection's input.  ``logit_softcap`` != 0 applies
+    ``cap * tanh(s / cap)`` to the scores (Gemma 2).
+    """
+    _check(_is_float(q) and _is_float(k) and _is_float(v), "FLASH_ATTN_EXT", "q, k, v must be float", q, k, v)
+    _check(q.ne[0] == k.ne[0], "FLASH_ATTN_EXT", "q and k head sizes differ", q, k)
+    _check(k.ne[1] == v.ne[1] and k.ne[2] == v.ne[2], "FLASH_ATTN_EXT", "k and v must have the same cells and heads", k, v)
+    _check(k.ne[2] > 0 and q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3] == v.ne[3], "FLASH_ATTN_EXT",
+           "query heads must be a multiple of key/value heads", q, k)
+    if mask is not None:
+        _check(mask.type in (Type.F32, Type.F16), "FLASH_ATTN_EXT", "mask must be F32 or F16", mask)
+        _check(mask.ne[0] == k.ne[1] and mask.ne[1] >= q.ne[1] and mask.ne[2] == 1 and mask.ne[3] == 1,
+               "FLASH_ATTN_EXT", "mask must be [n_kv, >= n_tokens]", q, k, mask)
+    if max_bias != 0.0:
+        raise ValueError("FLASH_ATTN_EXT: ALiBi (max_bias != 0) is not supported")
+    t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), [q, k, v, mask])
+    _f32_params(t, 0, scale, max_bias, logit_softcap)
     return t
 
 

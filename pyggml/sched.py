@@ -15,10 +15,10 @@ object, same node count) is computed again, as a decode loop does.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .alloc import GraphAllocator
+from .alloc import GraphAllocator, needs_compute_memory
 from .backend import Backend, tensor_copy
 from .graph import Graph
 from .ops import VIEW_OPS, Op
@@ -43,6 +43,7 @@ class Scheduler:
         self.assigned: dict[int, int] = {}
         self.user_assigned: dict[int, int] = {}
         self.splits: list[Split] = []
+        self._rewired: list[tuple[Tensor, int, Tensor]] = []  # (node, src slot, original source)
         self._key: tuple[int, int] | None = None
         self.n_copies = 0  # bytes copied between backends in the last graph_compute
 
@@ -77,7 +78,7 @@ class Scheduler:
         cpu = len(self.backends) - 1
         self.assigned = {}
         for leaf in graph.leafs:
-            if leaf.buffer is None:  # an input the caller fills: it starts on the host
+            if needs_compute_memory(leaf):  # an input the caller fills: it starts on the host
                 self.assigned[id(leaf)] = self.user_assigned.get(id(leaf), cpu)
         prev = None
         for node in graph.nodes:
@@ -86,7 +87,7 @@ class Scheduler:
                 b = self._backend_of(node.view_src)  # views (and writes into a cache) stay with their bytes
             if b is None:
                 for s in node.src:
-                    if s is not None and s.op == Op.NONE and s.buffer is not None:
+                    if s is not None and s.op == Op.NONE and not needs_compute_memory(s):
                         b = self._buffer_backend(s)  # the weights decide
                         break
             if b is None:
@@ -97,6 +98,13 @@ class Scheduler:
             prev = b
 
     # -- splits ----------------------------------------------------------------------------------
+    def _unsplit(self) -> None:
+        """Point nodes rewired to cross-device copies back at their sources, so that a graph
+        can be split again (after another graph was computed in between)."""
+        for node, j, original in self._rewired:
+            node.src[j] = original
+        self._rewired = []
+
     def _split(self, graph: Graph) -> None:
         self.splits = []
         for node in graph.nodes:
@@ -120,6 +128,7 @@ class Scheduler:
                         self.assigned[id(copy)] = split.backend_id
                         local[id(s)] = copy
                         split.copies.append((s, copy))
+                    self._rewired.append((node, j, s))
                     node.src[j] = copy
             split.graph = Graph()
             split.graph.nodes = list(split.nodes)
@@ -129,13 +138,14 @@ class Scheduler:
         key = (id(graph), graph.n_nodes)
         if key == self._key:
             return
+        self._unsplit()  # the assignment must see the graph's own sources
         self._assign(graph)
         self._split(graph)
         order: list[Tensor] = []
         for split in self.splits:
             order.extend(copy for _, copy in split.copies)
             order.extend(split.nodes)
-        inputs = [leaf for leaf in graph.leafs if leaf.buffer is None]
+        inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
         self._key = key
 
@@ -157,6 +167,7 @@ class Scheduler:
         return len(self.splits)
 
     def reset(self) -> None:
+        self._unsplit()
         self._key = None
         self.assigned = {}
         self.splits = []

@@ -6,7 +6,7 @@ written in place through numpy views of the buffers (``tensor_view``), in float3
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,7 +15,8 @@ from ..ops import GluOp, Op, RopeMode, UnaryOp
 from ..tensor import Tensor
 from ..types import Type
 from .buffer import tensor_rows, tensor_view
-from .qmatmul import dequantize_rows, quant_matmul, supports as quant_supported
+from .qmatmul import dequantize_rows, quant_matmul
+from .qmatmul import supports as quant_supported
 
 f32 = np.float32
 Kernel = Callable[[Tensor], None]
@@ -205,6 +206,30 @@ def k_mul_mat(node: Tensor) -> None:
     out[...] = res.reshape(out.shape)
 
 
+def k_flash_attn_ext(node: Tensor) -> None:
+    q, k, v, mask = node.src[:4]
+    scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
+    n_tokens, n_head, n_head_kv = q.ne[1], q.ne[2], k.ne[2]
+    group = n_head // n_head_kv  # query head h reads key/value head h // group, as in ggml
+    out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
+    for i3 in range(q.ne[3]):
+        qs = values(q)[i3].reshape(n_head_kv, group * n_tokens, q.ne[0])   # [kv head, (group, token), d]
+        ks, vs = values(k)[i3], values(v)[i3]                                # [kv head, n_kv, d]
+        s = np.matmul(qs, ks.swapaxes(-1, -2))                              # [kv head, (group, token), n_kv]
+        if softcap:
+            s = np.tanh(s * f32(scale / softcap)) * f32(softcap)
+        else:
+            s *= f32(scale)
+        s = s.reshape(n_head_kv, group, n_tokens, -1)
+        if mask is not None:
+            s += values(mask)[0, 0, :n_tokens]
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        o = np.matmul(s.reshape(n_head_kv, group * n_tokens, -1), vs)         # [kv head, (group, token), dv]
+        out[i3] = o.reshape(n_head, n_tokens, -1).swapaxes(0, 1)
+
+
 def _index_array(t: Tensor) -> np.ndarray:
     return tensor_view(t).astype(np.int64)
 
@@ -287,4 +312,5 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.DUP: k_cpy,
     Op.CONCAT: k_concat,
     Op.ARGMAX: k_argmax,
+    Op.FLASH_ATTN_EXT: k_flash_attn_ext,
 }

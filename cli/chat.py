@@ -1,0 +1,102 @@
+"""pyggml-chat: talk to a GGUF model, one answer (-p) or an interactive conversation."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .common import fail, load_model_or_exit, model_options, setup_logging
+
+
+def _show_devices() -> None:
+    from pyggml.models.loader import default_devices
+    for i, dev in enumerate(default_devices()):
+        free, total = dev.get_memory()
+        click.echo(f"  {i}: {dev.get_name():<12} {dev.get_description()}  type {dev.get_type().name}  "
+                   f"memory {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
+
+
+def _print_timings(model) -> None:
+    t = model.timings
+    pp = t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0
+    tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else 0.0
+    click.echo(f"\nprompt eval: {t.prompt_tokens} tokens in {t.prompt_seconds * 1000:.0f} ms ({pp:.1f} tokens/s)\n"
+               f"generation:  {t.gen_tokens} tokens in {t.gen_seconds * 1000:.0f} ms ({tg:.1f} tokens/s)", err=True)
+
+
+def _answer(model, messages: list[dict], sampling: dict) -> str:
+    """Stream one answer to stdout; Ctrl-C stops it (the partial answer is kept)."""
+    parts: list[str] = []
+    try:
+        for chunk in model.create_chat_completion(messages, stream=True, **sampling):
+            piece = chunk["choices"][0]["delta"].get("content")
+            if piece:
+                parts.append(piece)
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        click.echo(" [stopped]", nl=False)
+    click.echo()
+    return "".join(parts)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@model_options
+@click.option("-p", "--prompt", default=None, help="Answer this one message and exit (otherwise: interactive chat).")
+@click.option("-sys", "--system", "system", default=None, help="System message that opens the conversation.")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=-1, show_default=True,
+              help="Most tokens per answer (-1: until the model stops or the context is full).")
+@click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True, help="Top-k sampling; 0 = off.")
+@click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (nucleus) sampling; 1 = off.")
+@click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p sampling; 0 = off.")
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="Repetition penalty; 1 = off.")
+@click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
+@click.option("--show-devices", is_flag=True, help="List the devices (with their ids for -ngl) and exit.")
+@click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
+def main(model, ctx_size, ngl, rpc, threads, log_level, prompt, system, n_predict, temp, top_k, top_p, min_p,
+         repeat_penalty, seed, show_devices, timings) -> None:
+    """Chat with a GGUF model (llama, qwen2, qwen3, gemma3).
+
+    With -p, print one streamed answer and exit.  Without it, chat interactively: type a
+    message and press Enter; /exit or Ctrl-D quits, Ctrl-C stops the current answer.
+    """
+    setup_logging(log_level)
+    if rpc:
+        fail("RPC devices (--rpc) are not available in this version of pyggml")
+    if show_devices:
+        click.echo("devices:")
+        _show_devices()
+        return
+    m = load_model_or_exit(path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, seed=seed, n_threads=threads)
+    sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repeat_penalty=repeat_penalty)
+    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    try:
+        if prompt is not None:
+            _answer(m, messages + [{"role": "user", "content": prompt}], sampling)
+            if timings:
+                _print_timings(m)
+            return
+        click.echo(f"{m.name}: chat started; /exit or Ctrl-D to quit, Ctrl-C stops an answer.", err=True)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                click.echo()
+                break
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            m.timings.reset()
+            messages.append({"role": "assistant", "content": _answer(m, messages, sampling)})
+            if timings:
+                _print_timings(m)
+    except ValueError as e:  # a full context, a template that rejects the conversation
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()

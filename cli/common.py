@@ -1,0 +1,52 @@
+"""What the command-line tools share: model options, errors as one line, logging."""
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from pyggml.gguf import GGUFError
+
+
+def fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def load_model_or_exit(**kwargs: Any):
+    """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1."""
+    from pyggml.models import Model, PlacementError, RPCUnavailableError
+    try:
+        return Model(**kwargs)
+    except (GGUFError, PlacementError, RPCUnavailableError, FileNotFoundError, ValueError, RuntimeError) as e:
+        fail(str(e))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+def model_options(f: Callable) -> Callable:
+    """-m, -c, -ngl, --rpc, --threads, --log-level (shared by pyggml-chat and pyggml-perplexity)."""
+    opts = [
+        click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
+                     help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
+        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=16), default=None,
+                     help="Context size in tokens."),
+        click.option("-ngl", "--n-gpu-layers", "ngl", default=None, metavar="SPEC",
+                     help="Layer placement, '[id:]spec[;id:spec]...' with spec = N | prolog | epilog | all "
+                          "(comma-joined). Device ids: RPC endpoints, then GPUs, then the CPU. "
+                          "Example: '0:prolog,epilog;1:all'. Unplaced layers run on the CPU."),
+        click.option("--rpc", default=None, metavar="ENDPOINTS",
+                     help="RPC servers, e.g. '8080;8081' or '10.0.0.2:8080' (not available in this version)."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads."),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+                     show_default=True, help="Logging detail on stderr."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f

@@ -1,0 +1,74 @@
+"""pyggml-perplexity: perplexity of a text file, computed as llama.cpp's perplexity tool does.
+
+The text is cut into chunks of the context size; each chunk is evaluated from a fresh
+context (starting with BOS where the model uses one), and only the second half of each
+chunk is scored, so every scored token has at least half a context of history.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import click
+import numpy as np
+
+from .common import fail, load_model_or_exit, model_options, setup_logging
+
+
+def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of each target under the logits of the position before it."""
+    z = logits.astype(np.float64)
+    top = z.max(axis=1)
+    lse = top + np.log(np.exp(z - top[:, None]).sum(axis=1))
+    return lse - z[np.arange(len(targets)), targets]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@model_options
+@click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
+              help="Text file to score.")
+@click.option("--chunks", type=int, default=-1, show_default=True, help="Most chunks to score (-1: all).")
+def main(model, ctx_size, ngl, rpc, threads, log_level, path, chunks) -> None:
+    """Perplexity of a text file (-c: chunk size, default 512)."""
+    setup_logging(log_level)
+    if rpc:
+        fail("RPC devices (--rpc) are not available in this version of pyggml")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError as e:
+        fail(f"{path}: {e.strerror or e}")
+    n_ctx = ctx_size or 512
+    m = load_model_or_exit(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, n_threads=threads)
+    tokens = m.tokenize(text, add_bos=False)
+    n_chunk = len(tokens) // n_ctx
+    if chunks > 0:
+        n_chunk = min(n_chunk, chunks)
+    if n_chunk == 0:
+        fail(f"{path}: {len(tokens)} tokens is less than one chunk of {n_ctx}; use a longer file or a smaller -c")
+    bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
+    first = n_ctx // 2
+    click.echo(f"perplexity: {len(tokens)} tokens, {n_chunk} chunks of {n_ctx}, scoring the last {n_ctx - first - 1} "
+               f"of each", err=True)
+    nll_sum, count, nll2 = 0.0, 0, 0.0
+    t0 = time.perf_counter()
+    for c in range(n_chunk):
+        chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
+        if bos is not None:
+            chunk[0] = bos  # like llama.cpp: the chunk's first token is replaced by BOS
+        logits = m.logits(chunk)
+        nll = chunk_nll(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:]))
+        nll_sum += nll.sum()
+        nll2 += (nll ** 2).sum()
+        count += nll.size
+        click.echo(f"[{c + 1}]{math.exp(nll_sum / count):.4f},", nl=False)
+    mean = nll_sum / count
+    var = max(nll2 / count - mean * mean, 0.0)
+    err = math.exp(mean) * math.sqrt(var / max(count - 1, 1))
+    dt = time.perf_counter() - t0
+    click.echo(f"\nFinal estimate: PPL = {math.exp(mean):.4f} +/- {err:.5f}")
+    click.echo(f"scored {count} tokens in {dt:.1f} s ({n_chunk * n_ctx / dt:.1f} tokens/s)", err=True)
+
+
+if __name__ == "__main__":
+    main()

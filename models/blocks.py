@@ -1,0 +1,154 @@
+"""Shared building blocks of the model graphs (llama.cpp's llm_graph_context).
+
+An architecture file builds one forward pass from these: ``build_inp_embd``,
+``build_norm``, ``build_attn`` (KV cache write + fused attention), ``build_ffn`` and
+``build_output``.  Every intermediate tensor is named ``name-il`` like llama.cpp's
+callback names (``attn_norm-3``, ``ffn_out-3`` ...), so graphs can be read and debugged.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pyggml import Graph, Tensor, Type, new_tensor, ops
+from pyggml.ops import RopeMode
+
+from .hparams import HParams
+from .kv_cache import KVCache
+
+
+@dataclass
+class GraphInputs:
+    """The tensors the caller fills before each compute (llm_graph_input_*)."""
+    tokens: Tensor            # I32 [n_tokens]
+    pos: Tensor               # I32 [n_tokens]
+    kv_idxs: Tensor           # I32 [n_tokens]: cache cells to write
+    kq_mask: Tensor           # F32 [n_kv, n_tokens]: 0 or -inf (causal)
+    kq_mask_swa: Tensor | None  # same, also masking cells outside the sliding window
+    out_ids: Tensor | None    # I32 [n_outputs]: rows whose logits are wanted (None: all)
+
+    def all(self) -> list[Tensor]:
+        return [t for t in (self.tokens, self.pos, self.kv_idxs, self.kq_mask, self.kq_mask_swa, self.out_ids)
+                if t is not None]
+
+
+@dataclass
+class GraphBuilder:
+    hp: HParams
+    weights: dict[str, Tensor]
+    kv: KVCache
+    n_tokens: int
+    n_kv: int
+    n_outputs: int
+    rope_mode: RopeMode = RopeMode.NORMAL
+    graph: Graph = field(default_factory=Graph)
+    inputs: GraphInputs = field(init=False)
+
+    def __post_init__(self) -> None:
+        n, n_kv = self.n_tokens, self.n_kv
+        needs_swa = any(self.hp.is_swa(il) for il in range(self.hp.n_layer))
+        self.inputs = GraphInputs(
+            tokens=new_tensor(Type.I32, (n,), "inp_tokens").set_input(),
+            pos=new_tensor(Type.I32, (n,), "inp_pos").set_input(),
+            kv_idxs=new_tensor(Type.I32, (n,), "inp_kv_idxs").set_input(),
+            kq_mask=new_tensor(Type.F32, (n_kv, n), "inp_kq_mask").set_input(),
+            kq_mask_swa=new_tensor(Type.F32, (n_kv, n), "inp_kq_mask_swa").set_input() if needs_swa else None,
+            out_ids=new_tensor(Type.I32, (self.n_outputs,), "inp_out_ids").set_input()
+            if self.n_outputs < n else None,
+        )
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def w(self, name: str, il: int | None = None) -> Tensor | None:
+        """A weight by its GGUF name (``blk.{il}.`` prefixed for a layer), or None if absent."""
+        return self.weights.get(f"blk.{il}.{name}" if il is not None else name)
+
+    @staticmethod
+    def cb(t: Tensor, name: str, il: int | None = None) -> Tensor:
+        return t.set_name(f"{name}-{il}" if il is not None else name)
+
+    def linear(self, x: Tensor, name: str, il: int | None = None) -> Tensor:
+        """x @ W (+ bias when the file has one)."""
+        w = self.w(f"{name}.weight", il)
+        if w is None:
+            raise KeyError(f"model has no tensor {f'blk.{il}.' if il is not None else ''}{name}.weight")
+        y = ops.mul_mat(w, x)
+        b = self.w(f"{name}.bias", il)
+        return ops.add(y, b) if b is not None else y
+
+    # -- blocks -------------------------------------------------------------------------------------
+    def build_inp_embd(self, scale: float = 1.0) -> Tensor:
+        cur = ops.get_rows(self.weights["token_embd.weight"], self.inputs.tokens)
+        if scale != 1.0:
+            cur = ops.scale(cur, scale)
+        return self.cb(cur, "inp_embd")
+
+    def build_norm(self, x: Tensor, weight: Tensor | None, name: str, il: int | None = None,
+                   eps: float | None = None) -> Tensor:
+        cur = ops.rms_norm(x, self.hp.norm_eps if eps is None else eps)
+        if weight is not None:
+            cur = ops.mul(cur, weight)
+        return self.cb(cur, name, il)
+
+    def build_rope(self, x: Tensor, il: int) -> Tensor:
+        hp = self.hp
+        base = hp.rope_freq_base_swa if hp.is_swa(il) else hp.rope_freq_base
+        scale = 1.0 if hp.is_swa(il) else hp.rope_freq_scale
+        return ops.rope_ext(x, self.inputs.pos, self.w("rope_freqs.weight"), hp.rope_dims, self.rope_mode,
+                            hp.n_ctx_train, base, scale)
+
+    def build_attn(self, q: Tensor, k: Tensor, v: Tensor, il: int, kq_scale: float) -> Tensor:
+        """Write this batch's k, v ([head_dim, n_head_kv, n_tokens]) into the cache, attend
+        with q ([head_dim, n_head, n_tokens]) over the first n_kv cells, project with attn_output."""
+        hp, kv = self.hp, self.kv
+        n = self.n_tokens
+        k_cache, v_cache = kv.k[il], kv.v[il]
+        # the writes are expanded into the graph now, so they run before the attention reads
+        self.graph.build_forward_expand(self.cb(
+            ops.set_rows(k_cache, ops.reshape(k, hp.n_embd_k_gqa, n), self.inputs.kv_idxs), "k_write", il))
+        self.graph.build_forward_expand(self.cb(
+            ops.set_rows(v_cache, ops.reshape(v, hp.n_embd_v_gqa, n), self.inputs.kv_idxs), "v_write", il))
+        row_k, row_v = k_cache.nb[1], v_cache.nb[1]
+        keys = ops.view(k_cache, (hp.n_embd_head_k, self.n_kv, hp.n_head_kv),
+                        (row_k, k_cache.type.row_size(hp.n_embd_head_k)))
+        values = ops.view(v_cache, (hp.n_embd_head_v, self.n_kv, hp.n_head_kv),
+                          (row_v, v_cache.type.row_size(hp.n_embd_head_v)))
+        mask = self.inputs.kq_mask_swa if hp.is_swa(il) else self.inputs.kq_mask
+        attn = ops.flash_attn_ext(ops.permute(q, 0, 2, 1, 3), keys, values, mask, kq_scale,
+                                  logit_softcap=hp.attn_softcap)
+        cur = self.cb(ops.reshape(attn, hp.n_embd_head_v * hp.n_head, n), "kqv_out", il)
+        return self.cb(self.linear(cur, "attn_output", il), "attn_out", il)
+
+    def build_qkv(self, cur: Tensor, il: int, qk_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Project to q, k, v heads; optionally RMS-normalize q and k per head; apply RoPE."""
+        hp, n = self.hp, self.n_tokens
+        q = ops.reshape(self.cb(self.linear(cur, "attn_q", il), "Qcur", il), hp.n_embd_head_k, hp.n_head, n)
+        k = ops.reshape(self.cb(self.linear(cur, "attn_k", il), "Kcur", il), hp.n_embd_head_k, hp.n_head_kv, n)
+        v = ops.reshape(self.cb(self.linear(cur, "attn_v", il), "Vcur", il), hp.n_embd_head_v, hp.n_head_kv, n)
+        if qk_norm:
+            q = self.build_norm(q, self.w("attn_q_norm.weight", il), "Qcur_normed", il)
+            k = self.build_norm(k, self.w("attn_k_norm.weight", il), "Kcur_normed", il)
+        q = self.cb(self.build_rope(q, il), "Qcur_rope", il)
+        k = self.cb(self.build_rope(k, il), "Kcur_rope", il)
+        return q, k, v
+
+    def build_ffn(self, x: Tensor, il: int, act: Callable[[Tensor, Tensor], Tensor] = ops.swiglu) -> Tensor:
+        """Gated feed-forward: down(act(gate(x)) * up(x))."""
+        gate = self.cb(self.linear(x, "ffn_gate", il), "ffn_gate", il)
+        up = self.cb(self.linear(x, "ffn_up", il), "ffn_up", il)
+        cur = self.cb(act(gate, up), "ffn_act", il)
+        return self.cb(self.linear(cur, "ffn_down", il), "ffn_out", il)
+
+    def build_output(self, cur: Tensor) -> Tensor:
+        """Keep only the wanted rows, final norm, output head (tied to the embedding when the
+        file has no ``output.weight``), optional final soft-capping."""
+        if self.inputs.out_ids is not None:
+            cur = self.cb(ops.get_rows(cur, self.inputs.out_ids), "out_rows")
+        cur = self.build_norm(cur, self.weights["output_norm.weight"], "result_norm")
+        head = self.weights.get("output.weight", self.weights["token_embd.weight"])
+        logits = ops.mul_mat(head, cur)
+        cap = self.hp.final_softcap
+        if cap:
+            logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / cap)), cap)
+        logits = self.cb(logits, "result_output").set_output()
+        self.graph.build_forward_expand(logits)
+        return logits

@@ -1,0 +1,90 @@
+"""Hyper-parameters of a model, read from its GGUF metadata (``{arch}.block_count`` ...)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pyggml.gguf import GGUFError, GGUFFile
+
+
+def _scalar(value: Any) -> Any:
+    """Some keys may hold one value per layer; the models we support use one for all."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    return value
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_ff: int
+    norm_eps: float
+    rope_dims: int
+    rope_freq_base: float
+    rope_freq_scale: float          # 1 / linear scaling factor
+    rope_freq_base_swa: float       # RoPE base of the sliding-window layers (Gemma 3: 10 000)
+    n_swa: int = 0                  # sliding-window size, 0 = none
+    swa_pattern: int = 0            # every swa_pattern-th layer is global (Gemma 3: 6)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale: float = 0.0         # query scale; 0 = 1/sqrt(n_embd_head_k)
+
+    @property
+    def n_embd_k_gqa(self) -> int:
+        return self.n_embd_head_k * self.n_head_kv
+
+    @property
+    def n_embd_v_gqa(self) -> int:
+        return self.n_embd_head_v * self.n_head_kv
+
+    def is_swa(self, il: int) -> bool:
+        """Sliding-window layer?  With a pattern of 6, layers 5, 11, 17 ... are global."""
+        return self.n_swa > 0 and self.swa_pattern > 0 and il % self.swa_pattern < self.swa_pattern - 1
+
+    def kq_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.n_embd_head_k)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, arch: str) -> HParams:
+        def get(key: str, default: Any = None, required: bool = False) -> Any:
+            value = _scalar(f.get(f"{arch}.{key}", default))
+            if value is None and required:
+                raise GGUFError(f.path, f"missing metadata {arch}.{key}")
+            return value
+
+        n_embd = int(get("embedding_length", required=True))
+        n_head = int(get("attention.head_count", required=True))
+        head_k = int(get("attention.key_length", n_embd // n_head))
+        n_vocab = get("vocab_size") or len(f.get("tokenizer.ggml.tokens", [])) or \
+            f.tensors["token_embd.weight"].ne[1]
+        scaling = str(get("rope.scaling.type", "none"))
+        factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+        return cls(
+            arch=arch,
+            n_vocab=int(n_vocab),
+            n_ctx_train=int(get("context_length", 2048)),
+            n_embd=n_embd,
+            n_layer=int(get("block_count", required=True)),
+            n_head=n_head,
+            n_head_kv=int(get("attention.head_count_kv", n_head)),
+            n_embd_head_k=head_k,
+            n_embd_head_v=int(get("attention.value_length", head_k)),
+            n_ff=int(get("feed_forward_length", required=True)),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_dims=int(get("rope.dimension_count", head_k)),
+            rope_freq_base=float(get("rope.freq_base", 10000.0)),
+            rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+            rope_freq_base_swa=float(get("rope.freq_base_swa", 10000.0)),
+            n_swa=int(get("attention.sliding_window", 0) or 0),
+            attn_softcap=float(get("attn_logit_softcapping", 0.0) or 0.0),
+            final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+        )

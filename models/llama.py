@@ -1,0 +1,32 @@
+"""llama (SmolLM2, Llama 2/3 ...): pre-norm blocks, RoPE (normal mode), SwiGLU FFN.
+
+qwen2 and qwen3 are this graph with small changes (see their files): q/k/v biases,
+which ``GraphBuilder.linear`` picks up from the file by itself, and q/k RMS norms.
+"""
+from __future__ import annotations
+
+from pyggml import Tensor, ops
+from pyggml.ops import RopeMode
+
+from .blocks import GraphBuilder
+
+
+def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
+    hp = b.hp
+    inp = b.build_inp_embd()
+    for il in range(hp.n_layer):
+        cur = b.build_norm(inp, b.w("attn_norm.weight", il), "attn_norm", il)
+        q, k, v = b.build_qkv(cur, il, qk_norm=qk_norm)
+        cur = b.build_attn(q, k, v, il, hp.kq_scale())
+        ffn_inp = b.cb(ops.add(cur, inp), "ffn_inp", il)
+        cur = b.build_norm(ffn_inp, b.w("ffn_norm.weight", il), "ffn_norm", il)
+        cur = b.build_ffn(cur, il, ops.swiglu)
+        inp = b.cb(ops.add(cur, ffn_inp), "l_out", il)
+    return b.build_output(inp)
+
+
+ROPE_MODE = RopeMode.NORMAL
+
+
+def build(b: GraphBuilder) -> Tensor:
+    return build_llama_layers(b)

@@ -1,0 +1,91 @@
+"""Open a GGUF model: check its architecture, read hyper-parameters, decide where every
+tensor lives (``-ngl``), and load the weights into those devices' buffers."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from pyggml import Tensor
+from pyggml.backend import Buffer, Device, DeviceType
+from pyggml.gguf import GGUFError, GGUFFile
+
+from . import gemma3, llama, qwen2, qwen3
+from .hparams import HParams
+from .placement import Placement, parse_ngl
+
+ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3}
+
+
+class UnsupportedArchitecture(GGUFError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    """Weights in device buffers plus what is needed to build graphs (llama_model)."""
+    path: Path
+    gguf: GGUFFile
+    hp: HParams
+    arch: ModuleType
+    devices: list[Device]
+    placement: Placement
+    weights: dict[str, Tensor] = field(default_factory=dict)
+    buffers: list[Buffer] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return str(self.gguf.get("general.name", self.path.stem))
+
+    def layer_device(self, il: int) -> Device:
+        return self.devices[self.placement.layers[il]]
+
+    def weights_nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.weights.values())
+
+    def free(self) -> None:
+        for buf in self.buffers:
+            buf.free()
+        self.buffers = []
+
+
+def default_devices() -> list[Device]:
+    """Local devices in id order: GPUs first, the CPU last (RPC endpoints go before both)."""
+    import pyggml
+    devs = pyggml.devices()
+    return [d for d in devs if d.get_type() != DeviceType.CPU] + [pyggml.cpu_device()]
+
+
+def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, ModuleType]:
+    f = GGUFFile(path)
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitecture(f.path, f"unsupported architecture {arch!r}; supported: "
+                                              f"{', '.join(sorted(ARCHITECTURES))}")
+    return f, ARCHITECTURES[arch]
+
+
+def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
+               progress: bool | None = None) -> LoadedModel:
+    f, arch = open_gguf(path)
+    hp = HParams.from_gguf(f, f.architecture)
+    if hasattr(arch, "adjust_hparams"):
+        arch.adjust_hparams(hp)
+    devices = devices or default_devices()
+    placement = parse_ngl(ngl, hp.n_layer, [d.get_name() for d in devices])
+    model = LoadedModel(Path(path), f, hp, arch, devices, placement)
+
+    weights = {name: f.new_tensor(name) for name in f.tensors}
+    buft_of = {id(t): devices[placement.device_of(name)].get_buffer_type() for name, t in weights.items()}
+    to_load = list(weights.values())
+    if "output.weight" not in weights and placement.prolog != placement.epilog:
+        # a tied head must sit with the epilog: a second copy of the embedding table there
+        head = Tensor(weights["token_embd.weight"].type, weights["token_embd.weight"].ne, name="output.weight")
+        buft_of[id(head)] = devices[placement.epilog].get_buffer_type()
+        weights["output.weight"] = head
+        to_load.append(head)
+    model.buffers = f.load(to_load, lambda t: buft_of[id(t)], progress=progress,
+                           source_of=lambda t: t.name if t.name in f.tensors else "token_embd.weight")
+    model.weights = weights
+    return model

@@ -1,0 +1,232 @@
+"""The high-level Python API: ``pyggml.Model`` (shaped like llama-cpp-python's ``Llama``)."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from pyggml import hub
+
+from .chat import ChatTemplate
+from .context import Context, ContextFullError
+from .loader import LoadedModel, default_devices, load_model
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+
+class RPCUnavailableError(RuntimeError):
+    pass
+
+
+class _TextStream:
+    """Turns generated token ids into text pieces that are safe to show: no half UTF-8
+    characters, and nothing that might be the start of a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0   # characters of the text already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.detokenize(self.ids)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return ""
+        for s in self.stop:
+            at = text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.stopped = True
+                return self._take(text[:at])
+        hold = max((k for s in self.stop for k in range(len(s), 0, -1) if text.endswith(s[:k])), default=0)
+        return self._take(text[:len(text) - hold])
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._take(self.tokenizer.detokenize(self.ids))
+
+    def _take(self, text: str) -> str:
+        piece = text[self.emitted:]
+        self.emitted = max(self.emitted, len(text))
+        return piece
+
+
+class Model:
+    """A GGUF model ready to tokenize, score and generate.
+
+    ``path_or_alias``: a GGUF file or a known alias (``smollm2``, ``gemma3-270m``; None =
+    the default model, downloaded once).  ``ngl``: layer placement as in ``pyggml-chat -ngl``
+    (None: everything on the CPU).  ``seed``: default seed of sampling (None: random).
+    """
+
+    def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
+                 ngl: str | int | None = None, rpc: str | Sequence[str] | None = None, seed: int | None = None,
+                 n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None) -> None:
+        if rpc:
+            raise RPCUnavailableError("RPC devices are not available in this version of pyggml (--rpc / rpc=)")
+        self.path = hub.resolve(path_or_alias)
+        self.model: LoadedModel = load_model(self.path, ngl, default_devices(), progress=progress)
+        self.tokenizer = Tokenizer(self.model.gguf)
+        self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
+        if n_threads:
+            for backend in self.context.backends:
+                if hasattr(backend, "set_n_threads"):
+                    backend.set_n_threads(n_threads)
+        tk = self.tokenizer
+        self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,
+                                          tk.token_text(tk.bos_id) if tk.bos_id is not None else "",
+                                          tk.token_text(tk.eos_id) if tk.eos_id is not None else "")
+        self.seed = seed
+        self.finish_reason: str | None = None
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return self.model.hp.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self.context.n_ctx
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def timings(self):
+        return self.context.timings
+
+    # -- tokens -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        return self.tokenizer.detokenize(list(ids), special=special)
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(ids), n_vocab]: the next-token logits after each token of a fresh sequence."""
+        self.context.clear()
+        return self.context.decode(list(ids), all_logits=True)
+
+    def generate(self, ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None) -> Iterator[int]:
+        """Yield sampled token ids after ``ids``; stops at an end-of-generation token, after
+        ``max_tokens``, or when the context is full (``finish_reason`` says which)."""
+        ids = list(ids)
+        if not ids:
+            raise ValueError("generate: the prompt has no tokens")
+        if len(ids) > self.n_ctx:
+            raise ContextFullError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
+        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty)
+        sampler = Sampler(params, seed if seed is not None else self.seed)
+        self.finish_reason = None
+        logits = self.context.eval_prefix(ids)[-1]
+        history = ids
+        for n in range(max_tokens):
+            token = sampler.sample(logits, history)
+            if self.tokenizer.is_eog(token):
+                self.finish_reason = "stop"
+                return
+            history.append(token)
+            yield token
+            if n + 1 == max_tokens:
+                break
+            if self.context.n_past >= self.n_ctx:
+                self.finish_reason = "length"
+                return
+            logits = self.context.decode([token])[-1]
+        self.finish_reason = "length"
+
+    # -- OpenAI-shaped completions ------------------------------------------------------------------
+    def _stream(self, ids: list[int], max_tokens: int | None, stop: str | Sequence[str] | None,
+                **sampling: Any) -> Iterator[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stream = _TextStream(self.tokenizer, stops)
+        limit = max_tokens if max_tokens is not None and max_tokens > 0 else self.n_ctx
+        self.completion_tokens = 0
+        for token in self.generate(ids, max_tokens=limit, **sampling):
+            self.completion_tokens += 1
+            piece = stream.push(token)
+            if piece:
+                yield piece
+            if stream.stopped:
+                self.finish_reason = "stop"
+                return
+        tail = stream.flush()
+        if tail:
+            yield tail
+
+    def _completion(self, kind: str, ids: list[int], stream: bool, max_tokens: int | None, stop, **sampling):
+        cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = self.path.name
+        pieces = self._stream(ids, max_tokens, stop, **sampling)
+
+        def usage() -> dict[str, int]:
+            return {"prompt_tokens": len(ids), "completion_tokens": self.completion_tokens,
+                    "total_tokens": len(ids) + self.completion_tokens}
+
+        if kind == "chat":
+            def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+                if delta:
+                    return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            obj, chunk_obj = "chat.completion", "chat.completion.chunk"
+        else:
+            def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj, chunk_obj = "text_completion", "text_completion"
+
+        if not stream:
+            text = "".join(pieces)
+            return {"id": cid, "object": obj, "created": created, "model": model,
+                    "choices": [choice(text, self.finish_reason, False)], "usage": usage()}
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            if kind == "chat":
+                yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
+                       "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            for piece in pieces:
+                yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
+                       "choices": [choice(piece, None, True)]}
+            yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
+                   "choices": [choice(None, self.finish_reason, True)], "usage": usage()}
+        return chunks()
+
+    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
+                          top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                          stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False):
+        """Continue ``prompt`` (text, or token ids); a dict like OpenAI's, or chunks with ``stream``."""
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt)
+        return self._completion("text", ids, stream, max_tokens, stop, temperature=temperature, top_k=top_k,
+                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenize(text, special=True)
+
+    def create_chat_completion(self, messages: Sequence[dict[str, Any]], max_tokens: int | None = None,
+                               temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                               repeat_penalty: float = 1.0, stop: str | Sequence[str] | None = None,
+                               seed: int | None = None, stream: bool = False):
+        """Answer a conversation (``[{"role": "user", "content": ...}, ...]``) with the model's
+        chat template; a dict like OpenAI's, or chunks with ``stream``."""
+        ids = self.apply_chat_template(messages)
+        return self._completion("chat", ids, stream, max_tokens, stop, temperature=temperature, top_k=top_k,
+                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+
+    def close(self) -> None:
+        self.model.free()
+        for buf in self.context.kv.buffers:
+            buf.free()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,14 @@
+"""qwen3: the llama graph with per-head RMS norms of q and k before RoPE, NEOX RoPE."""
+from __future__ import annotations
+
+from pyggml import Tensor
+from pyggml.ops import RopeMode
+
+from .blocks import GraphBuilder
+from .llama import build_llama_layers
+
+ROPE_MODE = RopeMode.NEOX
+
+
+def build(b: GraphBuilder) -> Tensor:
+    return build_llama_layers(b, qk_norm=True)

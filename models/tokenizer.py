@@ -1,0 +1,164 @@
+"""Tokenizers built from a GGUF's vocabulary alone, on the ``tokenizers`` library.
+
+- ``tokenizer.ggml.model == "gpt2"``: byte-level BPE with the file's merges and the
+  pre-tokenizer that ``tokenizer.ggml.pre`` names (the regexes are llama.cpp's).
+- ``"llama"``: SentencePiece BPE (Gemma).  SentencePiece merges the adjacent pair whose
+  merged piece scores highest; a BPE model whose merges are ordered by the merged piece's
+  score does the same.  Pieces marked user-defined (``token_type`` 4: runs of spaces and
+  newlines) are matched whole before any merging, as SentencePiece does - as added tokens.
+  Unknown characters fall back to ``<0xXX>`` byte tokens.
+
+Control tokens (``token_type`` 3, e.g. ``<|im_start|>``, ``<bos>``) are recognised in the
+text only with ``special=True``, like llama.cpp's ``parse_special``.  Both kinds reproduce
+llama.cpp's ids on every reference string (tests/test_tokenizer.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from pyggml.gguf import GGUFError, GGUFFile
+
+log = logging.getLogger("pyggml.tokenizer")
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_PRE = {
+    "default": None,            # GPT-2's own regex (inside the ByteLevel pre-tokenizer)
+    "gpt2": None,
+    "smollm": r"\p{N}",         # digits split one by one, then GPT-2's regex
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "qwen2": _QWEN2,
+}
+
+# texts of end-of-generation tokens besides EOS (llama.cpp's list, trimmed to common ones)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<eos>", "</s>")
+
+
+class Tokenizer:
+    def __init__(self, f: GGUFFile) -> None:
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.kind = str(f.get("tokenizer.ggml.model", ""))
+        self.tokens = [str(t) for t in f.get("tokenizer.ggml.tokens", [])]
+        if not self.tokens:
+            raise GGUFError(f.path, "no tokenizer vocabulary (tokenizer.ggml.tokens)")
+        n = len(self.tokens)
+        types = f.get("tokenizer.ggml.token_type")
+        self.types = np.asarray(types, dtype=np.int32) if types is not None else np.full(n, NORMAL, np.int32)
+        self.bos_id = self._id(f, "bos_token_id")
+        self.eos_id = self._id(f, "eos_token_id")
+        if self.kind == "gpt2":
+            self.hf: HFTokenizer = self._byte_level_bpe(f)
+            default_bos = False
+        elif self.kind == "llama":
+            self.hf = self._sentencepiece(f)
+            default_bos = True
+        else:
+            raise GGUFError(f.path, f"unsupported tokenizer model {self.kind!r} (supported: gpt2, llama)")
+        add_bos = f.get("tokenizer.ggml.add_bos_token")
+        self.add_bos = bool(default_bos if add_bos is None else add_bos) and self.bos_id is not None
+        special = [AddedToken(self.tokens[i], special=bool(self.types[i] == CONTROL), normalized=False)
+                   for i in np.nonzero((self.types == CONTROL) | (self.types == USER_DEFINED))[0]]
+        self.hf.add_tokens(special)
+        eog = {self.eos_id, self._id(f, "eot_token_id"), self._id(f, "eom_token_id")}
+        index = {t: i for i, t in enumerate(self.tokens)} if self.kind == "gpt2" else None
+        for text in EOG_TEXTS:
+            i = index.get(text) if index is not None else self.hf.token_to_id(text)
+            if i is not None and self.types[i] == CONTROL:
+                eog.add(i)
+        self.eog_ids = frozenset(i for i in eog if i is not None)
+
+    @staticmethod
+    def _id(f: GGUFFile, key: str) -> int | None:
+        value = f.get(f"tokenizer.ggml.{key}")
+        return int(value) if value is not None and int(value) >= 0 else None
+
+    def _byte_level_bpe(self, f: GGUFFile):
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        merges = [tuple(str(m).split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
+        pre = str(f.get("tokenizer.ggml.pre", "default"))
+        if pre not in BPE_PRE:
+            log.warning("tokenizer pre-type %r is not known; using GPT-2's (supported: %s)", pre, ", ".join(BPE_PRE))
+            pre = "default"
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in ("llama-bpe", "llama3")))
+        pattern = BPE_PRE[pre]
+        if pattern is None:
+            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            # smollm keeps GPT-2's regex after splitting digits; llama-bpe and qwen2 replace it
+            hf.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(pattern), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre == "smollm")])
+        hf.decoder = decoders.ByteLevel()
+        return hf
+
+    def _sentencepiece(self, f: GGUFFile):
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers
+
+        scores = f.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise GGUFError(f.path, "SentencePiece vocabulary without scores (tokenizer.ggml.scores)")
+        scores = np.asarray(scores, dtype=np.float32)
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        rank = np.empty(len(scores), dtype=np.int64)
+        rank[np.argsort(-scores, kind="stable")] = np.arange(len(scores))
+        normal = self.types == NORMAL
+        merges = []
+        for piece, i in vocab.items():
+            if not normal[i]:
+                continue
+            for cut in range(1, len(piece)):
+                left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
+                if left is not None and right is not None and normal[left] and normal[right]:
+                    merges.append((rank[i], rank[left], rank[right], piece[:cut], piece[cut:]))
+        merges.sort()
+        unk = self._id(f, "unknown_token_id")
+        hf = HFTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], byte_fallback=True, fuse_unk=False,
+                                    unk_token=self.tokens[unk] if unk is not None else None))
+        prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+        steps = ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
+        hf.normalizer = normalizers.Sequence(steps)
+        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        hf.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        return hf
+
+    # -- public -------------------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_bos=None`` follows the model's rule; ``special`` lets
+        control tokens written in the text (``<|im_start|>``) become those tokens."""
+        self.hf.encode_special_tokens = not special
+        ids = self.hf.encode(text, add_special_tokens=False).ids if text else []
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not (ids and ids[0] == self.bos_id):
+                ids = [self.bos_id] + ids
+        return ids
+
+    def detokenize(self, ids: list[int], special: bool = False) -> str:
+        """Text of ``ids``; control tokens are left out unless ``special``."""
+        bad = [i for i in ids if not 0 <= i < self.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return self.hf.decode(list(ids), skip_special_tokens=not special)
+
+    def token_text(self, i: int) -> str:
+        return self.tokens[i]
+
+    def is_eog(self, i: int) -> bool:
+        return i in self.eog_ids
