@@ -5,7 +5,8 @@
 Device ids index the device list (RPC endpoints first, then local GPUs, then the CPU,
 which is always last and holds everything not placed).  ``prolog`` is the token
 embedding, ``epilog`` the final norm and output head, ``N`` the next N layers not yet
-placed, ``all`` every remaining layer plus prolog and epilog when not yet placed.
+placed (asking for more layers than remain places the epilog too, as llama.cpp's
+``-ngl 99`` does), ``all`` every remaining layer plus prolog and epilog when not yet placed.
 Assignments are taken in the order written.  llama.cpp habits work too: a bare number
 (``-ngl 16``) means device 0, ``-ngl -1`` and ``-ngl all`` put everything on device 0.
 """
@@ -73,10 +74,12 @@ def parse_ngl(spec: str | int | None, n_layer: int, device_names: list[str]) -> 
                 if not placed_epilog:
                     placement.epilog, placed_epilog = dev, True
             elif item.isdigit():
-                n = min(int(item), n_layer - next_layer)  # like llama.cpp, more than there are means all
+                want, n = int(item), min(int(item), n_layer - next_layer)
                 for il in range(next_layer, next_layer + n):
                     placement.layers[il] = dev
                 next_layer += n
+                if want > n and not placed_epilog:  # llama.cpp: -ngl 99 offloads the output layer too
+                    placement.epilog, placed_epilog = dev, True
             else:
                 raise PlacementError(f"-ngl: {item!r} is not a layer count, 'prolog', 'epilog' or 'all'")
     return placement

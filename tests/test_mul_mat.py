@@ -1,4 +1,5 @@
-"""MUL_MAT with every weight type against dequantize-then-matmul in float64."""
+"""MUL_MAT with every weight type against dequantize-then-matmul in float64, with the
+activations rounded the way ggml's vec_dot_type holds them (tests/conftest.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,14 +8,14 @@ import pytest
 import pyggml as pg
 from pyggml import Type, ops
 from pyggml.cpu import qmatmul
-from tests.conftest import run_graph
+from tests.conftest import ggml_mul_mat_reference, run_graph
 from tests.test_quants import random_blocks
 
 WEIGHT_TYPES = [t for t in Type if t.is_quantized] + [Type.F16, Type.BF16, Type.F32]
 
 
-def weight(qtype: Type, m: int, k: int, seed: int) -> tuple[pg.Tensor, np.ndarray]:
-    """A weight tensor [k, m] in qtype, and its exact float values."""
+def weight(qtype: Type, m: int, k: int, seed: int) -> tuple[pg.Tensor, np.ndarray, np.ndarray]:
+    """A weight tensor [k, m] in qtype, its exact float values and its bytes."""
     if qtype.is_quantized:
         raw = random_blocks(qtype, n_rows=m, blocks_per_row=k // qtype.block_size, seed=seed)
     else:
@@ -22,21 +23,24 @@ def weight(qtype: Type, m: int, k: int, seed: int) -> tuple[pg.Tensor, np.ndarra
     w = pg.new_tensor(qtype, (k, m), f"w_{qtype.name}")
     pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
     pg.tensor_set(w, raw)
-    return w, pg.quants.dequantize(raw.view(np.uint8).reshape(m, -1), qtype).astype(np.float64)
+    raw = raw.view(np.uint8).reshape(m, -1)
+    return w, pg.quants.dequantize(raw, qtype).astype(np.float64), raw
 
 
 @pytest.mark.parametrize("n_cols", [1, 3, qmatmul.FUSED_MAX_COLS + 5], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES, ids=lambda t: t.name)
 def test_mul_mat_weight_types(qtype, n_cols):
     k, m = 512, 37
-    w, wv = weight(qtype, m, k, seed=int(qtype))
+    w, wv, raw = weight(qtype, m, k, seed=int(qtype))
     x = pg.new_tensor(Type.F32, (k, n_cols), "x").set_input()
     xv = np.random.default_rng(1).standard_normal((n_cols, k)).astype(np.float32)
     out = run_graph(ops.mul_mat(w, x), {x: xv})[0, 0]
-    ref = xv.astype(np.float64) @ wv.T
+    ref = ggml_mul_mat_reference(xv, raw, qtype)
     err = float(((out - ref) ** 2).sum() / (ref ** 2).sum())
     assert out.shape == (n_cols, m)
-    assert err < 1e-10, f"{qtype.name}: nmse {err}"
+    assert err < 1e-10, f"{qtype.name}: nmse {err} against ggml's arithmetic"
+    exact = xv.astype(np.float64) @ wv.T  # and 8-bit activations cost little accuracy
+    assert float(((out - exact) ** 2).sum() / (exact ** 2).sum()) < 1e-3
 
 
 def test_quantized_mul_mat_batched_weights():
@@ -50,5 +54,5 @@ def test_quantized_mul_mat_batched_weights():
     x = pg.new_tensor(Type.F32, (k, 3, 4), "x").set_input()
     xv = np.random.default_rng(4).standard_normal((4, 3, k)).astype(np.float32)
     out = run_graph(ops.mul_mat(w, x), {x: xv})[0]
-    wv = np.repeat(pg.quants.dequantize(raw, Type.Q8_0).astype(np.float64), 2, axis=0)
-    assert np.allclose(out, xv @ wv.swapaxes(-1, -2), rtol=1e-5, atol=1e-5)
+    ref = np.stack([ggml_mul_mat_reference(xv[i], raw[i % 2], Type.Q8_0) for i in range(4)])
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import numpy as np
 import pyggml as pg
 from pyggml import Type, ops
 from pyggml.cpu import CPUDevice
+from tests.conftest import ggml_activations
 
 
 def _mlp(n_layers: int, dim: int, devices_of_layer, rng):
@@ -25,7 +26,7 @@ def _mlp(n_layers: int, dim: int, devices_of_layer, rng):
 def _reference(xv, weights):
     cur = xv.astype(np.float64)
     for wv in weights:
-        cur = cur @ wv.T
+        cur = ggml_activations(cur, Type.Q4_0)[0].astype(np.float64) @ wv.T
         cur = cur / np.sqrt((cur ** 2).mean(-1, keepdims=True) + 1e-5)
         cur = cur / (1 + np.exp(-cur))
     return cur

@@ -112,9 +112,10 @@ def k_glu(node: Tensor) -> None:
 
 def k_rms_norm(node: Tensor) -> None:
     x = values(node.src[0])
-    eps = node.get_op_params_f32(0)
-    mean_sq = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    tensor_view(node)[...] = x * (1.0 / np.sqrt(mean_sq + eps)).astype(f32)
+    eps = f32(node.get_op_params_f32(0))
+    # ggml's rounding: the sum of squares in double, the mean and the scale in float
+    mean_sq = (np.square(x, dtype=np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(f32)
+    tensor_view(node)[...] = x * (f32(1) / np.sqrt(mean_sq + eps))
 
 
 def k_norm(node: Tensor) -> None:
@@ -124,6 +125,13 @@ def k_norm(node: Tensor) -> None:
     tensor_view(node)[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
 
 
+def _softmax_rows(x: np.ndarray) -> None:
+    """In place, with ggml's rounding: exp in float, the sum in double, times 1/sum."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x *= (1.0 / x.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(f32)
+
+
 def k_soft_max(node: Tensor) -> None:
     a, mask = node.src[0], node.src[1]
     scale = node.get_op_params_f32(0)
@@ -131,9 +139,7 @@ def k_soft_max(node: Tensor) -> None:
     if mask is not None:
         m = values(mask)[:, :, :a.ne[1], :]
         x += _tile(m, x.shape)
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
+    _softmax_rows(x)
     tensor_view(node)[...] = x
 
 
@@ -206,14 +212,22 @@ def k_mul_mat(node: Tensor) -> None:
     out[...] = res.reshape(out.shape)
 
 
+def _as_f16_operand(x: np.ndarray, other: Tensor) -> np.ndarray:
+    """ggml multiplies an F16 tensor with F32 values by first rounding those to F16."""
+    return x.astype(np.float16).astype(f32) if other.type == Type.F16 else x
+
+
 def k_flash_attn_ext(node: Tensor) -> None:
+    """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
+    mul_mat(K, Q), softmax, mul_mat(V, KQ)): Q and the probabilities are rounded to F16,
+    products accumulate in float32."""
     q, k, v, mask = node.src[:4]
     scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
     n_tokens, n_head, n_head_kv = q.ne[1], q.ne[2], k.ne[2]
     group = n_head // n_head_kv  # query head h reads key/value head h // group, as in ggml
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
     for i3 in range(q.ne[3]):
-        qs = values(q)[i3].reshape(n_head_kv, group * n_tokens, q.ne[0])   # [kv head, (group, token), d]
+        qs = _as_f16_operand(values(q)[i3], k).reshape(n_head_kv, group * n_tokens, q.ne[0])  # [kv head, (group, token), d]
         ks, vs = values(k)[i3], values(v)[i3]                                # [kv head, n_kv, d]
         s = np.matmul(qs, ks.swapaxes(-1, -2))                              # [kv head, (group, token), n_kv]
         if softcap:
@@ -223,10 +237,8 @@ def k_flash_attn_ext(node: Tensor) -> None:
         s = s.reshape(n_head_kv, group, n_tokens, -1)
         if mask is not None:
             s += values(mask)[0, 0, :n_tokens]
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        o = np.matmul(s.reshape(n_head_kv, group * n_tokens, -1), vs)         # [kv head, (group, token), dv]
+        _softmax_rows(s)
+        o = np.matmul(_as_f16_operand(s, v).reshape(n_head_kv, group * n_tokens, -1), vs)  # [kv head, (group, token), dv]
         out[i3] = o.reshape(n_head, n_tokens, -1).swapaxes(0, 1)
 
 

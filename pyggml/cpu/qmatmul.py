@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
+from .activations import F32, Q8_1, VEC_DOT_KIND, q8_1_correction, quantize_activations
 from .qdecode import DECODERS, F16_TABLE
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
@@ -54,26 +55,35 @@ def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
 
 
 def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
-    """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32."""
+    """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32.
+
+    The activations are first rounded the way ggml's vec_dot_type holds them
+    (activations.py), so the result equals ggml's up to summation order.
+    """
     n_cols, k = x.shape
     m_rows = w.shape[0]
     if m_rows == 0 or n_cols == 0:
         return np.zeros((n_cols, m_rows), dtype=np.float32)
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    kind = VEC_DOT_KIND.get(qtype, F32)
+    corr = np.zeros((n_cols, k // 32 if kind == Q8_1 else 0), dtype=np.float32)
+    x = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), kind, corr)
     decode = DECODERS[qtype]
     if n_cols <= FUSED_MAX_COLS:
         out = np.empty((n_cols, m_rows), dtype=np.float32)
         _fused_matmul(decode, w, x, out, F16_TABLE)
-        return out
-    # BLAS writes each tile's result into contiguous rows of the transposed output
-    out_t = np.empty((m_rows, n_cols), dtype=np.float32)
-    tile = np.empty((min(TILE_ROWS, m_rows), k), dtype=np.float32)
-    for start in range(0, m_rows, TILE_ROWS):
-        rows = w[start:start + TILE_ROWS]
-        t = tile[:len(rows)]
-        _decode_rows(decode, rows, t, F16_TABLE)
-        np.matmul(t, x.T, out=out_t[start:start + len(rows)])
-    return np.ascontiguousarray(out_t.T)
+    else:
+        # BLAS writes each tile's result into contiguous rows of the transposed output
+        out_t = np.empty((m_rows, n_cols), dtype=np.float32)
+        tile = np.empty((min(TILE_ROWS, m_rows), k), dtype=np.float32)
+        for start in range(0, m_rows, TILE_ROWS):
+            rows = w[start:start + TILE_ROWS]
+            t = tile[:len(rows)]
+            _decode_rows(decode, rows, t, F16_TABLE)
+            np.matmul(t, x.T, out=out_t[start:start + len(rows)])
+        out = np.ascontiguousarray(out_t.T)
+    if kind == Q8_1:
+        q8_1_correction(w, corr, out, qtype.type_size, F16_TABLE)
+    return out
 
 
 def supports(qtype: Type) -> bool:

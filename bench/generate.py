@@ -1,0 +1,120 @@
+"""Prompt and generation speed of real models, and peak memory (prints figures; asserts nothing).
+
+For each model: prompt processing tokens/s (a 128-token prompt), generation tokens/s
+(greedy, 64 tokens), peak resident memory against the GGUF size plus the KV cache.  When
+llama-cpp-python happens to be installed (it is not a dependency), the same figures for
+llama.cpp on the same machine and thread count, and the ratio.  Each engine runs in its
+own process so that peak memory is its own.
+
+    python bench/generate.py [--models smollm2,gemma3-270m] [--threads 2] [-n 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+          "movable metal type, oil-based ink and a wooden press adapted from those used for wine. ") * 6
+
+
+def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+    import pyggml
+    t0 = time.perf_counter()
+    m = pyggml.Model(alias, n_ctx=1024, n_threads=threads, progress=False)
+    load_s = time.perf_counter() - t0
+    ids = m.tokenize(PROMPT)[:n_prompt]
+    list(m.generate(ids[:8], max_tokens=4, temperature=0))  # compile the kernels of both paths first
+    m.context.clear()
+    m.timings.reset()
+    t0 = time.perf_counter()
+    m.context.decode(ids)
+    pp = len(ids) / (time.perf_counter() - t0)
+    m.timings.reset()
+    out = list(m.generate(ids, max_tokens=n_gen, temperature=0))
+    t = m.timings
+    tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else float("nan")
+    return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
+            "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run_llama_cpp(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+    from llama_cpp import Llama
+
+    from pyggml import hub
+    path = str(hub.fetch(alias))
+    t0 = time.perf_counter()
+    llm = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True)[:n_prompt]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    pp = len(ids) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    n = 0
+    for _ in llm.generate(ids, temp=0.0, reset=True):
+        n += 1
+        if n == 1:
+            t0 = time.perf_counter()  # the first token comes from the prompt pass
+        if n > n_gen:
+            break
+    tg = (n - 1) / (time.perf_counter() - t0)
+    return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n - 1,
+            "gguf_bytes": os.path.getsize(path), "kv_bytes": 0,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int) -> dict | None:
+    cmd = [sys.executable, __file__, "--child", engine, "--models", alias, "--threads", str(threads),
+           "-n", str(n_gen), "--prompt-tokens", str(n_prompt)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        if engine == "pyggml":
+            sys.exit(f"pyggml run failed:\n{r.stderr}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("-n", type=int, default=64, help="tokens to generate")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        run = run_pyggml if a.child == "pyggml" else run_llama_cpp
+        print(json.dumps(run(a.models, a.threads, a.n, a.prompt_tokens)))
+        return
+    try:
+        import llama_cpp  # noqa: F401
+        have_llama = True
+    except ImportError:
+        have_llama = False
+        print("llama-cpp-python is not installed: pyggml figures only")
+    print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
+    print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
+          f"{'RSS/(GGUF+KV)':>14}")
+    for alias in a.models.split(","):
+        results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens)]
+        if have_llama:
+            results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens))
+        for r in filter(None, results):
+            ratio = r["peak_rss"] / (r["gguf_bytes"] + r["kv_bytes"])
+            print(f"{alias:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
+                  f"{r['peak_rss'] / 2**20:>12.0f} {ratio:>14.2f}")
+        if len(results) == 2 and results[1]:
+            ours, ref = results
+            print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "
+                  f"{ours['gen_tps'] / ref['gen_tps']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
