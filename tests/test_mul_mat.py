@@ -54,5 +54,5 @@ def test_quantized_mul_mat_batched_weights():
     x = pg.new_tensor(Type.F32, (k, 3, 4), "x").set_input()
     xv = np.random.default_rng(4).standard_normal((4, 3, k)).astype(np.float32)
     out = run_graph(ops.mul_mat(w, x), {x: xv})[0]
-    ref = np.stack([ggml_mul_mat_reference(xv[i], raw[i % 2], Type.Q8_0) for i in range(4)])
+    ref = np.stack([ggml_mul_mat_reference(xv[i], raw[i // 2], Type.Q8_0) for i in range(4)])  # b's batch i reads a's i // 2
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -66,7 +66,9 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
         return np.zeros((n_cols, m_rows), dtype=np.float32)
     kind = VEC_DOT_KIND.get(qtype, F32)
     corr = np.zeros((n_cols, k // 32 if kind == Q8_1 else 0), dtype=np.float32)
-    x = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), kind, corr)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if kind != F32:
+        x = quantize_activations(x, kind, corr)
     decode = DECODERS[qtype]
     if n_cols <= FUSED_MAX_COLS:
         out = np.empty((n_cols, m_rows), dtype=np.float32)
