@@ -119,9 +119,7 @@ class Context:
         for start in range(0, ids.size, self.n_ubatch):
             chunk = ids[start:start + self.n_ubatch]
             last = start + chunk.size == ids.size
-            n_outputs = chunk.size if all_logits else 1
-            if not all_logits and not last:
-                n_outputs = 1  # the head must run on something; its rows are dropped
+            n_outputs = chunk.size if all_logits else 1  # earlier chunks' single row is dropped
             b = self._graph(chunk.size, self.kv.n_kv(chunk.size), n_outputs)
             self.sched.alloc_graph(b.graph)
             self._set_inputs(b, chunk, n_outputs)
