@@ -5,12 +5,12 @@ import sys
 
 import click
 
-from .common import fail, load_model_or_exit, model_options, setup_logging
+from .common import fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging
 
 
-def _show_devices() -> None:
+def _show_devices(rpc: str | None, rpc_key: str | None) -> None:
     from pyggml.models.loader import default_devices
-    for i, dev in enumerate(default_devices()):
+    for i, dev in enumerate([*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]):
         free, total = dev.get_memory()
         click.echo(f"  {i}: {dev.get_name():<12} {dev.get_description()}  type {dev.get_type().name}  "
                    f"memory {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
@@ -54,7 +54,7 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
 @click.option("--show-devices", is_flag=True, help="List the devices (with their ids for -ngl) and exit.")
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
-def main(model, ctx_size, ngl, rpc, threads, log_level, prompt, system, n_predict, temp, top_k, top_p, min_p,
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, prompt, system, n_predict, temp, top_k, top_p, min_p,
          repeat_penalty, seed, show_devices, timings) -> None:
     """Chat with a GGUF model (llama, qwen2, qwen3, gemma3).
 
@@ -62,13 +62,12 @@ def main(model, ctx_size, ngl, rpc, threads, log_level, prompt, system, n_predic
     message and press Enter; /exit or Ctrl-D quits, Ctrl-C stops the current answer.
     """
     setup_logging(log_level)
-    if rpc:
-        fail("RPC devices (--rpc) are not available in this version of pyggml")
     if show_devices:
         click.echo("devices:")
-        _show_devices()
+        _show_devices(rpc, rpc_key)
         return
-    m = load_model_or_exit(path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, seed=seed, n_threads=threads)
+    m = load_model_or_exit(path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, rpc=rpc, rpc_key=rpc_key, seed=seed,
+                           n_threads=threads)
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,
                     min_p=min_p, repeat_penalty=repeat_penalty)
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -94,7 +93,7 @@ def main(model, ctx_size, ngl, rpc, threads, log_level, prompt, system, n_predic
             messages.append({"role": "assistant", "content": _answer(m, messages, sampling)})
             if timings:
                 _print_timings(m)
-    except ValueError as e:  # a full context, a template that rejects the conversation
+    except (ValueError, RuntimeError) as e:  # a full context, a template that rejects it, an RPC server lost
         fail(str(e))
 
 

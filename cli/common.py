@@ -18,10 +18,19 @@ def fail(message: str, code: int = 1) -> None:
 
 def load_model_or_exit(**kwargs: Any):
     """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1."""
-    from pyggml.models import Model, PlacementError, RPCUnavailableError
+    from pyggml.models import Model, PlacementError
     try:
         return Model(**kwargs)
-    except (GGUFError, PlacementError, RPCUnavailableError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError) as e:  # RPCError included
+        fail(str(e))
+
+
+def rpc_devices_or_exit(rpc: str | None, rpc_key: str | None) -> list:
+    """The devices of the --rpc servers, or one line and exit 1 when one cannot be reached."""
+    from pyggml.models.model import connect_rpc
+    try:
+        return connect_rpc(rpc, rpc_key)
+    except (ValueError, OSError, RuntimeError) as e:
         fail(str(e))
 
 
@@ -31,7 +40,7 @@ def setup_logging(level: str) -> None:
 
 
 def model_options(f: Callable) -> Callable:
-    """-m, -c, -ngl, --rpc, --threads, --log-level (shared by pyggml-chat and pyggml-perplexity)."""
+    """-m, -c, -ngl, --rpc, --rpc-key, --threads, --log-level (shared by pyggml-chat and pyggml-perplexity)."""
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -42,7 +51,10 @@ def model_options(f: Callable) -> Callable:
                           "(comma-joined). Device ids: RPC endpoints, then GPUs, then the CPU. "
                           "Example: '0:prolog,epilog;1:all'. Unplaced layers run on the CPU."),
         click.option("--rpc", default=None, metavar="ENDPOINTS",
-                     help="RPC servers, e.g. '8080;8081' or '10.0.0.2:8080' (not available in this version)."),
+                     help="RPC servers (pyggml-rpc-server), e.g. '8080;8081' or '10.0.0.2:8080'; a bare port "
+                          "means 127.0.0.1. Their devices get the first ids."),
+        click.option("--rpc-key", default=None, metavar="FILE",
+                     help="The RPC servers' CurveZMQ public key (from pyggml-rpc-server --gen-key)."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
                      show_default=True, help="Logging detail on stderr."),

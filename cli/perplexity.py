@@ -28,18 +28,16 @@ def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 @click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
               help="Text file to score.")
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Most chunks to score (-1: all).")
-def main(model, ctx_size, ngl, rpc, threads, log_level, path, chunks) -> None:
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, path, chunks) -> None:
     """Perplexity of a text file (-c: chunk size, default 512)."""
     setup_logging(log_level)
-    if rpc:
-        fail("RPC devices (--rpc) are not available in this version of pyggml")
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
     except OSError as e:
         fail(f"{path}: {e.strerror or e}")
     n_ctx = ctx_size or 512
-    m = load_model_or_exit(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, n_threads=threads)
+    m = load_model_or_exit(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads)
     tokens = m.tokenize(text, add_bos=False)
     n_chunk = len(tokens) // n_ctx
     if chunks > 0:
@@ -56,7 +54,10 @@ def main(model, ctx_size, ngl, rpc, threads, log_level, path, chunks) -> None:
         chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
         if bos is not None:
             chunk[0] = bos  # like llama.cpp: the chunk's first token is replaced by BOS
-        logits = m.logits(chunk)
+        try:
+            logits = m.logits(chunk)
+        except RuntimeError as e:  # an RPC server lost mid-run
+            fail(str(e))
         nll = chunk_nll(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:]))
         nll_sum += nll.sum()
         nll2 += (nll ** 2).sum()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .context import Context, ContextFullError
 from .loader import ARCHITECTURES, LoadedModel, UnsupportedArchitecture, load_model
-from .model import Model, RPCUnavailableError
+from .model import Model
 from .placement import Placement, PlacementError, parse_ngl
 from .tokenizer import Tokenizer
 
 __all__ = ["ARCHITECTURES", "Context", "ContextFullError", "LoadedModel", "Model", "Placement", "PlacementError",
-           "RPCUnavailableError", "Tokenizer", "UnsupportedArchitecture", "load_model", "parse_ngl"]
+           "Tokenizer", "UnsupportedArchitecture", "load_model", "parse_ngl"]

@@ -65,6 +65,11 @@ class Context:
     def clear(self) -> None:
         self.truncate(0)
 
+    def free(self) -> None:
+        """Release the compute buffers and forget the graphs (the KV cache is the caller's)."""
+        self.sched.free()
+        self._graphs.clear()
+
     def truncate(self, n: int) -> None:
         """Forget every cached token after the first ``n``."""
         n = max(0, min(n, len(self.tokens)))

@@ -57,8 +57,30 @@ def default_devices() -> list[Device]:
     return [d for d in devs if d.get_type() != DeviceType.CPU] + [pyggml.cpu_device()]
 
 
+_opened: dict[tuple[str, int, int], GGUFFile] = {}
+
+
+def _open_cached(path: str | os.PathLike) -> GGUFFile:
+    """A parsed GGUF, reused while the file is unchanged: parsing a large vocabulary takes
+    seconds, and a process that loads the same model again (another placement, a reload
+    onto RPC servers) should not pay that twice.  Two files are kept at most."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return GGUFFile(path)  # let GGUFFile word the error
+    f = _opened.get(key)
+    if f is None:
+        f = GGUFFile(path)
+        if len(_opened) >= 2:
+            _opened.pop(next(iter(_opened)))
+        _opened[key] = f
+    return f
+
+
 def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, ModuleType]:
-    f = GGUFFile(path)
+    f = _open_cached(path)
     arch = f.architecture
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitecture(f.path, f"unsupported architecture {arch!r}; supported: "

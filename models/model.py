@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,8 +19,27 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 
-class RPCUnavailableError(RuntimeError):
-    pass
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_of(gguf) -> Tokenizer:
+    """One tokenizer per opened GGUF (building Gemma's takes seconds; it holds no state)."""
+    tk = _tokenizers.get(gguf)
+    if tk is None:
+        tk = _tokenizers[gguf] = Tokenizer(gguf)
+    return tk
+
+
+def connect_rpc(rpc: str | Sequence[str] | None, key: str | bytes | os.PathLike | None = None) -> list:
+    """The devices of the RPC servers named by ``rpc`` (none when it is empty)."""
+    if not rpc:
+        return []
+    from pyggml.rpc import connect, load_key
+    if isinstance(key, (str, os.PathLike)) and os.path.exists(key):
+        key = load_key(key)
+    elif isinstance(key, str):
+        key = key.encode()
+    return connect(rpc, server_key=key)
 
 
 class _TextStream:
@@ -59,17 +79,25 @@ class Model:
 
     ``path_or_alias``: a GGUF file or a known alias (``smollm2``, ``gemma3-270m``; None =
     the default model, downloaded once).  ``ngl``: layer placement as in ``pyggml-chat -ngl``
-    (None: everything on the CPU).  ``seed``: default seed of sampling (None: random).
+    (None: everything on the CPU).  ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"``
+    or a list), whose devices come first in the device ids; ``rpc_key``: the servers'
+    CurveZMQ public key (file or Z85 text) when they use one.  ``seed``: default seed of
+    sampling (None: random).
     """
 
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
                  ngl: str | int | None = None, rpc: str | Sequence[str] | None = None, seed: int | None = None,
-                 n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None) -> None:
-        if rpc:
-            raise RPCUnavailableError("RPC devices are not available in this version of pyggml (--rpc / rpc=)")
+                 n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
+                 rpc_key: str | bytes | os.PathLike | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
-        self.model: LoadedModel = load_model(self.path, ngl, default_devices(), progress=progress)
-        self.tokenizer = Tokenizer(self.model.gguf)
+        self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
+        try:
+            self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
+                                                 progress=progress)
+        except BaseException:
+            self._disconnect()
+            raise
+        self.tokenizer = _tokenizer_of(self.model.gguf)
         self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
         if n_threads:
             for backend in self.context.backends:
@@ -224,6 +252,12 @@ class Model:
         self.model.free()
         for buf in self.context.kv.buffers:
             buf.free()
+        self.context.free()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        for conn in {id(d.conn): d.conn for d in self.rpc_devices}.values():
+            conn.close()
 
     def __enter__(self) -> Model:
         return self

@@ -166,6 +166,11 @@ class Scheduler:
     def n_splits(self) -> int:
         return len(self.splits)
 
+    def free(self) -> None:
+        """Give back the compute buffers (ggml_backend_sched_free)."""
+        self.reset()
+        self.galloc.free()
+
     def reset(self) -> None:
         self._unsplit()
         self._key = None

@@ -1,1 +1,16 @@
-"""pyggml.rpc"""
+"""pyggml.rpc: remote devices over ZeroMQ, as ggml-rpc does for llama.cpp.
+
+- :mod:`.protocol` - the wire format (struct-packed, versioned, nothing pickled)
+- :mod:`.server` - :class:`RPCServer`, behind ``pyggml-rpc-server``
+- :mod:`.backend` - :class:`RPCDevice` / buffer type / buffer / backend for clients
+- :mod:`.validate` - what the server checks before touching memory
+- :mod:`.cache` - the server's tensor cache
+"""
+from __future__ import annotations
+
+from .backend import RPCBackend, RPCBuffer, RPCBufferType, RPCDevice, connect
+from .client import Connection, load_key
+from .protocol import PROTOCOL_VERSION, ProtocolError, RPCError, parse_endpoint, parse_endpoints
+
+__all__ = ["PROTOCOL_VERSION", "Connection", "ProtocolError", "RPCBackend", "RPCBuffer", "RPCBufferType",
+           "RPCDevice", "RPCError", "connect", "load_key", "parse_endpoint", "parse_endpoints"]

@@ -101,3 +101,30 @@ def ggml_mul_mat_reference(x: np.ndarray, raw: np.ndarray, qtype) -> np.ndarray:
         mins = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         out += corr.astype(np.float64) @ mins.T
     return out
+
+
+# -- RPC servers (real processes on 127.0.0.1) -----------------------------------------------------
+
+@pytest.fixture
+def start_server():
+    """Start ``pyggml-rpc-server`` processes for one test; all are stopped afterwards."""
+    from .rpc_helpers import ServerProcess
+    started = []
+
+    def start(*args: str, **kw):
+        s = ServerProcess(*args, **kw)
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def rpc_pair(tmp_path_factory):
+    """Two servers shared by the model tests (each with its own tensor cache)."""
+    from .rpc_helpers import ServerProcess
+    servers = [ServerProcess("--cache-dir", str(tmp_path_factory.mktemp(f"cache{i}"))) for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()

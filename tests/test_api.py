@@ -66,7 +66,3 @@ def test_gemma_chat_uses_the_builtin_turn_format():
     r = g.create_chat_completion([{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0)
     assert r["choices"][0]["message"]["content"].strip()
 
-
-def test_rpc_is_not_available_yet():
-    with pytest.raises(pyggml.models.RPCUnavailableError, match="not available"):
-        pyggml.Model("smollm2", rpc="8080")

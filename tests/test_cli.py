@@ -32,7 +32,8 @@ def test_errors_are_one_line(tmp_path):
     junk.write_bytes(b"not a model at all")
     for args, needle in ((["-m", str(tmp_path / "missing.gguf")], "no such file"),
                          (["-m", str(junk)], "not a GGUF file"),
-                         (["--rpc", "8080"], "not available"),
+                         (["--rpc", "127.0.0.1:1"], "RPC[127.0.0.1:1]"),
+                         (["--rpc", "localhost:http"], "bad RPC endpoint"),
                          (["-ngl", "3:all"], "unknown device id 3")):
         r = run("chat", *args, "-p", "hi")
         assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
@@ -54,3 +55,42 @@ def test_perplexity(tmp_path, smollm2_path):
     assert r.returncode == 0, r.stderr
     ppl = float(r.stdout.split("Final estimate: PPL = ")[1].split()[0])
     assert 5 < ppl < 40  # llama.cpp: 15.9 over all 384 tokens of this text
+
+
+def test_chat_through_rpc_servers(rpc_pair, smollm2_path):
+    endpoints = ";".join(s.endpoint for s in rpc_pair)
+    r = run("chat", "--rpc", endpoints, "--show-devices")
+    assert r.returncode == 0, r.stderr
+    for i, s in enumerate(rpc_pair):
+        assert f"{i}: RPC[{s.endpoint}]" in r.stdout
+    assert "2: CPU" in r.stdout
+    args = ["-m", str(smollm2_path), "-p", "Name the capital of France.", "--temp", "0", "-n", "16"]
+    local = run("chat", *args)
+    remote = run("chat", *args, "--rpc", endpoints, "-ngl", "0:prolog,epilog;1:all")
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and "Paris" in remote.stdout
+
+
+def test_rpc_server_command_line(start_server, tmp_path):
+    r = run("rpc_server", "--list-devices")
+    assert r.returncode == 0 and "device 0: CPU" in r.stdout
+    r = run("rpc_server", "--device", "GPU7", "-p", "0")
+    assert r.returncode == 1 and "unknown device 'GPU7'" in r.stderr and "Traceback" not in r.stderr
+    r = run("rpc_server", "--help")
+    assert r.returncode == 0 and "--curve-secret-key" in r.stdout and "--mem" in r.stdout
+    s = start_server("--mem", "100", "--threads", "1")
+    assert "protocol version" in s.banner[0] and "100 MiB" in s.banner[1]
+    s = start_server("0@0")  # chatllm.cpp's PORT@DEVICE form
+    assert "device 0: CPU" in s.banner[1]
+
+
+def test_rpc_server_warns_when_reachable_from_the_network():
+    import subprocess as sp
+    p = sp.Popen([sys.executable, "-m", "pyggml.cli.rpc_server", "--host", "0.0.0.0", "-p", "0"],
+                 stdout=sp.PIPE, stderr=sp.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        assert "WARNING" in line and "reachable from the network" in line
+    finally:
+        p.terminate()
+        p.wait(10)

@@ -1,0 +1,103 @@
+"""RPC benchmark: what remote devices cost on loopback.
+
+Starts its own ``pyggml-rpc-server`` processes on 127.0.0.1 and prints, for one model:
+generation tokens/s locally, with every layer on one server, and split over two servers
+(embedding and head on one, the layers on the other); the time added per token per
+server; bytes on the wire per generated token; upload MB/s of the first load; and the
+time of a second load that the servers' tensor caches answer.
+
+    python bench/rpc.py [--model smollm2] [--tokens 64]
+
+Everything runs on one machine: the servers compete with the client for its cores, so
+on a 2-core machine the split run measures contention as much as the protocol.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyggml as pg
+from tests.rpc_helpers import ServerProcess
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def wire_bytes(model: pg.Model) -> int:
+    conns = {id(d.conn): d.conn for d in model.rpc_devices}.values()
+    return sum(c.bytes_sent + c.bytes_received for c in conns)
+
+
+def generation(model: pg.Model, n: int) -> tuple[float, float]:
+    """(tokens/s, wire bytes per token) of greedy generation after a short prompt."""
+    ids = model.tokenize(PROMPT)
+    model.context.clear()
+    list(model.generate(ids, max_tokens=2, temperature=0))  # warm up: graphs built and sent
+    model.context.clear()
+    model.context.decode(ids)
+    token, count = ids[-1], 0
+    b0, t0 = wire_bytes(model), time.perf_counter()
+    for _ in range(n):
+        logits = model.context.decode([token])
+        token = int(logits[-1].argmax())
+        count += 1
+    dt = time.perf_counter() - t0
+    return count / dt, (wire_bytes(model) - b0) / count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=512)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}") for i in range(2)]
+        try:
+            local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
+            local_tps, _ = generation(local, args.tokens)
+            weights = local.model.weights_nbytes()
+            rows = [("local", local_tps, 0.0, 0)]
+
+            t0 = time.perf_counter()
+            one = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
+            first_load = time.perf_counter() - t0
+            upload = one.rpc_devices[0].conn.bytes_sent
+            tps, per_token = generation(one, args.tokens)
+            rows.append(("1 server, all layers", tps, per_token, 1))
+            one.close()
+
+            t0 = time.perf_counter()
+            again = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
+            cached_load = time.perf_counter() - t0
+            cached_upload = again.rpc_devices[0].conn.bytes_sent
+            again.close()
+
+            two = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
+                           ngl="0:prolog,epilog;1:all", progress=False)
+            tps, per_token = generation(two, args.tokens)
+            rows.append(("2 servers, split", tps, per_token, 2))
+            two.close()
+        finally:
+            for s in servers:
+                s.stop()
+
+    print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens, "
+          f"{pg.cpu_device().get_description()}")
+    print(f"{'placement':<24}{'tokens/s':>10}{'ms/token':>10}{'added ms/token/server':>24}{'wire bytes/token':>18}")
+    for name, tps, per_token, n in rows:
+        added = (1000 / tps - 1000 / local_tps) / n if n else 0.0
+        print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}")
+    print(f"first load onto a server: {first_load:.2f} s, {upload / 2**20:.1f} MiB sent "
+          f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")
+    print(f"cached second load:       {cached_load:.2f} s, {cached_upload / 2**20:.2f} MiB sent "
+          f"({first_load / cached_load:.1f}x faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""pyggml-rpc-server: offer this machine's devices to remote pyggml clients."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from .common import fail, setup_logging
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+DEFAULT_CACHE = Path("~/.cache/pyggml/rpc").expanduser()
+
+
+def parse_size(text: str) -> int:
+    """'512' (MiB), '512M', '2G', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 4096, 512M or 2G")
+    scale = {"": 1 << 20, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_listen(text: str) -> tuple[str | None, int, int | None]:
+    """chatllm.cpp's forms: '8080', '8080@1', '127.0.0.1:9000@1' -> (host, port, device)."""
+    addr, _, dev = text.partition("@")
+    host, sep, port = addr.rpartition(":")
+    if not port.isdigit() or (dev and not dev.isdigit()):
+        raise click.BadParameter(f"{text!r}: expected PORT[@DEVICE] or HOST:PORT[@DEVICE]")
+    return (host if sep else None), int(port), (int(dev) if dev else None)
+
+
+def local_devices():
+    """The devices this server can offer, in id order: GPUs first, then the CPU."""
+    from pyggml.models.loader import default_devices
+    return default_devices()
+
+
+def pick_device(spec: str, devices):
+    if spec.isdigit():
+        i = int(spec)
+        if i >= len(devices):
+            fail(f"unknown device {i}; devices: " + ", ".join(f"{j}: {d.get_name()}" for j, d in enumerate(devices)))
+        return devices[i]
+    for d in devices:
+        if d.get_name().lower() == spec.lower():
+            return d
+    fail(f"unknown device {spec!r}; devices: " + ", ".join(f"{j}: {d.get_name()}" for j, d in enumerate(devices)))
+
+
+def describe(i: int, dev, free: int, total: int) -> str:
+    return (f"  device {i}: {dev.get_name()} - {dev.get_description()} ({dev.get_type().name}), "
+            f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
+
+
+def generate_key(path: str) -> None:
+    import zmq
+    public, secret = zmq.curve_keypair()
+    secret_path, public_path = Path(path), Path(str(path) + ".pub")
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    public_path.write_bytes(public + b"\n")
+    click.echo(f"secret key: {secret_path} (keep it on the server: --curve-secret-key {secret_path})\n"
+               f"public key: {public_path} (give it to clients: --rpc-key {public_path})")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("listen", required=False, metavar="[PORT[@DEVICE] | HOST:PORT[@DEVICE]]")
+@click.option("-d", "--device", "device_specs", multiple=True, metavar="ID|NAME",
+              help="Device to offer (index or name such as CPU, CUDA0); repeat for several. Default: device 0.")
+@click.option("-H", "--host", default=None, help="Address to bind. [default: 127.0.0.1] Any other address "
+                                                 "makes the server reachable from the network.")
+@click.option("-p", "--port", default="50052", show_default=True, metavar="PORT[@DEVICE]", help="Port to listen on.")
+@click.option("-m", "--mem", default=None, metavar="SIZE",
+              help="Memory offered per device (e.g. 4096 (MiB), 2G); allocations beyond it are refused.")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help=f"Tensor cache for weights, so a model loads again without uploading (e.g. {DEFAULT_CACHE}).")
+@click.option("-c", "--cache", "use_cache", is_flag=True, help=f"Use the tensor cache in {DEFAULT_CACHE}.")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads for computing.")
+@click.option("--curve-secret-key", default=None, metavar="FILE",
+              help="Encrypt and authenticate with CurveZMQ: only clients given the matching public key can connect.")
+@click.option("--gen-key", default=None, metavar="FILE",
+              help="Write a CurveZMQ key pair (FILE secret, FILE.pub public) and exit.")
+@click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
+@click.option("--list-devices", is_flag=True, help="List the devices and exit.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True, help="Logging detail on stderr.")
+def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, curve_secret_key, gen_key,
+         max_message, list_devices, log_level) -> None:
+    """Serve this machine's devices to pyggml clients over ZeroMQ, as ggml's rpc-server does.
+
+    \b
+    Examples:
+      pyggml-rpc-server --device 0 --port 8080
+      pyggml-rpc-server 8080@1                  # chatllm.cpp's form: port 8080, device 1
+      pyggml-chat -m model.gguf --rpc "8080;8081" -ngl "0:prolog,epilog;1:all"
+    """
+    setup_logging(log_level)
+    if gen_key:
+        generate_key(gen_key)
+        return
+    devices = local_devices()
+    if list_devices:
+        click.echo("devices:")
+        for i, d in enumerate(devices):
+            click.echo(describe(i, d, *d.get_memory()))
+        return
+    try:
+        l_host, l_port, l_dev = parse_listen(listen or port)
+    except click.BadParameter as e:
+        fail(str(e.message))
+    host = host or l_host or "127.0.0.1"
+    specs = list(device_specs) or ([str(l_dev)] if l_dev is not None else ["0"])
+    chosen = [pick_device(s, devices) for s in specs]
+    if len({id(d) for d in chosen}) != len(chosen):
+        fail("a device is listed twice")
+    key = None
+    if curve_secret_key:
+        from pyggml.rpc import load_key
+        try:
+            key = load_key(curve_secret_key)
+        except (OSError, ValueError) as e:
+            fail(str(e))
+    if threads:
+        from pyggml.cpu.device import configure_threads
+        configure_threads(threads)
+    for d in chosen:
+        if hasattr(d, "n_threads") and threads:
+            d.n_threads = threads
+    if host not in LOCAL_HOSTS:
+        click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
+                   f"connect may use its devices and memory" +
+                   ("" if key else "; consider --curve-secret-key"), err=True)
+    import zmq
+
+    from pyggml.rpc.protocol import PROTOCOL_VERSION
+    from pyggml.rpc.server import RPCServer
+    try:
+        server = RPCServer(chosen, host=host, port=l_port, mem=parse_size(mem) if mem else None,
+                           cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
+                           max_message=parse_size(max_message), curve_secret_key=key)
+    except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the port is taken: one line, not a traceback
+        fail(f"cannot start the server on {host}:{l_port}: {e}")
+    click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"
+               + (", CurveZMQ on" if key else ""))
+    for i, sd in enumerate(server.devices):
+        click.echo(describe(i, sd.device, *sd.memory()))
+    if server.cache:
+        click.echo(f"  tensor cache: {server.cache.dir}")
+    click.echo("", nl=True)
+    sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

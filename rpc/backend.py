@@ -1,0 +1,236 @@
+"""Remote devices as ordinary backends (ggml-rpc's client side).
+
+An :class:`RPCDevice` is one device of one server.  Its buffer type allocates remote
+buffers; an :class:`RPCBuffer` is an opaque handle plus a size, and its
+``set_tensor``/``get_tensor``/... are requests to the server.  The :class:`RPCBackend`
+sends a graph once and afterwards, while the same graph is computed again (a decode
+loop), only ``GRAPH_RECOMPUTE`` with the slot the server keeps it in.  To the scheduler
+and the allocator all of this looks exactly like a local device.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from pyggml.backend import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType
+from pyggml.graph import Graph
+from pyggml.ops import Op
+from pyggml.tensor import Tensor
+
+from . import protocol as P
+from .cache import digest
+from .client import Connection
+from .protocol import Codec, Command, RPCError, WireTensor
+
+HASH_THRESHOLD = 64 << 10  # weights at least this large are offered to the server's cache by hash first
+
+
+class RPCBufferType(BufferType):
+    def __init__(self, device: RPCDevice) -> None:
+        self.device = device
+
+    def get_name(self) -> str:
+        return self.device.get_name()
+
+    def alloc_buffer(self, size: int) -> RPCBuffer:
+        handle, real = self.device.conn.request(Command.ALLOC_BUFFER, P.ALLOC_BUFFER.pack(self.device.index, size),
+                                                reply=P.ALLOC_REPLY)[0]
+        return RPCBuffer(self, handle, real)
+
+    def get_alignment(self) -> int:
+        return self.device.alignment
+
+    def get_max_size(self) -> int:
+        return self.device.max_size
+
+    def get_alloc_size(self, tensor: Tensor) -> int:
+        if self.device.exact_alloc_size:
+            return tensor.nbytes()
+        payload = P.U32.pack(self.device.index) + wire(tensor, with_buffer=False).pack()
+        return self.device.conn.request(Command.GET_ALLOC_SIZE, payload, reply=P.U64)[0][0]
+
+    def get_device(self) -> Device:
+        return self.device
+
+
+def wire(t: Tensor, with_buffer: bool = True, srcs: bool = False) -> WireTensor:
+    """A tensor as the protocol sends it; sources and view source only for graph nodes."""
+    buf = t.buffer if with_buffer else None
+    if buf is not None and not isinstance(buf, RPCBuffer):
+        raise ValueError(f"tensor {t.name or '?'} is not in an RPC buffer")
+    src = tuple(id(s) if s is not None else 0 for s in t.src) if srcs else ()
+    return WireTensor(id=id(t), type=int(t.type), op=int(t.op), buffer=buf.handle if buf is not None else 0,
+                      ne=t.ne, nb=t.nb, op_params=tuple(int(x) for x in t.op_params), flags=int(t.flags),
+                      src=src + (0,) * (P.MAX_SRC - len(src)),
+                      view_src=id(t.view_src) if srcs and t.view_src is not None else 0,
+                      view_offs=t.view_offs if srcs and t.view_src is not None else 0,
+                      offset=t.offset if buf is not None else 0, name=t.name)
+
+
+class RPCBuffer(Buffer):
+    def __init__(self, buft: RPCBufferType, handle: int, size: int) -> None:
+        super().__init__(buft, size)
+        self.handle = handle
+        self.conn = buft.device.conn
+        self.freed = False
+
+    def _check(self, tensor: Tensor, offset: int, size: int) -> None:
+        if self.freed:
+            raise ValueError(f"{self.buft.get_name()}: buffer already freed")
+        if offset < 0 or size < 0 or tensor.offset + offset + size > self.size:
+            raise ValueError(f"{self.buft.get_name()}: bytes [{tensor.offset + offset}, "
+                             f"{tensor.offset + offset + size}) outside the buffer of {self.size} bytes")
+
+    def set_tensor(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
+        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        self._check(tensor, offset, len(view))
+        head = wire(tensor).pack()
+        cacheable = self.usage == BufferUsage.WEIGHTS and len(view) >= HASH_THRESHOLD
+        for start in range(0, max(len(view), 1), P.CHUNK_BYTES):
+            piece = view[start:start + P.CHUNK_BYTES]
+            if cacheable:
+                found = self.conn.request(Command.SET_TENSOR_HASH,
+                                          head + P.SET_TENSOR_HASH.pack(offset + start, len(piece), digest(piece)),
+                                          reply=P.U8)[0][0]
+                if found:
+                    continue
+            codec, body = P.compress(piece)
+            self.conn.send(Command.SET_TENSOR,
+                           head + P.SET_TENSOR.pack(offset + start, len(piece), codec, P.FLAG_CACHE if cacheable else 0),
+                           [body])
+
+    def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
+        size = tensor.nbytes() - offset if size is None else size
+        self._check(tensor, offset, size)
+        (n, codec), frames = self.conn.request(Command.GET_TENSOR, wire(tensor).pack() + P.GET_TENSOR.pack(
+            offset, size, Codec.LZ4), reply=P.GET_REPLY)
+        if n != size or len(frames) != 1:
+            raise RPCError(self.conn.endpoint, f"GET_TENSOR answered {n} bytes in {len(frames)} frames, asked {size}")
+        return np.frombuffer(P.decompress(codec, frames[0], size), dtype=np.uint8).copy()
+
+    def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
+        size = tensor.nbytes() - offset if size is None else size
+        self._check(tensor, offset, size)
+        self.conn.send(Command.MEMSET_TENSOR, wire(tensor).pack() + P.MEMSET.pack(offset, size, value))
+
+    def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
+        if not isinstance(src.buffer, RPCBuffer) or src.buffer.conn is not self.conn:
+            return False  # another machine: through the host (tensor_copy's fallback)
+        self.conn.request(Command.COPY_TENSOR, wire(src).pack() + wire(dst).pack(), reply=P.U8)
+        return True
+
+    def clear(self, value: int) -> None:
+        self.conn.request(Command.BUFFER_CLEAR, P.BUFFER_CLEAR.pack(self.handle, value))
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        if self.conn.closed_reason is None:
+            try:
+                self.conn.request(Command.FREE_BUFFER, P.U64.pack(self.handle))
+            except RPCError:
+                pass  # the server is gone, and the buffer with it
+
+
+class RPCBackend(Backend):
+    def __init__(self, device: RPCDevice) -> None:
+        self.device = device
+        self._slots: OrderedDict[int, tuple[Graph, tuple, int]] = OrderedDict()  # id(graph) -> (graph, signature, slot)
+        self.recomputes = 0
+
+    def get_name(self) -> str:
+        return self.device.get_name()
+
+    def get_device(self) -> RPCDevice:
+        return self.device
+
+    def graph_compute(self, graph: Graph) -> None:
+        signature = tuple((id(n), id(n.buffer), n.offset, *map(id, n.src)) for n in graph.nodes)
+        entry = self._slots.get(id(graph))
+        if entry is not None and entry[0] is graph and entry[1] == signature:
+            self._slots.move_to_end(id(graph))
+            self.device.conn.request(Command.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(self.device.index, entry[2]))
+            self.recomputes += 1
+            return
+        if entry is not None:
+            slot = entry[2]
+        elif len(self._slots) < P.GRAPH_SLOTS:
+            slot = len(self._slots) + 1
+        else:
+            slot = self._slots.popitem(last=False)[1][2]
+        self._slots.pop(id(graph), None)
+        self.device.conn.request(Command.GRAPH_COMPUTE, serialize_graph(graph, self.device.index, slot))
+        self._slots[id(graph)] = (graph, signature, slot)
+
+    def supports_op(self, op: Tensor) -> bool:
+        return self.device.supports_op(op)
+
+
+def serialize_graph(graph: Graph, device: int, slot: int) -> bytes:
+    """GRAPH_COMPUTE's payload: the nodes in order, then every tensor they touch."""
+    tensors: dict[int, bytes] = {}
+    for n in graph.nodes:
+        tensors[id(n)] = wire(n, srcs=True).pack()
+    for n in graph.nodes:
+        for s in [*n.src, n.view_src]:
+            if s is not None and id(s) not in tensors:
+                tensors[id(s)] = wire(s).pack()
+    ids = np.array([id(n) for n in graph.nodes], dtype="<u8").tobytes()
+    return P.GRAPH.pack(device, slot, len(graph.nodes), len(tensors)) + ids + b"".join(tensors.values())
+
+
+class RPCDevice(Device):
+    """Device ``index`` of the server at ``conn.endpoint``."""
+
+    def __init__(self, conn: Connection, index: int, n_devices: int) -> None:
+        self.conn = conn
+        self.index = index
+        info, frames = conn.request(Command.GET_DEVICE_INFO, P.U32.pack(index), reply=P.DEVICE_INFO)
+        dtype, _, _, self.alignment, self.max_size, exact = info
+        if len(frames) != 3:
+            raise RPCError(conn.endpoint, "malformed device description")
+        self.remote_name = bytes(frames[0]).decode("utf-8", "replace")
+        self.description = bytes(frames[1]).decode("utf-8", "replace")
+        self.ops = frozenset(np.frombuffer(frames[2], dtype="<u2").tolist())
+        self.type = DeviceType(dtype) if dtype in DeviceType._value2member_map_ else DeviceType.ACCEL
+        self.exact_alloc_size = bool(exact)
+        self.name = f"RPC[{conn.endpoint}]" + (f"#{index}" if index else "")
+        self.buft = RPCBufferType(self)
+
+    def get_name(self) -> str:
+        return self.name
+
+    def get_description(self) -> str:
+        return f"{self.remote_name} - {self.description}"
+
+    def get_memory(self) -> tuple[int, int]:
+        return self.conn.request(Command.GET_DEVICE_MEMORY, P.U32.pack(self.index), reply=P.DEVICE_MEMORY)[0]
+
+    def get_type(self) -> DeviceType:
+        return self.type
+
+    def init_backend(self) -> RPCBackend:
+        return RPCBackend(self)
+
+    def get_buffer_type(self) -> BufferType:
+        return self.buft
+
+    def supports_op(self, op: Tensor) -> bool:
+        return op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE) or int(op.op) in self.ops
+
+
+def connect(endpoints: str | list[str] | tuple[str, ...] | None, server_key: bytes | None = None,
+            connect_timeout: float | None = None) -> list[RPCDevice]:
+    """Every device of every server, in the order given (device ids start with these).
+
+    Each endpoint is reached (and greeted) before anything else happens, so an unreachable
+    server is reported before any weights move."""
+    kwargs = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+    devices: list[RPCDevice] = []
+    for ep in P.parse_endpoints(endpoints):
+        conn = Connection(ep, server_key, **kwargs)
+        devices.extend(RPCDevice(conn, i, conn.n_devices) for i in range(conn.n_devices))
+    return devices
+

@@ -1,0 +1,207 @@
+"""The wire protocol shared by the RPC server and client (ggml-rpc's, over ZeroMQ).
+
+A request is one ZeroMQ multipart message: frame 0 is a fixed header followed by the
+command's struct-packed, little-endian payload; bulk bytes (tensor data, names) travel as
+frames of their own, so large arrays are sent without being copied into the payload.
+A reply has the same shape with a status instead of a command.  Nothing is pickled:
+every field has a fixed width and is checked by the receiver.
+
+Commands mirror the buffer/backend interfaces one to one (``ALLOC_BUFFER`` is
+``BufferType.alloc_buffer``, ``SET_TENSOR`` is ``Buffer.set_tensor`` ...).  ``SET_TENSOR``
+and ``MEMSET_TENSOR`` are sent without waiting for a reply (as ggml-rpc does): the server
+keeps the first error of such a command and reports it in its next reply.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAGIC = b"PYGM"
+
+
+class Command(enum.IntEnum):
+    HELLO = 0
+    DEVICE_COUNT = 1
+    GET_DEVICE_MEMORY = 2
+    ALLOC_BUFFER = 3
+    GET_ALIGNMENT = 4
+    GET_MAX_SIZE = 5
+    GET_ALLOC_SIZE = 6
+    BUFFER_CLEAR = 7
+    FREE_BUFFER = 8
+    INIT_TENSOR = 9
+    SET_TENSOR = 10
+    SET_TENSOR_HASH = 11
+    GET_TENSOR = 12
+    COPY_TENSOR = 13
+    MEMSET_TENSOR = 14
+    GRAPH_COMPUTE = 15
+    GRAPH_RECOMPUTE = 16
+    GET_DEVICE_INFO = 17
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    ERROR = 1
+
+
+class Codec(enum.IntEnum):
+    RAW = 0
+    LZ4 = 1
+
+
+FLAG_NO_REPLY = 1   # header flag: the client does not wait for an answer
+FLAG_CACHE = 1      # SET_TENSOR flag: weights worth keeping in the server's tensor cache
+
+HEADER = struct.Struct("<BBHI")      # command (or status), flags, reserved, sequence number
+HELLO = struct.Struct("<4sI")        # magic, protocol version
+HELLO_REPLY = struct.Struct("<II")   # protocol version, number of devices
+U8 = struct.Struct("<B")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+DEVICE_MEMORY = struct.Struct("<QQ")                 # free, total
+DEVICE_INFO = struct.Struct("<IQQQQB")               # type, free, total, alignment, max size, exact alloc size
+ALLOC_BUFFER = struct.Struct("<IQ")                  # device, size
+ALLOC_REPLY = struct.Struct("<QQ")                   # handle, size
+BUFFER_CLEAR = struct.Struct("<QB")                  # handle, value
+DATA_RANGE = struct.Struct("<QQ")                    # offset within the tensor, size
+SET_TENSOR = struct.Struct("<QQBB")                  # offset, size, codec, flags
+SET_TENSOR_HASH = struct.Struct("<QQ32s")            # offset, size, digest
+GET_TENSOR = struct.Struct("<QQB")                   # offset, size, accepted codec
+GET_REPLY = struct.Struct("<QB")                     # size, codec
+MEMSET = struct.Struct("<QQB")                       # offset, size, value
+GRAPH = struct.Struct("<IIII")                       # device, slot, n_nodes, n_tensors
+RECOMPUTE = struct.Struct("<II")                     # device, slot
+
+MAX_SRC = 10
+MAX_OP_PARAMS = 16
+NAME_BYTES = 64
+# one tensor: id, type, op, buffer handle, ne[4], nb[4], op_params[16], flags, src ids[10],
+# view_src id, view_offs, offset of its data in the buffer, name
+TENSOR = struct.Struct(f"<QIIQ4q4q{MAX_OP_PARAMS}ii{MAX_SRC}QQQQ{NAME_BYTES}s")
+
+GRAPH_SLOTS = 16                     # graphs a session may keep on the server for GRAPH_RECOMPUTE
+DEFAULT_MAX_MESSAGE = 512 << 20      # the server refuses bigger frames; the client chunks below it
+CHUNK_BYTES = 64 << 20               # tensor data is sent in pieces of at most this size
+DIGEST_BYTES = 32
+
+
+class RPCError(RuntimeError):
+    """A remote device failed: unreachable, dead, too slow, refused a request, or another
+    protocol version.  The message names the endpoint."""
+
+    def __init__(self, endpoint: str, message: str) -> None:
+        super().__init__(f"RPC[{endpoint}]: {message}")
+        self.endpoint = endpoint
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses (answered with an error; the server keeps serving)."""
+
+
+@dataclass
+class WireTensor:
+    """One tensor as sent: plain integers, checked by the server before it is believed."""
+    id: int
+    type: int
+    op: int
+    buffer: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    op_params: tuple[int, ...]
+    flags: int
+    src: tuple[int, ...]
+    view_src: int
+    view_offs: int
+    offset: int
+    name: str
+
+    def pack(self) -> bytes:
+        return TENSOR.pack(self.id, self.type, self.op, self.buffer, *self.ne, *self.nb, *self.op_params,
+                           self.flags, *self.src, self.view_src, self.view_offs, self.offset,
+                           self.name.encode("utf-8", "replace")[:NAME_BYTES])
+
+    @classmethod
+    def unpack_from(cls, data: bytes | memoryview, offset: int = 0) -> WireTensor:
+        if offset < 0 or offset + TENSOR.size > len(data):
+            raise ProtocolError(f"truncated tensor: need {TENSOR.size} bytes at {offset}, have {len(data)}")
+        v = TENSOR.unpack_from(data, offset)
+        p = MAX_OP_PARAMS
+        return cls(id=v[0], type=v[1], op=v[2], buffer=v[3], ne=tuple(v[4:8]), nb=tuple(v[8:12]),
+                   op_params=tuple(v[12:12 + p]), flags=v[12 + p], src=tuple(v[13 + p:13 + p + MAX_SRC]),
+                   view_src=v[13 + p + MAX_SRC], view_offs=v[14 + p + MAX_SRC], offset=v[15 + p + MAX_SRC],
+                   name=v[16 + p + MAX_SRC].rstrip(b"\0").decode("utf-8", "replace"))
+
+
+def unpack(st: struct.Struct, data: bytes | memoryview, offset: int = 0, exact: bool = True) -> tuple:
+    """``st.unpack_from`` with the size checked: a short (or, with ``exact``, long) payload
+    is a :class:`ProtocolError`, never an exception from deep inside."""
+    end = offset + st.size
+    if len(data) < end or (exact and len(data) != end):
+        raise ProtocolError(f"payload of {len(data) - offset} bytes where {st.size} were expected")
+    return st.unpack_from(data, offset)
+
+
+# -- bulk data ------------------------------------------------------------------------------------
+
+_SAMPLE = 64 << 10
+
+
+def compress(data: memoryview | bytes | np.ndarray, level: str = "auto") -> tuple[Codec, object]:
+    """LZ4 when it makes the bytes smaller by at least an eighth; judged on a sample first,
+    since quantized weights hardly compress and compressing them would only cost time."""
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    n = len(view)
+    if level == "off" or n < 4096:
+        return Codec.RAW, view
+    if n > 2 * _SAMPLE:
+        sample = bytes(view[:_SAMPLE])
+        if len(lz4.block.compress(sample, store_size=False)) > _SAMPLE * 7 // 8:
+            return Codec.RAW, view
+    packed = lz4.block.compress(view, store_size=False)
+    if len(packed) > n * 7 // 8:
+        return Codec.RAW, view
+    return Codec.LZ4, packed
+
+
+def decompress(codec: int, frame: memoryview | bytes, size: int) -> memoryview | bytes:
+    """The ``size`` bytes a frame carries; the size was checked against the destination
+    first, so a hostile frame cannot make us allocate more than the tensor holds."""
+    if codec == Codec.RAW:
+        if len(frame) != size:
+            raise ProtocolError(f"data frame has {len(frame)} bytes, the request says {size}")
+        return frame
+    if codec == Codec.LZ4:
+        try:
+            out = lz4.block.decompress(frame, uncompressed_size=size)
+        except lz4.block.LZ4BlockError as e:
+            raise ProtocolError(f"corrupt LZ4 data: {e}") from None
+        if len(out) != size:
+            raise ProtocolError(f"LZ4 data holds {len(out)} bytes, the request says {size}")
+        return out
+    raise ProtocolError(f"unknown codec {codec}")
+
+
+def parse_endpoint(text: str) -> str:
+    """'8080' -> '127.0.0.1:8080'; 'host:port' and 'tcp://host:port' as given."""
+    text = text.strip()
+    text = text.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad RPC endpoint {text!r}: expected PORT or HOST:PORT")
+    return f"{host or '127.0.0.1'}:{int(port)}"
+
+
+def parse_endpoints(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """``--rpc`` lists: joined by ';' or ',' (llama.cpp's habit), or already a list."""
+    if not spec:
+        return []
+    items = spec if isinstance(spec, (list, tuple)) else str(spec).replace(",", ";").split(";")
+    return [parse_endpoint(s) for s in items if str(s).strip()]

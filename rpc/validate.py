@@ -1,0 +1,187 @@
+"""Turning wire tensors and graphs into server-side objects, believing nothing.
+
+Every check happens before any byte of a buffer is touched: the type is a known one
+with a block size, ``ne``/``nb`` are non-negative and small enough that no product
+overflows, ``ne[0]`` is whole blocks, the strided extent of the tensor lies inside its
+buffer, a buffer handle names a buffer of this client, every node and source id is
+known and nonzero, the op is one the device runs, and the op's own shape checks (the
+functions in :mod:`pyggml.ops` that build the node on the client) pass again with the
+node's sources and parameters, giving the same type and shape.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pyggml import ops
+from pyggml.backend import Buffer
+from pyggml.graph import Graph
+from pyggml.ops import VIEW_OPS, GluOp, Op, UnaryOp
+from pyggml.tensor import Tensor, TensorFlag
+from pyggml.types import Type
+
+from .protocol import GRAPH, TENSOR, U64, ProtocolError, WireTensor, unpack
+
+MAX_NE = 1 << 40       # elements along one dimension
+MAX_NB = 1 << 48       # bytes of one stride
+MAX_GRAPH_TENSORS = 1 << 18
+
+BufferLookup = Callable[[int], Buffer]
+
+
+def tensor_extent(t: Tensor) -> int:
+    """Bytes from a tensor's first byte to one past its last, whatever its strides."""
+    if any(n == 0 for n in t.ne):
+        return 0
+    ext = t.type.row_size(t.ne[0]) if t.type.is_quantized else t.type.type_size + (t.ne[0] - 1) * t.nb[0]
+    return ext + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, 4))
+
+
+def tensor_from_wire(w: WireTensor, lookup: BufferLookup, need_buffer: bool = True) -> Tensor:
+    """A :class:`Tensor` placed in one of the client's buffers, or a :class:`ProtocolError`."""
+    label = f"tensor {w.name!r}" if w.name else f"tensor {w.id:#x}"
+    try:
+        ttype = Type(w.type)
+    except ValueError:
+        raise ProtocolError(f"{label}: type {w.type} is not a known tensor type") from None
+    if ttype.block_size <= 0 or ttype.type_size <= 0:
+        raise ProtocolError(f"{label}: type {ttype.name} has no block size")
+    if any(not 0 <= n < MAX_NE for n in w.ne) or any(not 0 <= b < MAX_NB for b in w.nb):
+        raise ProtocolError(f"{label}: ne {list(w.ne)} / nb {list(w.nb)} negative or too large")
+    if int(np.prod([float(n) for n in w.ne])) >= 1 << 62:
+        raise ProtocolError(f"{label}: {list(w.ne)} elements overflow")
+    if w.ne[0] % ttype.block_size:
+        raise ProtocolError(f"{label}: ne[0]={w.ne[0]} is not a multiple of the {ttype.name} block size "
+                            f"{ttype.block_size}")
+    if ttype.is_quantized and w.nb[0] != ttype.type_size:
+        raise ProtocolError(f"{label}: nb[0]={w.nb[0]} must be the {ttype.name} block size {ttype.type_size}")
+    try:
+        op = Op(w.op)
+    except ValueError:
+        raise ProtocolError(f"{label}: op {w.op} is not a known op") from None
+    t = Tensor(ttype, w.ne, w.nb, op=op, name=w.name)
+    t.op_params[:] = np.asarray(w.op_params, dtype=np.int64).astype(np.int32)
+    t.flags = TensorFlag(w.flags & 7)
+    if w.buffer == 0:
+        if need_buffer:
+            raise ProtocolError(f"{label} has no buffer")
+        return t
+    buf = lookup(w.buffer)
+    end = w.offset + tensor_extent(t)
+    if w.offset >= MAX_NB or end > buf.get_size():
+        raise ProtocolError(f"{label}: bytes [{w.offset}, {end}) lie outside its buffer of {buf.get_size()} bytes")
+    t.buffer, t.offset = buf, w.offset
+    return t
+
+
+def read_tensor(payload: memoryview | bytes, lookup: BufferLookup, at: int = 0) -> tuple[Tensor, int]:
+    """The tensor at byte ``at`` of a payload and the offset just after it."""
+    return tensor_from_wire(WireTensor.unpack_from(payload, at), lookup), at + TENSOR.size
+
+
+# -- op checks: rebuild the node with the client's own op functions --------------------------------
+
+def _f32(node: Tensor, i: int) -> float:
+    return node.get_op_params_f32(i)
+
+
+def _p(node: Tensor, i: int) -> int:
+    return int(node.op_params[i])
+
+
+def _binary(op: Op) -> Callable[[Tensor], Tensor]:
+    return lambda n: ops._binary(op, n.src[0], n.src[1])
+
+
+REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
+    Op.ADD: _binary(Op.ADD),
+    Op.SUB: _binary(Op.SUB),
+    Op.MUL: _binary(Op.MUL),
+    Op.DIV: _binary(Op.DIV),
+    Op.SCALE: lambda n: ops.scale(n.src[0], _f32(n, 0), _f32(n, 1)),
+    Op.UNARY: lambda n: ops.unary(n.src[0], UnaryOp(_p(n, 0))),
+    Op.GLU: lambda n: ops.glu(n.src[0], n.src[1], GluOp(_p(n, 0)), bool(_p(n, 1))),
+    Op.RMS_NORM: lambda n: ops.rms_norm(n.src[0], _f32(n, 0)),
+    Op.NORM: lambda n: ops.norm(n.src[0], _f32(n, 0)),
+    Op.SOFT_MAX: lambda n: ops.soft_max_ext(n.src[0], n.src[1], _f32(n, 0), _f32(n, 1)),
+    Op.ROPE: lambda n: ops.rope_ext(n.src[0], n.src[1], n.src[2], _p(n, 1), _p(n, 2), _p(n, 4)),
+    Op.MUL_MAT: lambda n: ops.mul_mat(n.src[0], n.src[1]),
+    Op.GET_ROWS: lambda n: ops.get_rows(n.src[0], n.src[1]),
+    Op.SET_ROWS: lambda n: ops.set_rows(n.src[2], n.src[0], n.src[1]),
+    Op.CPY: lambda n: ops.cpy(n.src[0], n.src[1]),
+    Op.CONT: lambda n: ops.cont(n.src[0], *n.ne),
+    Op.DUP: lambda n: ops.cont(n.src[0], *n.ne),
+    Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], _p(n, 0)),
+    Op.ARGMAX: lambda n: ops.argmax(n.src[0]),
+    Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3], _f32(n, 0),
+                                                    _f32(n, 1), _f32(n, 2)),
+}
+"""Ops the server can check; an op missing here is refused even if a device could run it."""
+
+
+def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
+    label = f"node {node.name!r} ({node.op.name})" if node.name else f"node {node.op.name}"
+    if node.op in VIEW_OPS:
+        if node.op != Op.NONE and node.src and node.src[0] is not None and node.src[0].buffer is not node.buffer:
+            raise ProtocolError(f"{label}: a view must lie in its source's buffer")
+        return
+    rebuild = REBUILD.get(node.op)
+    if rebuild is None or not supported(node):
+        raise ProtocolError(f"{label}: op not supported by this server")
+    try:
+        want = rebuild(node)
+    except (ValueError, TypeError, AttributeError, IndexError, ArithmeticError) as e:
+        raise ProtocolError(f"{label}: {e}") from None
+    if want.ne != node.ne or want.type != node.type:
+        raise ProtocolError(f"{label}: result {node.type.name}{list(node.ne)} but its sources give "
+                            f"{want.type.name}{list(want.ne)}")
+    if node.op in (Op.SET_ROWS, Op.CPY):  # the result is the destination itself
+        dst = node.src[2] if node.op == Op.SET_ROWS else node.src[1]
+        if node.buffer is not dst.buffer or node.offset != dst.offset or node.nb != dst.nb:
+            raise ProtocolError(f"{label}: the result must be its destination tensor")
+
+
+def read_graph(payload: memoryview | bytes, lookup: BufferLookup,
+               supported: Callable[[Tensor], bool]) -> tuple[int, int, Graph, set[int]]:
+    """GRAPH_COMPUTE's payload -> (device, slot, graph, buffer handles it uses)."""
+    device, slot, n_nodes, n_tensors = unpack(GRAPH, payload, exact=False)
+    if not 0 < n_nodes <= n_tensors <= MAX_GRAPH_TENSORS:
+        raise ProtocolError(f"graph of {n_nodes} nodes and {n_tensors} tensors")
+    want = GRAPH.size + n_nodes * U64.size + n_tensors * TENSOR.size
+    if len(payload) != want:
+        raise ProtocolError(f"graph payload of {len(payload)} bytes where {want} were expected")
+    node_ids = np.frombuffer(payload, dtype="<u8", count=n_nodes, offset=GRAPH.size)
+    at = GRAPH.size + n_nodes * U64.size
+    wires: dict[int, WireTensor] = {}
+    tensors: dict[int, Tensor] = {}
+    handles: set[int] = set()
+    for _ in range(n_tensors):
+        w = WireTensor.unpack_from(payload, at)
+        at += TENSOR.size
+        if w.id == 0 or w.id in wires:
+            raise ProtocolError(f"tensor id {w.id:#x} is zero or repeated")
+        wires[w.id] = w
+        tensors[w.id] = tensor_from_wire(w, lookup)
+        handles.add(w.buffer)
+    nodes: list[Tensor] = []
+    for nid in node_ids.tolist():
+        if nid == 0 or nid not in tensors:
+            raise ProtocolError(f"node id {nid:#x} is zero or not among the graph's tensors")
+        nodes.append(tensors[nid])
+    for nid in node_ids.tolist():  # wire the sources, then check each node with them
+        w, t = wires[nid], tensors[nid]
+        srcs = list(w.src)  # all MAX_SRC slots, absent ones None: kernels index src[i] freely
+        for sid in srcs:
+            if sid != 0 and sid not in tensors:
+                raise ProtocolError(f"node {t.name!r}: source id {sid:#x} is not among the graph's tensors")
+        t.src = [tensors[sid] if sid else None for sid in srcs]
+        if w.view_src:
+            if w.view_src not in tensors:
+                raise ProtocolError(f"node {t.name!r}: view source id {w.view_src:#x} unknown")
+            t.view_src, t.view_offs = tensors[w.view_src], w.view_offs
+    for t in nodes:
+        check_node(t, supported)
+    graph = Graph()
+    graph.nodes = nodes
+    return device, slot, graph, handles

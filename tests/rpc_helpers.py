@@ -1,0 +1,119 @@
+"""Real RPC server processes for tests, and a raw client that can send any bytes."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import zmq
+
+from pyggml.rpc import protocol as P
+
+
+def _server_log():
+    """Servers' stderr: discarded, or appended to $PYGGML_TEST_SERVER_LOG when debugging."""
+    path = os.environ.get("PYGGML_TEST_SERVER_LOG")
+    return open(path, "a") if path else subprocess.DEVNULL
+
+
+class ServerProcess:
+    """``pyggml-rpc-server`` on a free port of 127.0.0.1 (the server picks it and prints it)."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=_server_log(),
+                                     env={**os.environ, **(env or {})})
+        self.banner = self._read_banner(30)
+        first = self.banner[0]
+        self.endpoint = first.split("tcp://", 1)[1].split(",", 1)[0]
+
+    def _read_banner(self, timeout: float) -> list[str]:
+        """The lines printed on start, up to the blank line that ends them."""
+        text = b""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and b"\n\n" not in text:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                text += chunk
+            elif self.proc.poll() is not None:
+                break
+        if b"\n\n" in text:
+            return text.decode().split("\n\n", 1)[0].splitlines()
+        self.proc.kill()
+        raise RuntimeError(f"server did not start: {text.decode()!r}")
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RawClient:
+    """A DEALER socket that speaks the protocol by hand, to send crafted requests."""
+
+    def __init__(self, endpoint: str, hello: bool = True) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 3000)  # no connected peer (a refused handshake): zmq.Again, not a hang
+        self.sock.connect(f"tcp://{endpoint}")
+        self.seq = 0
+        if hello:
+            status, body, _ = self.call(P.Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION))
+            assert status == P.Status.OK, body
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout: float = 10.0) -> tuple[int, bytes, list[bytes]] | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        parts = self.sock.recv_multipart()
+        status = P.HEADER.unpack_from(parts[0])[0]
+        return status, parts[0][P.HEADER.size:], parts[1:]
+
+    def call(self, cmd: int, payload: bytes = b"", frames: list[bytes] = (), timeout: float = 10.0):
+        self.seq += 1
+        self.send_raw([P.HEADER.pack(cmd, 0, 0, self.seq) + payload, *frames])
+        reply = self.recv(timeout)
+        assert reply is not None, f"no reply to command {cmd}"
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def tensor(type: int = 0, ne=(16, 1, 1, 1), nb=None, buffer: int = 0, offset: int = 0, op: int = 0,
+           src=(), id: int = 1, name: str = "t", op_params=(), view_src: int = 0) -> bytes:
+    """A wire tensor with every field under the test's control."""
+    from pyggml.types import Type
+    if nb is None:
+        t = Type(type)
+        nb0 = t.type_size
+        nb1 = nb0 * (ne[0] // t.block_size)
+        nb = (nb0, nb1, nb1 * ne[1], nb1 * ne[1] * ne[2])
+    params = tuple(op_params) + (0,) * (P.MAX_OP_PARAMS - len(op_params))
+    src = tuple(src) + (0,) * (P.MAX_SRC - len(src))
+    return P.WireTensor(id, type, op, buffer, tuple(ne), tuple(nb), params, 0, src, view_src, 0, offset, name).pack()

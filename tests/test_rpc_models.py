@@ -1,0 +1,160 @@
+"""Real models through real RPC server processes: the same logits and tokens as a local run,
+clear errors when a server dies, hangs, is unreachable or speaks another protocol, the
+tensor cache, and CurveZMQ."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import pyggml as pg
+from pyggml.rpc import RPCError, connect, load_key
+from pyggml.rpc import protocol as P
+
+from .conftest import reference, shared_model
+from .rpc_helpers import RawClient
+
+# (placement, servers used): everything on one server; embedding and head on one server and
+# every layer on another; the embedding and the first layers remote, the rest on the local CPU
+PLACEMENTS = {
+    "smollm2": [("all", 1), ("0:prolog,epilog;1:all", 2), ("0:prolog,12", 1)],
+    "gemma3-270m": [("all", 1), ("0:prolog,epilog;1:all", 2), ("0:prolog,9", 1)],
+}
+
+
+def prompt_ids(alias: str) -> list[int]:
+    ref = reference(alias)
+    return ref["prompts"][0]["tokens"] + ref["prompts"][1]["tokens"][1:]
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_logits_and_greedy_tokens_equal_the_local_run(alias, rpc_pair):
+    local = shared_model(alias)
+    ids = prompt_ids(alias)
+    want = local.logits(ids)
+    want_tokens = list(local.generate(ids[:12], max_tokens=16, temperature=0))
+    for ngl, n_servers in PLACEMENTS[alias]:
+        endpoints = [s.endpoint for s in rpc_pair[:n_servers]]
+        with pg.Model(alias, n_ctx=256, rpc=endpoints, ngl=ngl, progress=False) as remote:
+            assert [d.get_name() for d in remote.rpc_devices] == [f"RPC[{e}]" for e in endpoints]
+            got = remote.logits(ids)
+            # the same kernels on the same bytes in another process: identical, not merely close
+            assert np.array_equal(got, want), f"{ngl}: max |diff| {np.abs(got - want).max()}"
+            if n_servers == 2:
+                assert list(remote.generate(ids[:12], max_tokens=16, temperature=0)) == want_tokens
+
+
+def test_decode_reuses_the_graph_on_the_server(rpc_pair):
+    with pg.Model("smollm2", n_ctx=256, rpc=rpc_pair[0].endpoint, ngl="all", progress=False) as m:
+        ids = m.tokenize("Once upon a time")
+        conn = m.rpc_devices[0].conn
+        tokens = list(m.generate(ids, max_tokens=6, temperature=0))
+        backend = m.context.backends[0]
+        assert backend.recomputes >= len(tokens) - 2  # the first decode step sends its graph, later ones do not
+        sent = conn.bytes_sent
+        m.context.decode([tokens[-1]])
+        # the step's inputs (token, position, cache cell, a 256-cell mask) and a GRAPH_RECOMPUTE:
+        # ~3 KB, where sending the graph again would be ~300 KB
+        assert conn.bytes_sent - sent < 10_000
+
+
+def test_unreachable_server_is_reported_before_any_upload(start_server):
+    live = start_server()
+    before = connect(live.endpoint)[0].get_memory()
+    t0 = time.monotonic()
+    with pytest.raises(RPCError, match=r"RPC\[127\.0\.0\.1:1\]"):
+        pg.Model("smollm2", rpc=[live.endpoint, "127.0.0.1:1"], ngl="0:all", progress=False)
+    assert time.monotonic() - t0 < 8
+    assert connect(live.endpoint)[0].get_memory()[0] >= before[0] - (1 << 20)  # nothing was allocated there
+
+
+def test_other_protocol_version_is_refused(rpc_pair, monkeypatch):
+    monkeypatch.setattr(P, "PROTOCOL_VERSION", P.PROTOCOL_VERSION + 1)
+    with pytest.raises(RPCError, match="protocol version"):
+        connect(rpc_pair[0].endpoint)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_dead_or_hung_server_mid_generation(start_server, how):
+    server = start_server()
+    m = pg.Model("smollm2", n_ctx=256, rpc=server.endpoint, ngl="all", progress=False)
+    stream = m.generate(m.tokenize("Tell me a long story about a dragon"), max_tokens=200, temperature=0)
+    next(stream), next(stream)
+    server.kill(how)
+    t0 = time.monotonic()
+    with pytest.raises(RPCError, match=server.endpoint.replace(".", r"\.")):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RPCError):  # the connection stays unusable, with the same clear error
+        m.logits([1, 2])
+
+
+def test_second_load_comes_from_the_tensor_cache(start_server, tmp_path):
+    server = start_server("--cache-dir", str(tmp_path / "cache"))
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, ngl="all", progress=False) as first:
+        first_bytes = first.rpc_devices[0].conn.bytes_sent
+        weights = first.model.weights_nbytes()
+    assert first_bytes > 0.9 * weights
+    assert len(list((tmp_path / "cache").glob("*.bin"))) > 100
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, ngl="all", progress=False) as second:
+        second_bytes = second.rpc_devices[0].conn.bytes_sent
+        ids = second.tokenize("The cache")
+        assert np.array_equal(second.logits(ids), shared_model("smollm2").logits(ids))
+    assert second_bytes < 0.05 * first_bytes, (first_bytes, second_bytes)
+
+
+def test_corrupt_cache_entry_is_not_used(start_server, tmp_path):
+    cache = tmp_path / "cache"
+    server = start_server("--cache-dir", str(cache))
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, ngl="all", progress=False):
+        pass
+    entries = sorted(cache.glob("*.bin"), key=lambda p: p.stat().st_size)
+    victim = entries[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, ngl="all", progress=False) as m:
+        ids = m.tokenize("Corruption is caught")
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+    assert victim.exists() and victim.read_bytes() != bytes(data)  # replaced by the good bytes
+
+
+@pytest.fixture
+def curve_keys(tmp_path):
+    key = tmp_path / "server.key"
+    subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(key)], check=True,
+                   capture_output=True)
+    assert (os.stat(key).st_mode & 0o777) == 0o600
+    return key, tmp_path / "server.key.pub"
+
+
+def test_curve_accepts_the_right_key_and_rejects_others(start_server, curve_keys, tmp_path):
+    secret, public = curve_keys
+    server = start_server("--curve-secret-key", str(secret))
+    assert "CurveZMQ on" in server.banner[0]
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, rpc_key=str(public), ngl="all", progress=False) as m:
+        ids = m.tokenize("Secret")
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+    with pytest.raises(RPCError):
+        connect(server.endpoint, connect_timeout=3)  # no key
+    other = tmp_path / "other.key"
+    subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(other)], check=True,
+                   capture_output=True)
+    with pytest.raises(RPCError):
+        connect(server.endpoint, server_key=load_key(str(other) + ".pub"), connect_timeout=3)  # wrong key
+    raw = RawClient(server.endpoint, hello=False)  # a plain socket cannot even deliver a request
+    try:
+        raw.send_raw([P.HEADER.pack(P.Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+    except zmq.Again:
+        pass
+    else:
+        assert raw.recv(timeout=2) is None
+    raw.close()
+    assert server.alive()
