@@ -54,40 +54,49 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3, help="runs per placement (the median is shown)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the server processes, e.g. OMP_WAIT_POLICY=PASSIVE")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}") for i in range(2)]
+        env = dict(kv.split("=", 1) for kv in args.server_env)
+        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
         try:
             local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
-            local_tps, _ = generation(local, args.tokens)
             weights = local.model.weights_nbytes()
-            rows = [("local", local_tps, 0.0, 0)]
-
             t0 = time.perf_counter()
             one = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
             first_load = time.perf_counter() - t0
             upload = one.rpc_devices[0].conn.bytes_sent
-            tps, per_token = generation(one, args.tokens)
-            rows.append(("1 server, all layers", tps, per_token, 1))
-            one.close()
+            two = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
+                           ngl="0:prolog,epilog;1:all", progress=False)
+            runs = {"local": (local, 0), "1 server, all layers": (one, 1), "2 servers, split": (two, 2)}
+            results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+            for _ in range(args.rounds):  # interleaved, so that a noisy moment hits every placement
+                for name, (model, _n) in runs.items():
+                    results[name].append(generation(model, args.tokens))
+                print("round: " + ", ".join(f"{name} {r[-1][0]:.1f} tokens/s" for name, r in results.items()),
+                      file=sys.stderr)
+            rows = []
+            for name, (model, n) in runs.items():
+                tps = sorted(r[0] for r in results[name])[len(results[name]) // 2]  # the median run
+                rows.append((name, tps, results[name][0][1], n))
+                if n:
+                    model.close()
+            local_tps = rows[0][1]
 
             t0 = time.perf_counter()
             again = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
             cached_load = time.perf_counter() - t0
             cached_upload = again.rpc_devices[0].conn.bytes_sent
             again.close()
-
-            two = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
-                           ngl="0:prolog,epilog;1:all", progress=False)
-            tps, per_token = generation(two, args.tokens)
-            rows.append(("2 servers, split", tps, per_token, 2))
-            two.close()
         finally:
             for s in servers:
                 s.stop()
 
-    print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens, "
+    print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens x "
+          f"{args.rounds} rounds, "
           f"{pg.cpu_device().get_description()}")
     print(f"{'placement':<24}{'tokens/s':>10}{'ms/token':>10}{'added ms/token/server':>24}{'wire bytes/token':>18}")
     for name, tps, per_token, n in rows:

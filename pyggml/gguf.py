@@ -8,6 +8,7 @@ end) is a :class:`GGUFError` that names the file and the problem.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +144,7 @@ class GGUFFile:
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
         source = source_of or (lambda t: t.name)
         total = sum(self.tensors[source(t)].nbytes for t in tensors)
-        show = progress if progress is not None else total > 32 << 20
+        show = progress if progress is not None else total > 32 << 20 and sys.stderr.isatty()
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar:
             for t in tensors:

@@ -71,16 +71,24 @@ class Connection:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a lost server is an error, not something to wait for
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        # with the server gone a DEALER has no peer and send() would wait for one forever
+        self.sock.setsockopt(zmq.SNDTIMEO, HEARTBEAT_TIMEOUT_MS + 2000)
         if server_key:
             public, secret = zmq.curve_keypair()
             self.sock.curve_serverkey = server_key
             self.sock.curve_publickey = public
             self.sock.curve_secretkey = secret
         self.monitor = self.sock.get_monitor_socket(addr=f"inproc://pyggml-rpc-monitor-{next(_monitor_ids)}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.sock.connect(f"tcp://{endpoint}")
         self._await_connection(connect_timeout)
-        _, self.n_devices = self.request(Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION),
-                                               reply=P.HELLO_REPLY, timeout=connect_timeout)[0]
+        _, self.n_devices, max_message, flags = self.request(
+            Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION), reply=P.HELLO_REPLY, timeout=connect_timeout)[0]
+        # tensor data goes in pieces well under the server's cap (a bigger request would be dropped)
+        self.chunk_bytes = max(1 << 16, min(P.CHUNK_BYTES, max_message // 2))
+        self.server_has_cache = bool(flags & P.SERVER_HAS_CACHE)
 
     def _await_connection(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -121,15 +129,25 @@ class Connection:
         if self.closed_reason is not None:
             raise RPCError(self.endpoint, f"connection unusable: {self.closed_reason}")
 
+    def _check_monitor(self) -> None:
+        """Raise at once if the monitor already saw the connection fail."""
+        while self.monitor.poll(0):
+            ev = zmq.utils.monitor.recv_monitor_message(self.monitor)
+            if ev["event"] in _FAILURES:
+                self.close(_FAILURES[ev["event"]])
+                raise RPCError(self.endpoint, self.closed_reason)
+
     def _send(self, cmd: Command, payload: bytes, frames: list, flags: int) -> int:
         self._check_open()
+        self._check_monitor()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         head = P.HEADER.pack(cmd, flags, 0, self.seq) + payload
         self.bytes_sent += len(head) + sum(len(memoryview(f)) for f in frames)
         try:
             self.sock.send_multipart([head, *frames], copy=len(frames) == 0)
         except zmq.ZMQError as e:
-            self.close(f"send failed: {e}")
+            self._check_monitor()  # the usual cause: the server went away
+            self.close(f"cannot send to the server: {e}")
             raise RPCError(self.endpoint, self.closed_reason) from None
         return self.seq
 
@@ -160,16 +178,13 @@ class Connection:
         return body, parts[1:]
 
     def _wait(self, seq: int, cmd: Command, timeout: float) -> list[memoryview]:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close(f"no answer to {cmd.name} within {timeout:.0f} s")
                 raise RPCError(self.endpoint, self.closed_reason)
-            events = dict(poller.poll(int(min(left, 1.0) * 1000) + 1))
+            events = dict(self.poller.poll(int(min(left, 1.0) * 1000) + 1))
             if self.sock in events:
                 frames = self.sock.recv_multipart(copy=False)
                 parts = [f.buffer for f in frames]

@@ -57,10 +57,11 @@ class Codec(enum.IntEnum):
 
 FLAG_NO_REPLY = 1   # header flag: the client does not wait for an answer
 FLAG_CACHE = 1      # SET_TENSOR flag: weights worth keeping in the server's tensor cache
+SERVER_HAS_CACHE = 1  # HELLO reply flag: the server keeps a tensor cache (SET_TENSOR_HASH can hit)
 
 HEADER = struct.Struct("<BBHI")      # command (or status), flags, reserved, sequence number
 HELLO = struct.Struct("<4sI")        # magic, protocol version
-HELLO_REPLY = struct.Struct("<II")   # protocol version, number of devices
+HELLO_REPLY = struct.Struct("<IIQI")  # protocol version, number of devices, largest request, server flags
 U8 = struct.Struct("<B")
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
@@ -149,7 +150,7 @@ def unpack(st: struct.Struct, data: bytes | memoryview, offset: int = 0, exact: 
 
 # -- bulk data ------------------------------------------------------------------------------------
 
-_SAMPLE = 64 << 10
+_SAMPLE = 8 << 10
 
 
 def compress(data: memoryview | bytes | np.ndarray, level: str = "auto") -> tuple[Codec, object]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -179,7 +180,10 @@ class RPCServer:
                 if session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
                     raise ProtocolError(f"an earlier request failed: {err}")
+                t0 = time.perf_counter()
                 reply = self.handlers[cmd](session, payload, data)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s took %.3f ms", cmd.name, (time.perf_counter() - t0) * 1000)
             if not no_reply:
                 self._send(identity, Status.OK, seq, *reply)
         except Exception as e:  # noqa: BLE001 - whatever happened, answer and keep serving
@@ -236,7 +240,8 @@ class RPCServer:
         if identity not in self.sessions:
             self.sessions[identity] = Session(identity, fd)
             log.info("client %s connected", identity.hex())
-        return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices)), []
+        flags = P.SERVER_HAS_CACHE if self.cache is not None else 0
+        return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices), self.max_message, flags), []
 
     def _device_count(self, s: Session, payload: memoryview, data: list) -> Reply:
         if len(payload):

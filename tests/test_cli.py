@@ -94,3 +94,27 @@ def test_rpc_server_warns_when_reachable_from_the_network():
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_chat_reports_a_server_killed_mid_answer(start_server, smollm2_path):
+    import os
+    import select
+    import signal
+    import time
+    server = start_server()
+    code = "import sys; from pyggml.cli.chat import main; sys.argv[0] = 'pyggml-chat'; main()"
+    p = subprocess.Popen([sys.executable, "-c", code, "-m", str(smollm2_path), "--rpc", server.endpoint, "-ngl", "all",
+                          "-p", "Tell me a very long story about a dragon.", "-n", "1000", "--temp", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert select.select([p.stdout], [], [], 120)[0], "no answer started"
+        os.read(p.stdout.fileno(), 1)  # the answer is streaming
+        server.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        p.wait(30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        p.kill()
+    err = p.stderr.read().decode()
+    assert p.returncode == 1 and f"RPC[{server.endpoint}]" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -264,3 +264,17 @@ def test_disconnect_frees_buffers(server):
     while used_free() < before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert used_free() == before
+
+
+def test_client_sends_big_tensors_in_pieces_under_the_cap(server):
+    import pyggml as pg
+    from pyggml.rpc import connect
+    dev = connect(server.endpoint)[0]
+    assert dev.conn.chunk_bytes <= (MAX_MESSAGE_MIB << 20) // 2
+    t = pg.new_tensor(Type.F32, (1024, 3 * MAX_MESSAGE_MIB * 256), "big")  # 3x the cap
+    buf = pg.alloc_tensors([t], dev.get_buffer_type())
+    values = np.random.default_rng(0).standard_normal(t.ne[::-1][2:], dtype=np.float32)
+    pg.tensor_set(t, values)
+    assert np.array_equal(pg.tensor_array(t).reshape(values.shape), values)
+    buf.free()
+    dev.conn.close()
