@@ -254,16 +254,29 @@ def test_disconnect_frees_buffers(server):
         free, _ = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])
         probe.close()
         return free
+    import time
+
+    def settles_at(value):
+        deadline = time.monotonic() + 5
+        while used_free() != value and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return used_free() == value
+
     before = used_free()
     c = RawClient(server.endpoint)
     alloc(c, 16 << 20)
     assert used_free() <= before - (16 << 20)
     c.close()  # vanishes without FREE_BUFFER
-    import time
-    deadline = time.monotonic() + 5
-    while used_free() < before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert used_free() == before
+    assert settles_at(before)
+    # gone in the middle of a command: the answer has nobody to go to, the buffers are freed
+    c = RawClient(server.endpoint)
+    h = alloc(c, 16 << 20)
+    data = bytes(3 << 20)
+    c.send_raw([P.HEADER.pack(C.SET_TENSOR, 0, 0, 7) + tensor(Type.F32, (len(data) // 4, 1, 1, 1), buffer=h)
+                + P.SET_TENSOR.pack(0, len(data), P.Codec.RAW, 0), data])
+    c.close()
+    assert settles_at(before)
+    still_serving(server)
 
 
 def test_client_sends_big_tensors_in_pieces_under_the_cap(server):
