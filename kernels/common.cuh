@@ -1,0 +1,219 @@
+// Shared helpers for pyggml's CUDA kernels (compiled at run time by CuPy's RawModule / NVRTC,
+// and by nvcc in the test that checks every source for sm_80 and sm_90).
+// No host headers: NVRTC has none, so the integer types are our own.
+#pragma once
+#include <cuda_fp16.h>
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// the format decoders run on the host too: a test compiles them into a host library and checks
+// them against pyggml's CPU formats, which no GPU is needed for
+#define HD static __host__ __device__ __forceinline__
+
+#define WARP_SIZE 32
+#define QK 32          // elements per group: the block of the legacy quants, a sub-block of the k-quants
+#define QK_K 256       // elements per k-quant super-block
+
+static __device__ __forceinline__ float warp_reduce_sum(float x) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        x += __shfl_xor_sync(0xffffffff, x, offset, WARP_SIZE);
+    }
+    return x;
+}
+
+static __device__ __forceinline__ float warp_reduce_max(float x) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset, WARP_SIZE));
+    }
+    return x;
+}
+
+// little-endian loads from byte addresses without alignment assumptions (blocks are 18, 20,
+// 22 ... bytes long, so their fields are only 2-byte aligned)
+HD float load_f16(const u8 *p) {
+    const u16 bits = (u16)p[0] | ((u16)p[1] << 8);
+    return __half2float(__ushort_as_half(bits));
+}
+
+HD u32 load_u32(const u8 *p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// four signed bytes packed into an int, for __dp4a
+HD int pack_i8x4(int a, int b, int c, int d) {
+    return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | ((int)((u32)d << 24));
+}
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)
+HD void scale_min_k4(int j, const u8 *q, int &sc, int &mn) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        mn = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// One group of 32 weights as 8 ints of 4 signed bytes each, with the affine map back to
+// values: value_i = a * w_i + b.  Every weight type provides load_group_<type>(row, g, w, a, b)
+// for group g of a row, so the matrix-vector product and dequantization share one definition
+// of each format.
+
+// Q4_0: {f16 d; u8 qs[16]}; element i < 16 is qs[i] & 15, element i + 16 is qs[i] >> 4; value d * (q - 8)
+HD void load_group_q4_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 18;
+    a = load_f16(blk);
+    b = 0.0f;
+    const u8 *qs = blk + 2;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 v = load_u32(qs + 4 * k);
+        w[k] = pack_i8x4((v & 15) - 8, ((v >> 8) & 15) - 8, ((v >> 16) & 15) - 8, ((v >> 24) & 15) - 8);
+        w[k + 4] = pack_i8x4(((v >> 4) & 15) - 8, ((v >> 12) & 15) - 8, ((v >> 20) & 15) - 8, ((v >> 28) & 15) - 8);
+    }
+}
+
+// Q4_1: {f16 d; f16 m; u8 qs[16]}; value d * q + m
+HD void load_group_q4_1(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 20;
+    a = load_f16(blk);
+    b = load_f16(blk + 2);
+    const u8 *qs = blk + 4;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 v = load_u32(qs + 4 * k);
+        w[k] = (int)(v & 0x0F0F0F0Fu);
+        w[k + 4] = (int)((v >> 4) & 0x0F0F0F0Fu);
+    }
+}
+
+// Q5_0: {f16 d; u32 qh; u8 qs[16]}; bit i of qh is the fifth bit of element i; value d * (q - 16)
+HD void load_group_q5_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 22;
+    a = load_f16(blk);
+    b = 0.0f;
+    const u32 qh = load_u32(blk + 2);
+    const u8 *qs = blk + 6;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int lo[4], hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = 4 * k + j;
+            lo[j] = ((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16;
+            hi[j] = ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+        }
+        w[k] = pack_i8x4(lo[0], lo[1], lo[2], lo[3]);
+        w[k + 4] = pack_i8x4(hi[0], hi[1], hi[2], hi[3]);
+    }
+}
+
+// Q5_1: {f16 d; f16 m; u32 qh; u8 qs[16]}; value d * q + m
+HD void load_group_q5_1(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 24;
+    a = load_f16(blk);
+    b = load_f16(blk + 2);
+    const u32 qh = load_u32(blk + 4);
+    const u8 *qs = blk + 8;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int lo[4], hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = 4 * k + j;
+            lo[j] = (qs[i] & 15) | (((qh >> i) & 1) << 4);
+            hi[j] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        }
+        w[k] = pack_i8x4(lo[0], lo[1], lo[2], lo[3]);
+        w[k + 4] = pack_i8x4(hi[0], hi[1], hi[2], hi[3]);
+    }
+}
+
+// Q8_0: {f16 d; i8 qs[32]}; value d * q
+HD void load_group_q8_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 34;
+    a = load_f16(blk);
+    b = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        w[k] = (int)load_u32(blk + 2 + 4 * k);
+    }
+}
+
+// Q4_K: {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}; sub-block s (32 elements) takes the low
+// nibbles of qs[32*(s/2) ...] for even s, the high ones for odd s; value d*sc*q - dmin*mn
+HD void load_group_q4_k(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + (g / 8) * 144;
+    const int s = (int)(g % 8);
+    int sc, mn;
+    scale_min_k4(s, blk + 4, sc, mn);
+    a = load_f16(blk) * (float)sc;
+    b = -load_f16(blk + 2) * (float)mn;
+    const u8 *qs = blk + 16 + (s / 2) * 32;
+    const int shift = 4 * (s & 1);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        w[k] = (int)((load_u32(qs + 4 * k) >> shift) & 0x0F0F0F0Fu);
+    }
+}
+
+// Q5_K: {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}; as Q4_K plus bit s of qh[l]
+HD void load_group_q5_k(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + (g / 8) * 176;
+    const int s = (int)(g % 8);
+    int sc, mn;
+    scale_min_k4(s, blk + 4, sc, mn);
+    a = load_f16(blk) * (float)sc;
+    b = -load_f16(blk + 2) * (float)mn;
+    const u8 *qh = blk + 16;
+    const u8 *qs = blk + 48 + (s / 2) * 32;
+    const int shift = 4 * (s & 1);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int l = 4 * k + j;
+            v[j] = ((qs[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4);
+        }
+        w[k] = pack_i8x4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}; a super-block is two halves of 128;
+// plane p (32 elements) of half h: low nibble of ql[64h + 32(p%2) + l] (high nibble for p >= 2),
+// two bits (2p) of qh[32h + l], scale scales[8h + 2p + l/16]; value d * sc * (q - 32).
+// A group here is 16 elements wide in scale, so the group's two scales differ: a group is
+// split into its two halves, and w carries q - 32 with the scale folded in by the caller
+// through load_group_q6_k's second scale (see mmvq).  To keep one affine map per group, the
+// 32-element group is taken as 16 + 16 with scales sc0 and sc1: w holds (q - 32), a holds d,
+// and the per-half scales are returned in sc2.
+HD void load_group_q6_k(const u8 *row, i64 g, int *w, float &d, int *sc2) {
+    const u8 *blk = row + (g / 8) * 210;
+    const int s = (int)(g % 8);
+    const int h = s / 4, p = s % 4;
+    const u8 *ql = blk + 64 * h + 32 * (p % 2);
+    const u8 *qh = blk + 128 + 32 * h;
+    const i8 *scales = (const i8 *)(blk + 192 + 8 * h + 2 * p);
+    const int shift = 4 * (p / 2);
+    d = load_f16(blk + 208);
+    sc2[0] = scales[0];
+    sc2[1] = scales[1];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int l = 4 * k + j;
+            v[j] = (((ql[l] >> shift) & 15) | (((qh[l] >> (2 * p)) & 3) << 4)) - 32;
+        }
+        w[k] = pack_i8x4(v[0], v[1], v[2], v[3]);
+    }
+}

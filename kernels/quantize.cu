@@ -1,0 +1,28 @@
+// Activations to q8_1 blocks ({f16 d; f16 s; i8 q[32]}, 36 bytes) for the integer matrix-vector
+// products: one warp per block of 32 floats, one float per lane.  d = max|x| / 127,
+// q = round(x / d), s = d * sum(q) (what the dot product needs for the weights' offsets).
+#include "common.cuh"
+
+extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, u8 *__restrict__ y, i64 ncols,
+                                         i64 x_stride, i64 y_stride, i64 nrows) {
+    const i64 groups = ncols / QK;
+    const i64 warp = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (warp >= groups * nrows) return;
+    const i64 r = warp / groups, g = warp % groups;
+    const float v = x[r * x_stride + g * QK + lane];
+    const float amax = warp_reduce_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    const float sum = warp_reduce_sum((float)q);
+    u8 *blk = y + r * y_stride + g * 36;
+    ((i8 *)(blk + 4))[lane] = (i8)q;
+    if (lane == 0) {
+        const u16 dh = __half_as_ushort(__float2half_rn(d));
+        const u16 sh = __half_as_ushort(__float2half_rn(d * sum));
+        blk[0] = dh & 0xff;
+        blk[1] = dh >> 8;
+        blk[2] = sh & 0xff;
+        blk[3] = sh >> 8;
+    }
+}
