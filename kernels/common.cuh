@@ -1,8 +1,8 @@
 // Shared helpers for pyggml's CUDA kernels (compiled at run time by CuPy's RawModule / NVRTC,
 // and by nvcc in the test that checks every source for sm_80 and sm_90).
-// No host headers: NVRTC has none, so the integer types are our own.
+// No headers at all, not even cuda_fp16.h: NVRTC finds none unless a CUDA toolkit is
+// installed, so the integer types are our own and half floats are converted with PTX.
 #pragma once
-#include <cuda_fp16.h>
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -36,9 +36,40 @@ static __device__ __forceinline__ float warp_reduce_max(float x) {
 
 // little-endian loads from byte addresses without alignment assumptions (blocks are 18, 20,
 // 22 ... bytes long, so their fields are only 2-byte aligned)
+HD float half_to_float(u16 h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else  // the host build of the decoders (tests): IEEE binary16 by hand
+    const u32 sign = (u32)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    u32 bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int e = -1;
+        u32 m = man;
+        do { ++e; m <<= 1; } while (!(m & 0x400));
+        bits = sign | ((u32)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    union { u32 u; float f; } v;
+    v.u = bits;
+    return v.f;
+#endif
+}
+
+static __device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 HD float load_f16(const u8 *p) {
-    const u16 bits = (u16)p[0] | ((u16)p[1] << 8);
-    return __half2float(__ushort_as_half(bits));
+    return half_to_float((u16)p[0] | ((u16)p[1] << 8));
 }
 
 HD u32 load_u32(const u8 *p) {

@@ -4,7 +4,7 @@
 #include "common.cuh"
 
 static __device__ __forceinline__ void store(float *y, float v) { *y = v; }
-static __device__ __forceinline__ void store(__half *y, float v) { *y = __float2half_rn(v); }
+static __device__ __forceinline__ void store(u16 *y, float v) { *y = float_to_half(v); }  // F16 bits
 
 template <typename T>
 static __device__ __forceinline__ void store_group(T *y, const int *w, float a, float b) {
@@ -32,7 +32,7 @@ extern "C" __global__ void NAME(const u8 *__restrict__ W, T *__restrict__ y, i64
 }
 
 #define DEFINE_DEQUANT_BOTH(TYPE)                                                                 \
-    DEFINE_DEQUANT(dequantize_##TYPE##_f16, load_group_##TYPE, __half)                            \
+    DEFINE_DEQUANT(dequantize_##TYPE##_f16, load_group_##TYPE, u16)                               \
     DEFINE_DEQUANT(dequantize_##TYPE##_f32, load_group_##TYPE, float)
 
 DEFINE_DEQUANT_BOTH(q4_0)
@@ -64,7 +64,7 @@ static __device__ __forceinline__ void dequant_q6_k(const u8 *W, T *y, i64 group
     }
 }
 
-extern "C" __global__ void dequantize_q6_k_f16(const u8 *W, __half *y, i64 groups, i64 rows, i64 row_bytes,
+extern "C" __global__ void dequantize_q6_k_f16(const u8 *W, u16 *y, i64 groups, i64 rows, i64 row_bytes,
                                                i64 y_stride) {
     dequant_q6_k(W, y, groups, rows, row_bytes, y_stride);
 }

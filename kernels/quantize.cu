@@ -18,8 +18,8 @@ extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, u8 *__rest
     u8 *blk = y + r * y_stride + g * 36;
     ((i8 *)(blk + 4))[lane] = (i8)q;
     if (lane == 0) {
-        const u16 dh = __half_as_ushort(__float2half_rn(d));
-        const u16 sh = __half_as_ushort(__float2half_rn(d * sum));
+        const u16 dh = float_to_half(d);
+        const u16 sh = float_to_half(d * sum);
         blk[0] = dh & 0xff;
         blk[1] = dh >> 8;
         blk[2] = sh & 0xff;

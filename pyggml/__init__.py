@@ -24,7 +24,10 @@ registry = Registry()
 
 def _register_builtin_devices() -> None:
     from .cpu import CPUDevice
+    from .cuda import cuda_devices
     registry.register(CPUDevice())
+    for dev in cuda_devices():
+        registry.register(dev)
 
 
 def devices() -> list[Device]:

@@ -2,6 +2,7 @@
 // dequantize rows group by group, and the q8_1 x quantized-weight dot product the
 // matrix-vector kernel computes, lane order aside.
 #include <cmath>
+#include <cuda_fp16.h>  // host rounding to F16, as the quantize kernel does on the GPU
 #include "common.cuh"
 
 typedef void (*loader_t)(const u8 *, i64, int *, float &, float &);

@@ -1,0 +1,191 @@
+"""GPU benchmark: quantized matrix-vector kernels against the device's copy bandwidth, and
+end-to-end prompt / generation speed of llama-shaped models this script writes itself.
+
+    python bench/gpu.py                       # kernels + models of ~1B and ~8B parameters
+    python bench/gpu.py --sizes 1b --no-kernels
+    python bench/gpu.py --device CPU --sizes tiny   # checks the model writer and loader without a GPU
+
+No model can be carried to the GPU machine, so the models are written here with the gguf
+package: random weights in Q4_K (attention, FFN), Q6_K (output head) and Q8_0 (embedding),
+with small finite block scales so that the numbers stay finite.  Speeds are what matter.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyggml as pg  # noqa: E402
+from pyggml.quants.layouts import LAYOUTS  # noqa: E402
+
+SIZES = {  # n_embd, n_layer, n_ff, n_head, n_head_kv, n_vocab
+    "tiny": (256, 2, 512, 4, 2, 1024),
+    "1b": (2048, 16, 8192, 32, 8, 32000),
+    "8b": (4096, 32, 14336, 32, 8, 128256),
+}
+KERNEL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (rows M, columns K)
+KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def random_blocks(qtype: pg.Type, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    raw = rng.integers(0, 256, size=rows * qtype.row_size(cols), dtype=np.uint8)
+    blocks = raw.view(LAYOUTS[qtype])
+    for field in ("d", "m", "dmin"):
+        if field in blocks.dtype.names:
+            blocks[field] = np.float16(0.002)
+    return raw.reshape(rows, -1)
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def copy_bandwidth(cp) -> float:
+    """Device-to-device copy GB/s (bytes read + written), the ceiling for a streaming kernel."""
+    a = cp.zeros(1 << 30, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    b[...] = a
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(10):
+        b[...] = a
+    stop.record()
+    stop.synchronize()
+    seconds = cp.cuda.get_elapsed_time(start, stop) / 1000 / 10
+    return 2 * a.nbytes / seconds / 1e9
+
+
+def bench_kernels(cp, bandwidth: float) -> list[tuple]:
+    from pyggml.cuda.ops import mul_mat_vec_q
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in KERNEL_TYPES:
+        qtype = pg.Type[name]
+        for m, k in KERNEL_SHAPES:
+            w = cp.asarray(random_blocks(qtype, m, k, rng))
+            x = cp.asarray(rng.standard_normal((1, k), dtype=np.float32))
+            out = cp.empty((1, m), dtype=cp.float32)
+            for _ in range(3):
+                mul_mat_vec_q(w, qtype, x, out)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            n = 50
+            for _ in range(n):
+                mul_mat_vec_q(w, qtype, x, out)
+            stop.record()
+            stop.synchronize()
+            seconds = cp.cuda.get_elapsed_time(start, stop) / 1000 / n
+            gbs = w.nbytes / seconds / 1e9
+            rows.append((name, m, k, seconds * 1e6, gbs, gbs / bandwidth))
+    return rows
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+def write_llama(path: Path, size: str) -> None:
+    import gguf
+    n_embd, n_layer, n_ff, n_head, n_kv, n_vocab = SIZES[size]
+    head = n_embd // n_head
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random-llama-{size}")
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+    def quant(name: str, qtype: str, rows: int, cols: int) -> None:
+        t = pg.Type[qtype]
+        w.add_tensor(name, random_blocks(t, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType(int(t)))
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(n_embd, dtype=np.float32))
+
+    quant("token_embd.weight", "Q8_0", n_vocab, n_embd)
+    for il in range(n_layer):
+        norm(f"blk.{il}.attn_norm.weight")
+        quant(f"blk.{il}.attn_q.weight", "Q4_K", n_embd, n_embd)
+        quant(f"blk.{il}.attn_k.weight", "Q4_K", n_kv * head, n_embd)
+        quant(f"blk.{il}.attn_v.weight", "Q4_K", n_kv * head, n_embd)
+        quant(f"blk.{il}.attn_output.weight", "Q4_K", n_embd, n_embd)
+        norm(f"blk.{il}.ffn_norm.weight")
+        quant(f"blk.{il}.ffn_gate.weight", "Q4_K", n_ff, n_embd)
+        quant(f"blk.{il}.ffn_up.weight", "Q4_K", n_ff, n_embd)
+        quant(f"blk.{il}.ffn_down.weight", "Q6_K", n_embd, n_ff)
+    norm("output_norm.weight")
+    quant("output.weight", "Q6_K", n_vocab, n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int) -> tuple[float, float, float, int]:
+    from pyggml.models import Context, load_model
+    from pyggml.models.loader import default_devices
+    devices = default_devices()
+    index = next(i for i, d in enumerate(devices) if d.get_name().lower() == device_name.lower())
+    t0 = time.perf_counter()
+    model = load_model(path, ngl=f"{index}:all", devices=devices, progress=False)
+    load = time.perf_counter() - t0
+    ctx = Context(model, n_ctx=n_prompt + n_gen + 8)
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, model.hp.n_vocab, size=n_prompt).tolist()
+    ctx.decode(prompt)  # warm up: kernels compiled, both graphs built and placed
+    ctx.decode([prompt[0]])
+    ctx.clear()
+    t0 = time.perf_counter()
+    logits = ctx.decode(prompt)
+    pp = n_prompt / (time.perf_counter() - t0)
+    token = int(logits[-1].argmax())
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        token = int(ctx.decode([token])[-1].argmax())
+    tg = n_gen / (time.perf_counter() - t0)
+    nbytes = model.weights_nbytes()
+    model.free()
+    return load, pp, tg, nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="CUDA0")
+    ap.add_argument("--sizes", default="1b,8b", help=f"comma-separated: {', '.join(SIZES)}")
+    ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--dir", default=None, help="where to write the models (default: a temporary directory)")
+    args = ap.parse_args()
+
+    if args.device.upper().startswith("CUDA") and not args.no_kernels:
+        import cupy as cp
+        bandwidth = copy_bandwidth(cp)
+        print(f"device copy bandwidth: {bandwidth:.0f} GB/s ({cp.cuda.runtime.getDeviceProperties(0)['name']})")
+        print(f"{'type':<6}{'M':>7}{'K':>7}{'us':>9}{'GB/s':>9}{'of copy':>9}")
+        for name, m, k, us, gbs, frac in bench_kernels(cp, bandwidth):
+            print(f"{name:<6}{m:>7}{k:>7}{us:>9.1f}{gbs:>9.0f}{frac:>9.0%}")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for size in filter(None, args.sizes.split(",")):
+            path = Path(tmp) / f"llama-{size}.gguf"
+            t0 = time.perf_counter()
+            write_llama(path, size)
+            written = time.perf_counter() - t0
+            load, pp, tg, nbytes = bench_model(path, args.device, args.prompt, args.gen)
+            print(f"llama {size} ({nbytes / 2**30:.2f} GiB of weights) on {args.device}: written in {written:.1f} s, "
+                  f"loaded in {load:.1f} s; prompt {pp:.1f} tokens/s ({args.prompt} tokens), "
+                  f"generation {tg:.1f} tokens/s")
+            path.unlink()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: the GPU tests, then bench/gpu.py, then a summary.
+# Installs nothing (the machine has no network): it needs a Python where pyggml's
+# dependencies and CuPy import - $PYGGML_PYTHON, else ./.venv/bin/python, else python3.
+# Budget: under 8 minutes on an H200 (the 8B model is skipped with QUICK=1).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYGGML_PYTHON:-}"
+[ -z "$PY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+PY="${PY:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-/tmp}/gpu_check"
+mkdir -p "$out"
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not available"
+if ! "$PY" -c "import cupy, numpy, gguf, zmq, lz4, click, numba; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
+  echo "gpu_check: $PY cannot import CuPy and pyggml's dependencies; set PYGGML_PYTHON to one that can" >&2
+  exit 2
+fi
+
+echo "== GPU tests (models are tested only where ~/.cache/pyggml holds them: no downloads here)"
+select="not real_model"
+ls ~/.cache/pyggml/models/*.gguf >/dev/null 2>&1 && select=""
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_kernels.py ${select:+-k "$select"} \
+  2>&1 | tee "$out/tests.txt" | tail -25
+tests_rc=${PIPESTATUS[0]}
+
+echo "== bench/gpu.py"
+sizes="1b,8b"
+[ "${QUICK:-0}" = "1" ] && sizes="1b"
+timeout 330 "$PY" bench/gpu.py --sizes "$sizes" --dir "${TMPDIR:-/tmp}" 2>&1 | tee "$out/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo "== summary"
+grep -E "passed|failed|error" "$out/tests.txt" | tail -1
+grep -E "copy bandwidth" "$out/bench.txt"
+awk '$1 ~ /^Q/ && NF == 6 {split($6, p, "%"); s[$1] += p[1]; n[$1]++} END {for (t in s) printf "  %-5s mean %.0f%% of copy bandwidth\n", t, s[t] / n[t]}' "$out/bench.txt" | sort
+grep -E "^llama" "$out/bench.txt"
+echo "tests exit $tests_rc, bench exit $bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

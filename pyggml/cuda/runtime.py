@@ -1,0 +1,44 @@
+"""Loading our CUDA C sources (``kernels/*.cu``) with CuPy's ``RawModule``.
+
+Each source is compiled once per process (and cached on disk by CuPy between processes)
+with ``kernels/`` on the include path.  A compile error becomes :class:`KernelCompileError`
+naming the file and the line NVRTC complained about.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache, cache
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+if not (KERNEL_DIR / "common.cuh").exists():  # installed (non-editable): kernels ship as pyggml.kernels
+    import pyggml.kernels
+    KERNEL_DIR = Path(pyggml.kernels.__file__).parent
+
+
+class KernelCompileError(RuntimeError):
+    pass
+
+
+def kernel_source(name: str) -> str:
+    return (KERNEL_DIR / name).read_text()
+
+
+@cache
+def module(name: str):
+    """The compiled ``kernels/<name>`` as a ``cupy.RawModule``."""
+    import cupy as cp
+    try:
+        mod = cp.RawModule(code=kernel_source(name), options=("-std=c++17", f"-I{KERNEL_DIR}"),
+                           name_expressions=None)
+        mod.compile()
+    except cp.cuda.compiler.CompileException as e:
+        log = str(e)
+        where = re.search(r"([\w./-]+\.cuh?)\((\d+)\)", log)
+        place = f"{where.group(1)}:{where.group(2)}" if where else f"kernels/{name}"
+        raise KernelCompileError(f"CUDA kernel {place} failed to compile:\n{log}") from None
+    return mod
+
+
+def function(source: str, name: str):
+    return module(source).get_function(name)

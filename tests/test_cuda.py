@@ -1,0 +1,137 @@
+"""The CUDA backend against the CPU backend, op by op and weight type by weight type, and on
+the real models (normalized mean squared error thresholds, like ggml's test-backend-ops).
+
+These need CuPy (``pip install -e .[cuda]``) and a GPU; elsewhere they skip and say so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import ops
+from pyggml.cuda import cuda_devices
+
+from .conftest import shared_model
+from .test_cuda_kernels import WEIGHT_TYPES, random_weights
+
+GPUS = cuda_devices()
+pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA GPU here (or CuPy not installed: pip install -e .[cuda])")
+
+T = pg.Type
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    want = want.astype(np.float64)
+    return float(np.sum((got.astype(np.float64) - want) ** 2) / max(np.sum(want ** 2), 1e-30))
+
+
+def run_on(device, build, data: dict[str, np.ndarray | bytes]) -> np.ndarray:
+    """Build a graph whose sources all live on ``device`` (so that its nodes run there), fill
+    them with ``data`` and return the output's values."""
+    leaves: dict[str, pg.Tensor] = {}
+
+    def leaf(name: str, type, ne):
+        t = pg.new_tensor(type, ne, name)
+        leaves[name] = t
+        return t
+    out = build(leaf)
+    pg.alloc_tensors(leaves.values(), device.get_buffer_type())
+    for name, t in leaves.items():
+        pg.tensor_set(t, data[name])
+    graph = pg.build_forward(out)
+    backends = [device.init_backend()] if device.get_type() == pg.DeviceType.CPU else \
+        [device.init_backend(), pg.cpu_device().init_backend()]
+    sched = pg.Scheduler(backends)
+    sched.graph_compute(graph)
+    return pg.tensor_array(out)
+
+
+def compare(build, data, limit: float = 1e-6) -> None:
+    want = run_on(pg.cpu_device(), build, data)
+    got = run_on(GPUS[0], build, data)
+    assert got.shape == want.shape
+    err = nmse(got, want)
+    assert err < limit, err
+
+
+rng = np.random.default_rng(0)
+
+
+def f32(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", [*WEIGHT_TYPES, "F16", "F32"])
+@pytest.mark.parametrize("n", [1, 3, 8, 40])
+def test_mul_mat_every_weight_type(name, n):
+    qtype = T[name]
+    m, k = 96, 512
+    w = random_weights(qtype, m, k) if qtype.is_quantized else f32(m, k).astype(qtype.np_dtype)
+    compare(lambda leaf: ops.mul_mat(leaf("w", qtype, (k, m)), leaf("x", T.F32, (k, n))),
+            {"w": w, "x": f32(n, k)}, limit=5e-4)
+
+
+@pytest.mark.parametrize("case", ["add", "mul", "scale", "rms_norm", "softmax", "silu", "gelu", "tanh", "swiglu",
+                                  "geglu", "cpy_f16", "concat", "argmax"])
+def test_elementwise_and_reductions(case):
+    a, b = f32(4, 64), f32(1, 64)
+    build = {
+        "add": lambda leaf: ops.add(leaf("a", T.F32, (64, 4)), leaf("b", T.F32, (64, 1))),
+        "mul": lambda leaf: ops.mul(leaf("a", T.F32, (64, 4)), leaf("b", T.F32, (64, 1))),
+        "scale": lambda leaf: ops.scale(leaf("a", T.F32, (64, 4)), 0.5, 1.0),
+        "rms_norm": lambda leaf: ops.rms_norm(leaf("a", T.F32, (64, 4)), 1e-6),
+        "softmax": lambda leaf: ops.soft_max_ext(leaf("a", T.F32, (64, 4)), leaf("a2", T.F32, (64, 4)), 0.3),
+        "silu": lambda leaf: ops.silu(leaf("a", T.F32, (64, 4))),
+        "gelu": lambda leaf: ops.gelu(leaf("a", T.F32, (64, 4))),
+        "tanh": lambda leaf: ops.tanh(leaf("a", T.F32, (64, 4))),
+        "swiglu": lambda leaf: ops.swiglu(leaf("a", T.F32, (64, 4))),
+        "geglu": lambda leaf: ops.geglu(leaf("a", T.F32, (64, 4))),
+        "cpy_f16": lambda leaf: ops.cpy(leaf("a", T.F32, (64, 4)), leaf("b16", T.F16, (64, 4))),
+        "concat": lambda leaf: ops.concat(leaf("a", T.F32, (64, 4)), leaf("a2", T.F32, (64, 4)), 1),
+        "argmax": lambda leaf: ops.argmax(leaf("a", T.F32, (64, 4))),
+    }[case]
+    compare(build, {"a": a, "b": b, "a2": f32(4, 64), "b16": np.zeros((4, 64), np.float16)})
+
+
+@pytest.mark.parametrize("mode", [pg.RopeMode.NORMAL, pg.RopeMode.NEOX])
+def test_rope(mode):
+    compare(lambda leaf: ops.rope_ext(leaf("x", T.F32, (64, 4, 5)), leaf("pos", T.I32, (5,)), None, 64, mode,
+                                      freq_base=10000.0),
+            {"x": f32(5, 4, 64), "pos": np.array([0, 1, 7, 100, 513], np.int32)})
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_K, T.Q8_0, T.Q6_K])
+def test_get_rows(qtype):
+    table = random_weights(qtype, 16, 256) if qtype.is_quantized else f32(16, 256).astype(qtype.np_dtype)
+    compare(lambda leaf: ops.get_rows(leaf("t", qtype, (256, 16)), leaf("i", T.I32, (3,))),
+            {"t": table, "i": np.array([3, 0, 15], np.int32)})
+
+
+def test_set_rows_into_an_f16_cache():
+    compare(lambda leaf: ops.set_rows(leaf("cache", T.F16, (64, 8)), leaf("x", T.F32, (64, 2)), leaf("i", T.I32, (2,))),
+            {"cache": np.zeros((8, 64), np.float16), "x": f32(2, 64), "i": np.array([5, 1], np.int32)})
+
+
+def test_flash_attention_over_an_f16_cache():
+    n_kv, d, heads, kv_heads, tokens = 32, 64, 4, 2, 3
+    mask = np.where(np.arange(n_kv)[None, :] <= np.arange(tokens)[:, None] + 20, 0, -np.inf).astype(np.float32)
+    compare(lambda leaf: ops.flash_attn_ext(leaf("q", T.F32, (d, tokens, heads)), leaf("k", T.F16, (d, n_kv, kv_heads)),
+                                            leaf("v", T.F16, (d, n_kv, kv_heads)), leaf("m", T.F32, (n_kv, tokens)),
+                                            d ** -0.5),
+            {"q": f32(heads, tokens, d), "k": f32(kv_heads, n_kv, d).astype(np.float16),
+             "v": f32(kv_heads, n_kv, d).astype(np.float16), "m": mask}, limit=1e-5)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_real_model_logits_match_the_cpu(alias):
+    cpu_model = shared_model(alias)
+    ids = cpu_model.tokenize("The capital of France is Paris. The capital of Italy is")
+    want = cpu_model.logits(ids)
+    with pg.Model(alias, n_ctx=256, ngl="all", progress=False) as gpu_model:
+        assert gpu_model.model.layer_device(0).get_name() == "CUDA0"
+        got = gpu_model.logits(ids)
+        greedy = list(gpu_model.generate(ids, max_tokens=8, temperature=0))
+    assert nmse(got, want) < 1e-3
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
+    assert greedy[:4] == list(cpu_model.generate(ids, max_tokens=4, temperature=0))
