@@ -43,11 +43,8 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def run_llama_cpp(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     from llama_cpp import Llama
-
-    from pyggml import hub
-    path = str(hub.fetch(alias))
     t0 = time.perf_counter()
     llm = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t0
@@ -70,8 +67,11 @@ def run_llama_cpp(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int) -> dict | None:
-    cmd = [sys.executable, __file__, "--child", engine, "--models", alias, "--threads", str(threads),
+def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int, python: str | None = None) -> dict | None:
+    if engine == "llama.cpp":  # llama.cpp's child gets the file itself: it may run where pyggml is not installed
+        from pyggml import hub
+        alias = str(hub.fetch(alias))
+    cmd = [python or sys.executable, __file__, "--child", engine, "--models", alias, "--threads", str(threads),
            "-n", str(n_gen), "--prompt-tokens", str(n_prompt)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -87,17 +87,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("-n", type=int, default=64, help="tokens to generate")
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--llama-python", default=None, metavar="PYTHON",
+                    help="an interpreter with llama-cpp-python, when it is not installed beside pyggml")
     ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         run = run_pyggml if a.child == "pyggml" else run_llama_cpp
         print(json.dumps(run(a.models, a.threads, a.n, a.prompt_tokens)))
         return
-    try:
-        import llama_cpp  # noqa: F401
-        have_llama = True
-    except ImportError:
-        have_llama = False
+    if a.llama_python:
+        have_llama = subprocess.run([a.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    else:
+        try:
+            import llama_cpp  # noqa: F401
+            have_llama = True
+        except ImportError:
+            have_llama = False
+    if not have_llama:
         print("llama-cpp-python is not installed: pyggml figures only")
     print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
     print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
@@ -105,7 +111,7 @@ def main() -> None:
     for alias in a.models.split(","):
         results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens)]
         if have_llama:
-            results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens))
+            results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens, a.llama_python))
         for r in filter(None, results):
             ratio = r["peak_rss"] / (r["gguf_bytes"] + r["kv_bytes"])
             print(f"{alias:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "

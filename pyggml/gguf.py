@@ -1,7 +1,9 @@
 """GGUF files: metadata, tensor descriptions, and weights placed into device buffers.
 
-Reading uses the ``gguf`` package's memory-mapped reader; each tensor's bytes go straight
-from the map into the buffer of the device it is assigned to, quantized as stored.  Every
+The file is memory-mapped and its header read by :mod:`pyggml.gguf_parse` (with the
+``gguf`` package's type numbers; its own reader takes seconds and hundreds of MB on large
+vocabularies); each tensor's bytes go straight from the map into the buffer of the device
+it is assigned to, quantized as stored.  Every
 problem with the file (missing, not GGUF, truncated, unknown tensor type, data past the
 end) is a :class:`GGUFError` that names the file and the problem.
 """
@@ -46,12 +48,12 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._check_header()
-        import gguf  # the reader is the gguf package's; errors are translated below
+        from .gguf_parse import parse
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the reader fails deep inside numpy on corrupt files
-            raise GGUFError(self.path, self._diagnose(e)) from None
-        self.metadata = self._read_metadata()
+            self.map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            _, self.metadata, self._raw_tensors = parse(memoryview(self.map))
+        except (ValueError, OSError) as e:
+            raise GGUFError(self.path, str(e)) from None
         self.tensors = self._read_tensors()
 
     # -- validation -------------------------------------------------------------------------------
@@ -71,45 +73,22 @@ class GGUFFile:
         if version not in (2, 3):
             raise GGUFError(self.path, f"unsupported GGUF version {version} (supported: 2, 3)")
 
-    def _diagnose(self, err: Exception) -> str:
-        text = str(err)
-        if "GGMLQuantizationType" in text or "is not a valid" in text:
-            return f"unknown tensor type ({text})"
-        if isinstance(err, (IndexError, EOFError)) or "buffer" in text or "size" in text or "offset" in text:
-            return f"truncated or corrupt file ({type(err).__name__}: {text})"
-        return f"cannot parse GGUF ({type(err).__name__}: {text})"
-
-    def _read_metadata(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                meta[key] = field.contents()
-            except Exception as e:
-                raise GGUFError(self.path, f"unreadable metadata value {key!r} ({e})") from None
-        return meta
-
     def _read_tensors(self) -> dict[str, TensorInfo]:
         out: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
+        for t in self._raw_tensors:
             try:
-                ttype = Type(int(t.tensor_type))
+                ttype = Type(t.type)
             except ValueError:
-                raise GGUFError(self.path, f"tensor {t.name!r} has unsupported type "
-                                           f"{getattr(t.tensor_type, 'name', t.tensor_type)}") from None
-            ne = tuple(int(n) for n in t.shape)
+                raise GGUFError(self.path, f"tensor {t.name!r} has unsupported type {t.type}") from None
+            ne = t.shape
             if ne[0] % ttype.block_size:
                 raise GGUFError(self.path, f"tensor {t.name!r}: ne[0]={ne[0]} is not a multiple of the "
                                            f"{ttype.name} block size")
             nbytes = ttype.row_size(ne[0]) * int(np.prod(ne[1:], dtype=np.int64))
-            if t.data_offset + nbytes > self.file_size:
-                raise GGUFError(self.path, f"tensor {t.name!r} data ends at byte {t.data_offset + nbytes}, "
+            if t.offset + nbytes > self.file_size:
+                raise GGUFError(self.path, f"tensor {t.name!r} data ends at byte {t.offset + nbytes}, "
                                            f"past the end of the file ({self.file_size} bytes)")
-            data = np.asarray(t.data).reshape(-1).view(np.uint8)
-            if data.size != nbytes:
-                raise GGUFError(self.path, f"tensor {t.name!r}: {data.size} bytes of data, expected {nbytes}")
-            out[t.name] = TensorInfo(t.name, ttype, ne, int(t.data_offset), nbytes, data)
+            out[t.name] = TensorInfo(t.name, ttype, ne, t.offset, nbytes, self.map[t.offset:t.offset + nbytes])
         return out
 
     # -- access -------------------------------------------------------------------------------------
@@ -137,12 +116,17 @@ class GGUFFile:
 
         tensors = list(tensors)
         pick = buft_of if callable(buft_of) else (lambda t: buft_of)
+        source = source_of or (lambda t: t.name)
         groups: dict[int, tuple[BufferType, list[Tensor]]] = {}
+        mapped: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for t in tensors:
             buft = pick(t)
-            groups.setdefault(id(buft), (buft, []))[1].append(t)
+            # host memory: the weights stay in the file's map and nothing is copied
+            into = mapped if hasattr(buft, "buffer_from_array") and self.tensors[source(t)].ne == t.ne else groups
+            into.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
-        source = source_of or (lambda t: t.name)
+        buffers += [self._map_into(ts, buft, source) for buft, ts in mapped.values()]
+        tensors = [t for _, ts in groups.values() for t in ts]
         total = sum(self.tensors[source(t)].nbytes for t in tensors)
         show = progress if progress is not None else total > 32 << 20 and sys.stderr.isatty()
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
@@ -153,8 +137,17 @@ class GGUFFile:
                 bar.update(info.nbytes)
         return buffers
 
+    def _map_into(self, tensors: list[Tensor], buft: BufferType, source: Callable[[Tensor], str]) -> Buffer:
+        """ggml's mmap loading: one host buffer over the whole file, each tensor at its own
+        offset, so the page cache holds the weights once and loading copies nothing."""
+        buffer = buft.buffer_from_array(self.map)
+        buffer.set_usage(BufferUsage.WEIGHTS)
+        for t in tensors:
+            t.buffer, t.offset = buffer, self.tensors[source(t)].offset
+        return buffer
+
     def close(self) -> None:
-        self.reader = None  # drops the memory map once the tensors' views are gone
+        self.map = None  # the memory map goes once the tensors' views are gone too
 
 
 def load(path: str | os.PathLike, buft: BufferType | None = None) -> tuple[GGUFFile, dict[str, Tensor]]:

@@ -14,11 +14,33 @@ def loaded(smollm2_path, gemma3_path):
     return {name: pg.gguf.load(path) for name, path in (("smollm2", smollm2_path), ("gemma3", gemma3_path))}
 
 
+@pytest.fixture(scope="module")
+def gguf_readers(smollm2_path, gemma3_path):
+    """The gguf package's own reader of each file, to check ours against."""
+    return {"smollm2": gguf.GGUFReader(smollm2_path), "gemma3": gguf.GGUFReader(gemma3_path)}
+
+
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_every_tensor_matches_gguf_reader(loaded, model):
+def test_metadata_matches_gguf_reader(loaded, gguf_readers, model):
+    f, _ = loaded[model]
+    reader = gguf_readers[model]
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+    assert sorted(keys) == sorted(f.metadata)
+    for key in keys:
+        want = reader.fields[key].contents()
+        got = f.metadata[key]
+        if isinstance(want, list) and want and isinstance(want[0], float):
+            assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)), key
+        else:
+            assert got == want, key
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_every_tensor_matches_gguf_reader(loaded, gguf_readers, model):
     f, tensors = loaded[model]
-    assert len(tensors) == len(f.reader.tensors) > 100
-    for rt in f.reader.tensors:
+    reader = gguf_readers[model]
+    assert len(tensors) == len(reader.tensors) > 100
+    for rt in reader.tensors:
         t = tensors[rt.name]
         assert t.buffer is not None and t.type == pg.Type(int(rt.tensor_type))
         assert list(t.ne[: len(rt.shape)]) == [int(n) for n in rt.shape]

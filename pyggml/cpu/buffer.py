@@ -23,6 +23,11 @@ class CPUBufferType(BufferType):
         except MemoryError:
             raise MemoryError(f"{self.name}: out of host memory allocating {size / 2**20:.1f} MiB") from None
 
+    def buffer_from_array(self, data: np.ndarray) -> CPUBuffer:
+        """A buffer over existing host bytes (ggml_backend_cpu_buffer_from_ptr), e.g. a
+        read-only memory map of a GGUF file: tensors placed in it are read, never written."""
+        return CPUBuffer(self, np.asarray(data, dtype=np.uint8).reshape(-1))
+
     def get_alignment(self) -> int:
         return 64
 

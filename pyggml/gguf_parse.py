@@ -1,0 +1,95 @@
+"""A fast reader for GGUF's header: metadata and tensor descriptions from the memory map.
+
+``gguf.GGUFReader`` builds a numpy view per field part: on Gemma 3's 262k-token vocabulary
+that is 8 s and ~750 MB before a single weight is read.  This reader walks the same
+format (the value type numbers come from the ``gguf`` package) once, turning arrays of
+numbers into lists in one numpy call and strings into ``str`` directly, in well under a
+second.  Every read is bounds-checked: a truncated or corrupt header is a ``ValueError``
+saying where, never a crash.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType as V
+
+_SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
+            V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}
+_NUMPY = {V.UINT8: "<u1", V.INT8: "<i1", V.UINT16: "<u2", V.INT16: "<i2", V.UINT32: "<u4", V.INT32: "<i4",
+          V.FLOAT32: "<f4", V.BOOL: "?", V.UINT64: "<u8", V.INT64: "<i8", V.FLOAT64: "<f8"}
+MAX_DIMS = 4
+
+
+@dataclass
+class RawTensor:
+    name: str
+    type: int
+    shape: tuple[int, ...]   # ne, innermost first
+    offset: int              # absolute offset of its data in the file
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError(f"truncated or corrupt file: {n} bytes needed at offset {self.pos}, "
+                             f"the file has {len(self.buf)}")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == V.STRING:
+            return self.string()
+        if vtype == V.ARRAY:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if etype == V.STRING:
+                return [self.string() for _ in range(count)]
+            if etype == V.ARRAY:
+                return [self.value(V.ARRAY) for _ in range(count)]
+            if etype not in _NUMPY:
+                raise ValueError(f"truncated or corrupt file: unknown array element type {etype}")
+            dtype = np.dtype(_NUMPY[etype])
+            return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+        if vtype not in _SCALARS:
+            raise ValueError(f"truncated or corrupt file: unknown value type {vtype} at offset {self.pos}")
+        return self.unpack(_SCALARS[vtype])
+
+
+def parse(buf: memoryview) -> tuple[int, dict[str, Any], list[RawTensor]]:
+    """(version, metadata, tensors) of a GGUF file's bytes."""
+    c = _Cursor(buf)
+    if bytes(c.take(4)) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version = c.unpack("<I")
+    n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+    if n_tensors > len(buf) // 24 or n_kv > len(buf) // 12:  # each needs at least that many bytes
+        raise ValueError(f"truncated or corrupt file: {n_tensors} tensors and {n_kv} metadata entries claimed")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        meta[key] = c.value(c.unpack("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.unpack("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"truncated or corrupt file: tensor {name!r} has {n_dims} dimensions")
+        shape = tuple(c.unpack("<Q") for _ in range(n_dims))
+        infos.append((name, shape, c.unpack("<I"), c.unpack("<Q")))
+    alignment = int(meta.get("general.alignment", 32))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"truncated or corrupt file: general.alignment {alignment} is not a power of two")
+    data_start = (c.pos + alignment - 1) // alignment * alignment
+    return version, meta, [RawTensor(name, ttype, shape, data_start + off) for name, shape, ttype, off in infos]
