@@ -151,6 +151,7 @@ class RPCBackend(Backend):
     def __init__(self, device: RPCDevice) -> None:
         self.device = device
         self._slots: OrderedDict[int, tuple[Graph, tuple, int]] = OrderedDict()  # id(graph) -> (graph, placement, slot)
+        self._errors_seen = device.conn.errors
         self.recomputes = 0
 
     def get_name(self) -> str:
@@ -160,13 +161,19 @@ class RPCBackend(Backend):
         return self.device
 
     def graph_compute(self, graph: Graph) -> None:
+        """Send the graph (or only "run slot N again") without waiting, as ggml-rpc does: the
+        next request that reads a result waits for it, and a failure is reported there."""
+        conn = self.device.conn
+        if conn.errors != self._errors_seen:  # after a failure the server's slots may not be what we think
+            self._slots.clear()
+            self._errors_seen = conn.errors
         # sources are rewired and tensors placed only when the scheduler splits a graph, which
         # makes new Graph objects; a cheap check of the placement catches direct reuse too
         signature = ([id(n.buffer) for n in graph.nodes], [n.offset for n in graph.nodes])
         entry = self._slots.get(id(graph))
         if entry is not None and entry[0] is graph and entry[1] == signature:
             self._slots.move_to_end(id(graph))
-            self.device.conn.request(Command.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(self.device.index, entry[2]))
+            conn.send(Command.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(self.device.index, entry[2]))
             self.recomputes += 1
             return
         if entry is not None:
@@ -176,8 +183,12 @@ class RPCBackend(Backend):
         else:
             slot = self._slots.popitem(last=False)[1][2]
         self._slots.pop(id(graph), None)
-        self.device.conn.request(Command.GRAPH_COMPUTE, serialize_graph(graph, self.device.index, slot))
+        conn.send(Command.GRAPH_COMPUTE, serialize_graph(graph, self.device.index, slot))
         self._slots[id(graph)] = (graph, signature, slot)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for here: every later request to this server is answered only
+        after the graph ran (one connection, served in order)."""
 
     def supports_op(self, op: Tensor) -> bool:
         return self.device.supports_op(op)

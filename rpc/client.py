@@ -63,6 +63,7 @@ class Connection:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.closed_reason: str | None = None
+        self.errors = 0  # error replies so far (an asynchronous request may have failed before them)
         self._lock = threading.Lock()
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.DEALER)
@@ -166,6 +167,7 @@ class Connection:
         status, _, _, _ = P.HEADER.unpack_from(head)
         body = head[P.HEADER.size:]
         if status != Status.OK:
+            self.errors += 1
             message = bytes(body).decode("utf-8", "replace")
             if cmd == Command.HELLO:
                 self.close(message)

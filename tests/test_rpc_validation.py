@@ -291,3 +291,28 @@ def test_client_sends_big_tensors_in_pieces_under_the_cap(server):
     assert np.array_equal(pg.tensor_array(t).reshape(values.shape), values)
     buf.free()
     dev.conn.close()
+
+
+def test_a_failed_asynchronous_compute_is_reported_by_the_next_read(server):
+    """GRAPH_COMPUTE is not waited for; its failure comes back with the next request that
+    reads, and the connection goes on working afterwards."""
+    import pyggml as pg
+    from pyggml import ops
+    from pyggml.rpc import RPCError, connect
+    dev = connect(server.endpoint)[0]
+    table = pg.new_tensor(Type.F32, (8, 4), "table")
+    pg.alloc_tensors([table], dev.get_buffer_type())
+    pg.tensor_set(table, np.arange(32, dtype=np.float32))
+    idx = pg.new_tensor(Type.I32, (2,), "idx")
+    out = ops.get_rows(table, idx)
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler([dev.init_backend(), pg.cpu_device().init_backend()])
+    sched.alloc_graph(graph)
+    pg.tensor_set(idx, np.array([1, 9], np.int32))
+    sched.graph_compute(graph)  # returns at once
+    with pytest.raises(RPCError, match="index out of range"):
+        pg.tensor_array(out)
+    pg.tensor_set(idx, np.array([3, 0], np.int32))
+    sched.graph_compute(graph)
+    assert np.array_equal(pg.tensor_array(out).reshape(2, 8), np.arange(32, dtype=np.float32).reshape(4, 8)[[3, 0]])
+    dev.conn.close()
