@@ -87,3 +87,11 @@ def test_q8_1_dot_products(harness, name):
     want = pg.quants.dequantize(w, qtype).reshape(rows, cols).astype(np.float64) @ x.astype(np.float64)
     nmse = np.sum((got - want) ** 2) / np.sum(want ** 2)
     assert nmse < 5e-4, nmse
+
+
+def test_compile_errors_name_the_file_and_line():
+    from pyggml.cuda.runtime import compile_error_message
+    log = '/tmp/tmpab12/e7c1.cu(57): error: identifier "acc" is undefined\n1 error detected'
+    assert compile_error_message("mmvq.cu", log).startswith("CUDA kernel kernels/mmvq.cu:57 failed to compile")
+    log = '/work/kernels/common.cuh(120): error: expected a ";"'
+    assert compile_error_message("mmvq.cu", log).startswith("CUDA kernel kernels/common.cuh:120 failed")

@@ -33,11 +33,18 @@ def module(name: str):
                            name_expressions=None)
         mod.compile()
     except cp.cuda.compiler.CompileException as e:
-        log = str(e)
-        where = re.search(r"([\w./-]+\.cuh?)\((\d+)\)", log)
-        place = f"{where.group(1)}:{where.group(2)}" if where else f"kernels/{name}"
-        raise KernelCompileError(f"CUDA kernel {place} failed to compile:\n{log}") from None
+        raise KernelCompileError(compile_error_message(name, str(e))) from None
     return mod
+
+
+def compile_error_message(name: str, log: str) -> str:
+    """'kernels/<file>:<line>' of NVRTC's first complaint, then its whole log.  NVRTC knows the
+    source by a temporary name (CuPy's); headers keep theirs, since -I finds them."""
+    where = re.search(r"([\w./-]+?\.cuh?)\((\d+)\)", log)
+    if where is None:
+        return f"CUDA kernel kernels/{name} failed to compile:\n{log}"
+    file = Path(where.group(1)).name if where.group(1).endswith(".cuh") else name
+    return f"CUDA kernel kernels/{file}:{where.group(2)} failed to compile:\n{log}"
 
 
 def function(source: str, name: str):
