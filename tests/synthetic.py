@@ -1,0 +1,129 @@
+"""Tiny random models written with the gguf package, and a plain numpy forward pass of them.
+
+For architectures without a real model in the reference set (qwen2, qwen3): the GGUF holds
+random F32 weights in the llama.cpp tensor layout, and :func:`reference_logits` computes the
+same transformer in float64 numpy, written from the architectures' definitions (not from
+pyggml's graph code), so that the two can be compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Shape:
+    n_embd: int = 64
+    n_layer: int = 2
+    n_ff: int = 96
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_vocab: int = 128
+    eps: float = 1e-6
+    rope_base: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
+    """numpy arrays shaped [rows, cols] (GGUF's ne reversed), named as llama.cpp names them."""
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def vec(n: int, center: float = 1.0) -> np.ndarray:
+        return (center + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    kv = s.n_head_kv * s.head_dim
+    w = {"token_embd.weight": mat(s.n_vocab, s.n_embd, 1.0 * np.sqrt(s.n_embd)),
+         "output_norm.weight": vec(s.n_embd), "output.weight": mat(s.n_vocab, s.n_embd)}
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        w |= {p + "attn_norm.weight": vec(s.n_embd), p + "attn_q.weight": mat(s.n_embd, s.n_embd),
+              p + "attn_k.weight": mat(kv, s.n_embd), p + "attn_v.weight": mat(kv, s.n_embd),
+              p + "attn_output.weight": mat(s.n_embd, s.n_embd), p + "ffn_norm.weight": vec(s.n_embd),
+              p + "ffn_gate.weight": mat(s.n_ff, s.n_embd), p + "ffn_up.weight": mat(s.n_ff, s.n_embd),
+              p + "ffn_down.weight": mat(s.n_embd, s.n_ff)}
+        if arch == "qwen2":
+            w |= {p + "attn_q.bias": vec(s.n_embd, 0.0), p + "attn_k.bias": vec(kv, 0.0),
+                  p + "attn_v.bias": vec(kv, 0.0)}
+        if arch == "qwen3":
+            w |= {p + "attn_q_norm.weight": vec(s.head_dim), p + "attn_k_norm.weight": vec(s.head_dim)}
+    return w
+
+
+def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray]) -> Path:
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(512)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_layer_norm_rms_eps(s.eps)
+    w.add_vocab_size(s.n_vocab)
+    for name, value in weights.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _rms_norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray:
+    """x [tokens, heads, d] rotated by position: pairs (i, i + d/2) (neox) or (2i, 2i + 1)."""
+    d = x.shape[-1]
+    theta = pos[:, None] * base ** (-np.arange(0, d, 2) / d)      # [tokens, d/2]
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    if neox:
+        a, b = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    out = np.empty_like(x)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def reference_logits(arch: str, s: Shape, weights: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+    """float64 logits [len(tokens), n_vocab] of the causal transformer the weights describe."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    n, hd, group = len(tokens), s.head_dim, s.n_head // s.n_head_kv
+    neox = arch in ("qwen2", "qwen3")
+    pos = np.arange(n, dtype=np.float64)
+    x = w["token_embd.weight"][tokens]
+    causal = np.triu(np.full((n, n), -np.inf), k=1)
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        h = _rms_norm(x, w[p + "attn_norm.weight"], s.eps)
+        q = h @ w[p + "attn_q.weight"].T + w.get(p + "attn_q.bias", 0.0)
+        k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0.0)
+        v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0.0)
+        q, k, v = q.reshape(n, s.n_head, hd), k.reshape(n, s.n_head_kv, hd), v.reshape(n, s.n_head_kv, hd)
+        if arch == "qwen3":
+            q = _rms_norm(q, w[p + "attn_q_norm.weight"], s.eps)
+            k = _rms_norm(k, w[p + "attn_k_norm.weight"], s.eps)
+        q, k = _rope(q, pos, s.rope_base, neox), _rope(k, pos, s.rope_base, neox)
+        heads = []
+        for hh in range(s.n_head):
+            scores = q[:, hh] @ k[:, hh // group].T / np.sqrt(hd) + causal
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            heads.append(probs @ v[:, hh // group])
+        x = x + np.concatenate(heads, axis=-1) @ w[p + "attn_output.weight"].T
+        h = _rms_norm(x, w[p + "ffn_norm.weight"], s.eps)
+        gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "ffn_down.weight"].T
+    return _rms_norm(x, w["output_norm.weight"], s.eps) @ w["output.weight"].T
