@@ -118,3 +118,11 @@ def test_chat_reports_a_server_killed_mid_answer(start_server, smollm2_path):
     err = p.stderr.read().decode()
     assert p.returncode == 1 and f"RPC[{server.endpoint}]" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_rpc_server_listen_forms():
+    from pyggml.cli.rpc_server import parse_listen, parse_size
+    assert parse_listen("8080") == (None, 8080, None)
+    assert parse_listen("8080@1") == (None, 8080, 1)
+    assert parse_listen("127.0.0.1:9000@1") == ("127.0.0.1", 9000, 1)
+    assert parse_size("512") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("1.5GiB") == 3 << 29

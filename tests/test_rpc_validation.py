@@ -316,3 +316,21 @@ def test_a_failed_asynchronous_compute_is_reported_by_the_next_read(server):
     sched.graph_compute(graph)
     assert np.array_equal(pg.tensor_array(out).reshape(2, 8), np.arange(32, dtype=np.float32).reshape(4, 8)[[3, 0]])
     dev.conn.close()
+
+
+def test_compressible_data_travels_compressed(server):
+    import pyggml as pg
+    from pyggml.rpc import connect
+    dev = connect(server.endpoint)[0]
+    t = pg.new_tensor(Type.F32, (1024, 1024), "zeros-and-a-ramp")
+    buf = pg.alloc_tensors([t], dev.get_buffer_type())
+    values = np.zeros((1024, 1024), np.float32)
+    values[::64] = np.arange(1024, dtype=np.float32)
+    sent = dev.conn.bytes_sent
+    pg.tensor_set(t, values)
+    assert dev.conn.bytes_sent - sent < values.nbytes // 20  # LZ4 on the wire, 4 MiB of mostly zeros
+    received = dev.conn.bytes_received
+    assert np.array_equal(pg.tensor_array(t).reshape(values.shape), values)
+    assert dev.conn.bytes_received - received < values.nbytes // 20  # and compressed on the way back
+    buf.free()
+    dev.conn.close()
