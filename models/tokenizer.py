@@ -14,7 +14,11 @@ llama.cpp's ids on every reference string (tests/test_tokenizer.py).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +46,47 @@ BPE_PRE = {
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<eos>", "</s>")
 
 
+CACHE_VERSION = 1  # bump when the way a tokenizer is built from a GGUF changes
+
+
+def _cache_path(f: GGUFFile, tokens: list[str], types: np.ndarray) -> Path:
+    """Where the tokenizer built from this vocabulary is kept: named by a hash of everything
+    it is built from (building Gemma's 262k-piece SentencePiece model takes 1.5 s, loading it 0.7 s)."""
+    h = hashlib.sha256(f"v{CACHE_VERSION}".encode())
+    h.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    h.update(types.astype("<i4").tobytes())
+    for key in ("model", "pre", "scores", "merges", "add_space_prefix", "unknown_token_id"):
+        value = f.get(f"tokenizer.ggml.{key}")
+        if isinstance(value, list) and value and isinstance(value[0], float):
+            h.update(np.asarray(value, dtype="<f4").tobytes())
+        elif isinstance(value, list):
+            h.update("\0".join(map(str, value)).encode("utf-8", "surrogatepass"))
+        else:
+            h.update(repr(value).encode())
+    from pyggml import hub
+    return hub.cache_dir() / "tokenizers" / f"{h.hexdigest()}.json"
+
+
+def _load_cached(path: Path):
+    from tokenizers import Tokenizer as HFTokenizer
+    try:
+        return HFTokenizer.from_file(str(path)) if path.exists() else None
+    except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, whatever the error
+        log.warning("ignoring the cached tokenizer %s: %s", path, e)
+        return None
+
+
+def _store(path: Path, hf) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(hf.to_str())
+        os.replace(tmp, path)  # whole or not at all
+    except OSError as e:
+        log.info("cannot cache the tokenizer in %s: %s", path.parent, e)
+
+
 class Tokenizer:
     def __init__(self, f: GGUFFile) -> None:
         from tokenizers import AddedToken
@@ -56,19 +101,18 @@ class Tokenizer:
         self.types = np.asarray(types, dtype=np.int32) if types is not None else np.full(n, NORMAL, np.int32)
         self.bos_id = self._id(f, "bos_token_id")
         self.eos_id = self._id(f, "eos_token_id")
-        if self.kind == "gpt2":
-            self.hf: HFTokenizer = self._byte_level_bpe(f)
-            default_bos = False
-        elif self.kind == "llama":
-            self.hf = self._sentencepiece(f)
-            default_bos = True
-        else:
+        if self.kind not in ("gpt2", "llama"):
             raise GGUFError(f.path, f"unsupported tokenizer model {self.kind!r} (supported: gpt2, llama)")
         add_bos = f.get("tokenizer.ggml.add_bos_token")
-        self.add_bos = bool(default_bos if add_bos is None else add_bos) and self.bos_id is not None
-        special = [AddedToken(self.tokens[i], special=bool(self.types[i] == CONTROL), normalized=False)
-                   for i in np.nonzero((self.types == CONTROL) | (self.types == USER_DEFINED))[0]]
-        self.hf.add_tokens(special)
+        self.add_bos = bool(self.kind == "llama" if add_bos is None else add_bos) and self.bos_id is not None
+        cache = _cache_path(f, self.tokens, self.types)
+        self.hf: HFTokenizer | None = _load_cached(cache)
+        if self.hf is None:
+            self.hf = self._byte_level_bpe(f) if self.kind == "gpt2" else self._sentencepiece(f)
+            special = [AddedToken(self.tokens[i], special=bool(self.types[i] == CONTROL), normalized=False)
+                       for i in np.nonzero((self.types == CONTROL) | (self.types == USER_DEFINED))[0]]
+            self.hf.add_tokens(special)
+            _store(cache, self.hf)
         eog = {self.eos_id, self._id(f, "eot_token_id"), self._id(f, "eom_token_id")}
         index = {t: i for i, t in enumerate(self.tokens)} if self.kind == "gpt2" else None
         for text in EOG_TEXTS:
