@@ -122,7 +122,9 @@ class GGUFFile:
         for t in tensors:
             buft = pick(t)
             # host memory: the weights stay in the file's map and nothing is copied
-            into = mapped if hasattr(buft, "buffer_from_array") and self.tensors[source(t)].ne == t.ne else groups
+            info = self.tensors[source(t)]
+            same = info.type == t.type and info.nbytes == t.nbytes() and t.is_contiguous()
+            into = mapped if same and hasattr(buft, "buffer_from_array") else groups
             into.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
         buffers += [self._map_into(ts, buft, source) for buft, ts in mapped.values()]

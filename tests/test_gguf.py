@@ -130,3 +130,13 @@ def test_offset_past_end(tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match="past the end|truncated or corrupt"):
         GGUFFile(p)
+
+
+def test_host_weights_stay_in_the_files_memory_map(smollm2_path):
+    f, tensors = pg.gguf.load(smollm2_path)
+    buffers = {id(t.buffer): t.buffer for t in tensors.values()}
+    assert len(buffers) == 1  # one buffer: the whole file, no copy
+    (buf,) = buffers.values()
+    assert np.shares_memory(buf.data, f.map)
+    t = tensors["blk.0.attn_q.weight"]
+    assert t.offset == f.tensors["blk.0.attn_q.weight"].offset
