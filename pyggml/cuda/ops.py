@@ -159,10 +159,10 @@ def k_rope(node: Tensor) -> None:
     p = node.op_params
     n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
     fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
-    # the angles come from a few positions: computed on the host exactly as the CPU does
-    cos, sin = rope_cache(tensor_view(pos).get().reshape(-1), n_dims, fb, fs, ef, af, bf, bs, n_ctx_orig,
-                          tensor_view(ff).get().reshape(-1) if ff is not None else None)
-    cos, sin = cp.asarray(cos)[None, :, None, :], cp.asarray(sin)[None, :, None, :]
+    # the CPU's formula, on the GPU (no copy of the positions to the host)
+    cos, sin = rope_cache(tensor_view(pos).reshape(-1), n_dims, fb, fs, ef, af, bf, bs, n_ctx_orig,
+                          tensor_view(ff).reshape(-1) if ff is not None else None, xp=cp)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     x = values(a)
     out = tensor_view(node)
     if mode == RopeMode.NEOX:
