@@ -125,25 +125,28 @@ HD void load_group_q4_1(const u8 *row, i64 g, int *w, float &a, float &b) {
     }
 }
 
-// Q5_0: {f16 d; u32 qh; u8 qs[16]}; bit i of qh is the fifth bit of element i; value d * (q - 16)
-HD void load_group_q5_0(const u8 *row, i64 g, int *w, float &a, float &b) {
-    const u8 *blk = row + g * 22;
-    a = load_f16(blk);
-    b = 0.0f;
-    const u32 qh = load_u32(blk + 2);
-    const u8 *qs = blk + 6;
+// the 32 five-bit values of a Q5 block (low nibbles in qs, fifth bits in qh), minus `zero`
+HD void unpack_q5(const u8 *qs, u32 qh, int zero, int *w) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         int lo[4], hi[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = 4 * k + j;
-            lo[j] = ((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16;
-            hi[j] = ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+            lo[j] = ((qs[i] & 15) | (((qh >> i) & 1) << 4)) - zero;
+            hi[j] = ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - zero;
         }
         w[k] = pack_i8x4(lo[0], lo[1], lo[2], lo[3]);
         w[k + 4] = pack_i8x4(hi[0], hi[1], hi[2], hi[3]);
     }
+}
+
+// Q5_0: {f16 d; u32 qh; u8 qs[16]}; bit i of qh is the fifth bit of element i; value d * (q - 16)
+HD void load_group_q5_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + g * 22;
+    a = load_f16(blk);
+    b = 0.0f;
+    unpack_q5(blk + 6, load_u32(blk + 2), 16, w);
 }
 
 // Q5_1: {f16 d; f16 m; u32 qh; u8 qs[16]}; value d * q + m
@@ -151,20 +154,7 @@ HD void load_group_q5_1(const u8 *row, i64 g, int *w, float &a, float &b) {
     const u8 *blk = row + g * 24;
     a = load_f16(blk);
     b = load_f16(blk + 2);
-    const u32 qh = load_u32(blk + 4);
-    const u8 *qs = blk + 8;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        int lo[4], hi[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = 4 * k + j;
-            lo[j] = (qs[i] & 15) | (((qh >> i) & 1) << 4);
-            hi[j] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-        }
-        w[k] = pack_i8x4(lo[0], lo[1], lo[2], lo[3]);
-        w[k + 4] = pack_i8x4(hi[0], hi[1], hi[2], hi[3]);
-    }
+    unpack_q5(blk + 8, load_u32(blk + 4), 0, w);
 }
 
 // Q8_0: {f16 d; i8 qs[32]}; value d * q
@@ -178,15 +168,20 @@ HD void load_group_q8_0(const u8 *row, i64 g, int *w, float &a, float &b) {
     }
 }
 
-// Q4_K: {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}; sub-block s (32 elements) takes the low
-// nibbles of qs[32*(s/2) ...] for even s, the high ones for odd s; value d*sc*q - dmin*mn
-HD void load_group_q4_k(const u8 *row, i64 g, int *w, float &a, float &b) {
-    const u8 *blk = row + (g / 8) * 144;
-    const int s = (int)(g % 8);
+// the affine map of sub-block s of a Q4_K / Q5_K super-block: value d*sc*q - dmin*mn
+HD void k4_affine(const u8 *blk, int s, float &a, float &b) {
     int sc, mn;
     scale_min_k4(s, blk + 4, sc, mn);
     a = load_f16(blk) * (float)sc;
     b = -load_f16(blk + 2) * (float)mn;
+}
+
+// Q4_K: {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}; sub-block s (32 elements) takes the low
+// nibbles of qs[32*(s/2) ...] for even s, the high ones for odd s
+HD void load_group_q4_k(const u8 *row, i64 g, int *w, float &a, float &b) {
+    const u8 *blk = row + (g / 8) * 144;
+    const int s = (int)(g % 8);
+    k4_affine(blk, s, a, b);
     const u8 *qs = blk + 16 + (s / 2) * 32;
     const int shift = 4 * (s & 1);
 #pragma unroll
@@ -199,10 +194,7 @@ HD void load_group_q4_k(const u8 *row, i64 g, int *w, float &a, float &b) {
 HD void load_group_q5_k(const u8 *row, i64 g, int *w, float &a, float &b) {
     const u8 *blk = row + (g / 8) * 176;
     const int s = (int)(g % 8);
-    int sc, mn;
-    scale_min_k4(s, blk + 4, sc, mn);
-    a = load_f16(blk) * (float)sc;
-    b = -load_f16(blk + 2) * (float)mn;
+    k4_affine(blk, s, a, b);
     const u8 *qh = blk + 16;
     const u8 *qs = blk + 48 + (s / 2) * 32;
     const int shift = 4 * (s & 1);
@@ -221,11 +213,8 @@ HD void load_group_q5_k(const u8 *row, i64 g, int *w, float &a, float &b) {
 // Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}; a super-block is two halves of 128;
 // plane p (32 elements) of half h: low nibble of ql[64h + 32(p%2) + l] (high nibble for p >= 2),
 // two bits (2p) of qh[32h + l], scale scales[8h + 2p + l/16]; value d * sc * (q - 32).
-// A group here is 16 elements wide in scale, so the group's two scales differ: a group is
-// split into its two halves, and w carries q - 32 with the scale folded in by the caller
-// through load_group_q6_k's second scale (see mmvq).  To keep one affine map per group, the
-// 32-element group is taken as 16 + 16 with scales sc0 and sc1: w holds (q - 32), a holds d,
-// and the per-half scales are returned in sc2.
+// Scales change every 16 elements, so there is no single affine map per group: w holds q - 32,
+// d the super-block scale, and sc2 the scales of the group's two halves.
 HD void load_group_q6_k(const u8 *row, i64 g, int *w, float &d, int *sc2) {
     const u8 *blk = row + (g / 8) * 210;
     const int s = (int)(g % 8);
