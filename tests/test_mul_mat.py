@@ -56,3 +56,20 @@ def test_quantized_mul_mat_batched_weights():
     out = run_graph(ops.mul_mat(w, x), {x: xv})[0]
     ref = np.stack([ggml_mul_mat_reference(xv[i], raw[i // 2], Type.Q8_0) for i in range(4)])  # b's batch i reads a's i // 2
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_integer_dispatch_matches_the_decoders():
+    """The cached kernels pick a decoder by number; every number must be its DECODERS entry."""
+    from pyggml.cpu.qdecode import DECODERS, F16_TABLE, KIND, decode_row
+    rng = np.random.default_rng(5)
+    for qtype, decoder in DECODERS.items():
+        row = rng.integers(0, 256, size=qtype.row_size(512), dtype=np.uint8)
+        if qtype.is_quantized:  # finite scales: random f16 bit patterns include NaN
+            blocks = row.view(pg.quants.layouts.LAYOUTS[qtype])
+            for field in ("d", "m", "dmin"):
+                if field in blocks.dtype.names:
+                    blocks[field] = np.float32(0.01) if blocks.dtype[field] == np.float32 else np.float16(0.01)
+        want, got = np.empty(512, np.float32), np.empty(512, np.float32)
+        decoder(row, want, F16_TABLE)
+        decode_row(KIND[qtype], row, got, F16_TABLE)
+        np.testing.assert_array_equal(got, want, err_msg=qtype.name)

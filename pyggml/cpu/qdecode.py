@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ..types import Type
 
@@ -267,3 +267,73 @@ DECODERS = {
     Type.Q2_K: dec_q2_k, Type.Q3_K: dec_q3_k, Type.Q4_K: dec_q4_k, Type.Q5_K: dec_q5_k,
     Type.Q6_K: dec_q6_k, Type.F16: dec_f16, Type.Q8_K: dec_q8_k, Type.IQ4_XS: dec_iq4_xs,
 }
+
+
+# -- kernels over rows ----------------------------------------------------------------------------
+# They live in this file because numba's disk cache watches only the file a function is
+# defined in: an edit to a decoder must invalidate the kernels that inline it.  They take the
+# decoder as an integer (an index of DECODERS) rather than as a function, which numba cannot
+# cache: compiled once per machine instead of once per process (~2 s before a first answer).
+
+KIND = {t: i for i, t in enumerate(DECODERS)}
+
+
+@njit(cache=True)
+def decode_row(kind, row, out, f16):
+    """``DECODERS[kind]`` applied to one row (the order of DECODERS, tested)."""
+    if kind == 0:
+        dec_q4_0(row, out, f16)
+    elif kind == 1:
+        dec_q4_1(row, out, f16)
+    elif kind == 2:
+        dec_q5_0(row, out, f16)
+    elif kind == 3:
+        dec_q5_1(row, out, f16)
+    elif kind == 4:
+        dec_q8_0(row, out, f16)
+    elif kind == 5:
+        dec_q8_1(row, out, f16)
+    elif kind == 6:
+        dec_iq4_nl(row, out, f16)
+    elif kind == 7:
+        dec_q2_k(row, out, f16)
+    elif kind == 8:
+        dec_q3_k(row, out, f16)
+    elif kind == 9:
+        dec_q4_k(row, out, f16)
+    elif kind == 10:
+        dec_q5_k(row, out, f16)
+    elif kind == 11:
+        dec_q6_k(row, out, f16)
+    elif kind == 12:
+        dec_f16(row, out, f16)
+    elif kind == 13:
+        dec_q8_k(row, out, f16)
+    else:
+        dec_iq4_xs(row, out, f16)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def fused_matmul(kind, w, x, out, f16):
+    """out[n, m] = dot(decode(w[m]), x[n]) for all m, n: each weight row is decoded into a
+    small scratch vector and used at once for every column."""
+    m_rows, k = w.shape[0], x.shape[1]
+    n_cols = x.shape[0]
+    n_chunks = min(m_rows, 64)
+    per = (m_rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        row = np.empty(k, dtype=np.float32)
+        for m in range(c * per, min(m_rows, (c + 1) * per)):
+            decode_row(kind, w[m], row, f16)
+            for n in range(n_cols):
+                xn = x[n]
+                acc = np.float32(0.0)
+                for i in range(k):
+                    acc += row[i] * xn[i]
+                out[n, m] = acc
+
+
+@njit(parallel=True, cache=True)
+def decode_rows(kind, w, out, f16):
+    for m in prange(w.shape[0]):
+        decode_row(kind, w[m], out[m], f16)

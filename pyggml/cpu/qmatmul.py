@@ -9,48 +9,21 @@ BLAS, which amortizes the decode over the columns; the tile bounds memory use.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
 from ..types import Type
 from .activations import F32, Q8_1, VEC_DOT_KIND, q8_1_correction, quantize_activations
-from .qdecode import DECODERS, F16_TABLE
+from .qdecode import DECODERS, F16_TABLE, KIND, decode_rows, fused_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
 TILE_ROWS = 1024
 
 
-# no cache=True: numba cannot pickle cache entries whose arguments are jitted functions
-@njit(parallel=True, fastmath=True)
-def _fused_matmul(decode, w, x, out, f16):
-    """out[n, m] = dot(decode(w[m]), x[n]) for all m, n."""
-    m_rows, k = w.shape[0], x.shape[1]
-    n_cols = x.shape[0]
-    n_chunks = min(m_rows, 64)
-    per = (m_rows + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        row = np.empty(k, dtype=np.float32)
-        for m in range(c * per, min(m_rows, (c + 1) * per)):
-            decode(w[m], row, f16)
-            for n in range(n_cols):
-                xn = x[n]
-                acc = np.float32(0.0)
-                for i in range(k):
-                    acc += row[i] * xn[i]
-                out[n, m] = acc
-
-
-@njit(parallel=True)
-def _decode_rows(decode, w, out, f16):
-    for m in prange(w.shape[0]):
-        decode(w[m], out[m], f16)
-
-
 def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
     """Decode quantized rows (uint8 [M, row_bytes]) to float32 [M, k]."""
     out = np.empty((w.shape[0], k), dtype=np.float32)
     if w.shape[0]:
-        _decode_rows(DECODERS[qtype], np.ascontiguousarray(w), out, F16_TABLE)
+        decode_rows(KIND[qtype], np.ascontiguousarray(w), out, F16_TABLE)
     return out
 
 
@@ -69,10 +42,10 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if kind != F32:
         x = quantize_activations(x, kind, corr)
-    decode = DECODERS[qtype]
+    dec = KIND[qtype]
     if n_cols <= FUSED_MAX_COLS:
         out = np.empty((n_cols, m_rows), dtype=np.float32)
-        _fused_matmul(decode, w, x, out, F16_TABLE)
+        fused_matmul(dec, w, x, out, F16_TABLE)
     else:
         # BLAS writes each tile's result into contiguous rows of the transposed output
         out_t = np.empty((m_rows, n_cols), dtype=np.float32)
@@ -80,7 +53,7 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
         for start in range(0, m_rows, TILE_ROWS):
             rows = w[start:start + TILE_ROWS]
             t = tile[:len(rows)]
-            _decode_rows(decode, rows, t, F16_TABLE)
+            decode_rows(dec, rows, t, F16_TABLE)
             np.matmul(t, x.T, out=out_t[start:start + len(rows)])
         out = np.ascontiguousarray(out_t.T)
     if kind == Q8_1:
