@@ -7,7 +7,7 @@ naming the file and the line NVRTC complained about.
 from __future__ import annotations
 
 import re
-from functools import lru_cache, cache
+from functools import cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
