@@ -32,21 +32,26 @@ def wire_bytes(model: pg.Model) -> int:
     return sum(c.bytes_sent + c.bytes_received for c in conns)
 
 
-def generation(model: pg.Model, n: int) -> tuple[float, float]:
-    """(tokens/s, wire bytes per token) of greedy generation after a short prompt."""
+def waited(model: pg.Model) -> float:
+    return sum(c.wait_seconds for c in {id(d.conn): d.conn for d in model.rpc_devices}.values())
+
+
+def generation(model: pg.Model, n: int) -> tuple[float, float, float]:
+    """(tokens/s, wire bytes per token, seconds per token spent waiting for servers) of greedy
+    generation after a short prompt."""
     ids = model.tokenize(PROMPT)
     model.context.clear()
     list(model.generate(ids, max_tokens=2, temperature=0))  # warm up: graphs built and sent
     model.context.clear()
     model.context.decode(ids)
     token, count = ids[-1], 0
-    b0, t0 = wire_bytes(model), time.perf_counter()
+    b0, w0, t0 = wire_bytes(model), waited(model), time.perf_counter()
     for _ in range(n):
         logits = model.context.decode([token])
         token = int(logits[-1].argmax())
         count += 1
     dt = time.perf_counter() - t0
-    return count / dt, (wire_bytes(model) - b0) / count
+    return count / dt, (wire_bytes(model) - b0) / count, (waited(model) - w0) / count
 
 
 def main() -> None:
@@ -81,7 +86,8 @@ def main() -> None:
             rows = []
             for name, (model, n) in runs.items():
                 tps = sorted(r[0] for r in results[name])[len(results[name]) // 2]  # the median run
-                rows.append((name, tps, results[name][0][1], n))
+                median = sorted(results[name], key=lambda r: r[0])[len(results[name]) // 2]
+                rows.append((name, tps, median[1], n, median[2]))
                 if n:
                     model.close()
             local_tps = rows[0][1]
@@ -98,10 +104,13 @@ def main() -> None:
     print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens x "
           f"{args.rounds} rounds, "
           f"{pg.cpu_device().get_description()}")
-    print(f"{'placement':<24}{'tokens/s':>10}{'ms/token':>10}{'added ms/token/server':>24}{'wire bytes/token':>18}")
-    for name, tps, per_token, n in rows:
+    print(f"{'placement':<24}{'tokens/s':>10}{'ms/token':>10}{'added ms/token/server':>24}{'wire bytes/token':>18}"
+          f"{'client ms/token':>17}")
+    for name, tps, per_token, n, wait in rows:
         added = (1000 / tps - 1000 / local_tps) / n if n else 0.0
-        print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}")
+        client = 1000 / tps - 1000 * wait  # what the client itself spent; the rest was waiting for servers
+        print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}{client:>17.2f}")
+    print("(client ms/token of a remote placement: the time not spent waiting for a server's answer)")
     print(f"first load onto a server: {first_load:.2f} s, {upload / 2**20:.1f} MiB sent "
           f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")
     print(f"cached second load:       {cached_load:.2f} s, {cached_upload / 2**20:.2f} MiB sent "

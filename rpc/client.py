@@ -64,6 +64,7 @@ class Connection:
         self.bytes_received = 0
         self.closed_reason: str | None = None
         self.errors = 0  # error replies so far (an asynchronous request may have failed before them)
+        self.wait_seconds = 0.0  # time spent waiting for answers (the server's work plus the network)
         self._lock = threading.Lock()
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.DEALER)
@@ -162,7 +163,11 @@ class Connection:
         """Send and wait for the answer: (unpacked ``reply`` struct or raw payload, data frames)."""
         with self._lock:
             seq = self._send(cmd, payload, list(frames), 0)
-            parts = self._wait(seq, cmd, self.timeout if timeout is None else timeout)
+            t0 = time.perf_counter()
+            try:
+                parts = self._wait(seq, cmd, self.timeout if timeout is None else timeout)
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
         head = parts[0]
         status, _, _, _ = P.HEADER.unpack_from(head)
         body = head[P.HEADER.size:]
