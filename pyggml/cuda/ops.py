@@ -23,6 +23,7 @@ from .runtime import function
 Kernel = Callable[[Tensor], None]
 MMVQ_MAX_COLS = 8    # columns one matrix-vector launch handles (kernels/mmvq.cu)
 MMVQ_MAX_BATCH = 32  # up to this many tokens the matrix-vector kernel beats dequantize + GEMM
+GEMM_TILE_ROWS = 4096  # weight rows dequantized at a time for a prompt's GEMM (bounds the F16 copy)
 QUANT_KERNELS = {Type.Q4_0: "q4_0", Type.Q4_1: "q4_1", Type.Q5_0: "q5_0", Type.Q5_1: "q5_1", Type.Q8_0: "q8_0",
                  Type.Q4_K: "q4_k", Type.Q5_K: "q5_k", Type.Q6_K: "q6_k"}
 PLAIN = (Type.F32, Type.F16)
@@ -209,9 +210,11 @@ def k_mul_mat(node: Tensor) -> None:
                 w = rows[i3 // r3, i2 // r2]
                 for start in range(0, xi.shape[0], MMVQ_MAX_COLS):
                     mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS])
-            elif quantized:  # a prompt: F16 weights and tensor cores through cuBLAS
-                wf = dequantize(rows[i3 // r3, i2 // r2], a.type, a.ne[0], np.float16)
-                oi[...] = cp.matmul(xi.astype(cp.float16), wf.T).astype(cp.float32)
+            elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS
+                w, xh = rows[i3 // r3, i2 // r2], xi.astype(cp.float16)
+                for start in range(0, w.shape[0], GEMM_TILE_ROWS):
+                    wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
+                    oi[:, start:start + GEMM_TILE_ROWS] = cp.matmul(xh, wf.T).astype(cp.float32)
             else:
                 wa = tensor_view(a)[i3 // r3, i2 // r2]
                 if a.type == Type.F16:
