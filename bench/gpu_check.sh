@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: the GPU tests, then bench/gpu.py, then a summary.
-# Installs nothing (the machine has no network): it needs a Python where pyggml's
-# dependencies and CuPy import - $PYGGML_PYTHON, else ./.venv/bin/python, else python3.
+# Downloads nothing (the machine has no network).  It uses $PYGGML_PYTHON, else python3
+# (on the H200 image: Python 3.12 with CuPy, numba, tokenizers ...); what that lacks (gguf,
+# pyzmq, lz4) comes from .gpu-deps/, made beforehand by bench/gpu_deps.sh and carried along.
+# pyggml itself is installed from this tree (--no-deps, no build isolation: offline).
 # Budget: under 8 minutes on an H200 (the 8B model is skipped with QUICK=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYGGML_PYTHON:-}"
-[ -z "$PY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-PY="${PY:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYGGML_PYTHON:-python3}"
+[ -d .gpu-deps/site ] && export PYTHONPATH="$PWD/.gpu-deps/site${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || echo "gpu_check: pip install -e . failed; trying the tree as it is" >&2
 out="${OUT:-/tmp}/gpu_check"
 mkdir -p "$out"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not available"
-if ! "$PY" -c "import cupy, numpy, gguf, zmq, lz4, click, numba; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
-  echo "gpu_check: $PY cannot import CuPy and pyggml's dependencies; set PYGGML_PYTHON to one that can" >&2
+if ! "$PY" -c "import cupy, numpy, gguf, zmq, lz4, click, numba, pyggml.models; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
+  echo "gpu_check: $PY cannot import CuPy, pyggml or its dependencies (run bench/gpu_deps.sh here and carry .gpu-deps)" >&2
   exit 2
 fi
 
