@@ -87,8 +87,9 @@ def generate_key(path: str) -> None:
               help="Write a CurveZMQ key pair (FILE secret, FILE.pub public) and exit.")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
 @click.option("--list-devices", is_flag=True, help="List the devices and exit.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
-              show_default=True, help="Logging detail on stderr.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
+                                      "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, curve_secret_key, gen_key,
          max_message, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over ZeroMQ, as ggml's rpc-server does.

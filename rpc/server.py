@@ -52,6 +52,7 @@ class ServedDevice:
 class Session:
     identity: bytes
     fd: int
+    peer: str = "?"
     buffers: dict[int, tuple[int, Buffer]] = field(default_factory=dict)   # handle -> (device, buffer)
     graphs: dict[int, tuple[int, Graph, set[int]]] = field(default_factory=dict)  # slot -> (device, graph, handles)
     deferred_error: str | None = None
@@ -145,7 +146,8 @@ class RPCServer:
             ev = zmq.utils.monitor.recv_monitor_message(self.monitor)
             if ev["event"] == zmq.EVENT_DISCONNECTED:
                 for s in [s for s in self.sessions.values() if s.fd == ev["value"]]:
-                    log.info("client %s disconnected", s.identity.hex())
+                    log.info("client %s (%s) disconnected; its %d buffer(s) freed", s.identity.hex(), s.peer,
+                             len(s.buffers))
                     self._end_session(s)
 
     def _end_session(self, s: Session) -> None:
@@ -172,7 +174,7 @@ class RPCServer:
                 raise ProtocolError(f"unknown command {cmd_no}") from None
             payload = head[P.HEADER.size:]
             if cmd == Command.HELLO:
-                reply = self._hello(identity, frames[1].get(zmq.SRCFD), payload, data)
+                reply = self._hello(identity, frames[1].get(zmq.SRCFD), payload, data, _peer(frames[1]))
             else:
                 session = self.sessions.get(identity)
                 if session is None:
@@ -229,7 +231,7 @@ class RPCServer:
                                 f"({tensor_extent(t)} bytes)")
 
     # -- commands -----------------------------------------------------------------------------------
-    def _hello(self, identity: bytes, fd: int, payload: memoryview, data: list) -> Reply:
+    def _hello(self, identity: bytes, fd: int, payload: memoryview, data: list, peer: str = "?") -> Reply:
         magic, version = unpack(P.HELLO, payload)
         if magic != P.MAGIC:
             raise ProtocolError("not a pyggml RPC client")
@@ -238,8 +240,8 @@ class RPCServer:
                                 f"version {P.PROTOCOL_VERSION}")
         self._frames(data, 0)
         if identity not in self.sessions:
-            self.sessions[identity] = Session(identity, fd)
-            log.info("client %s connected", identity.hex())
+            self.sessions[identity] = Session(identity, fd, peer)
+            log.info("client %s connected from %s", identity.hex(), peer)
         flags = P.SERVER_HAS_CACHE if self.cache is not None else 0
         return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices), self.max_message, flags), []
 
@@ -393,6 +395,13 @@ class RPCServer:
     def _compute(sd: ServedDevice, graph: Graph) -> None:
         sd.backend.graph_compute(graph)
         sd.backend.synchronize()
+
+
+def _peer(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return "?"
 
 
 def supported_ops(device: Device) -> set[int]:
