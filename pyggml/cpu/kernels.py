@@ -15,6 +15,7 @@ from ..ops import GluOp, Op, RopeMode, UnaryOp
 from ..tensor import Tensor
 from ..types import Type
 from .buffer import tensor_rows, tensor_view
+from .qdecode import F16_TABLE, f16_values
 from .qmatmul import dequantize_rows, quant_matmul
 from .qmatmul import supports as quant_supported
 
@@ -26,6 +27,10 @@ def values(t: Tensor) -> np.ndarray:
     """A tensor's values as float32 [ne3, ne2, ne1, ne0] (a view when it already is F32)."""
     if t.type == Type.F32:
         return tensor_view(t)
+    if t.type == Type.F16:
+        out = np.empty(t.ne[::-1], dtype=f32)
+        f16_values(tensor_view(t).view(np.uint16), F16_TABLE, out)
+        return out
     if t.type.np_dtype is not None and t.type != Type.BF16:
         return tensor_view(t).astype(f32)
     rows = tensor_rows(t)
