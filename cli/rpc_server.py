@@ -131,11 +131,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, c
             key = load_key(curve_secret_key)
         except (OSError, ValueError) as e:
             fail(str(e))
-    if threads:
-        from pyggml.cpu.device import configure_threads
-        configure_threads(threads)
-    for d in chosen:
-        if hasattr(d, "n_threads") and threads:
+    for d in chosen:  # the CPU backend sets its thread count when the server creates it
+        if threads and hasattr(d, "n_threads"):
             d.n_threads = threads
     if host not in LOCAL_HOSTS:
         click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "

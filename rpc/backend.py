@@ -120,7 +120,11 @@ class RPCBuffer(Buffer):
             offset, size, Codec.LZ4), reply=P.GET_REPLY)
         if n != size or len(frames) != 1:
             raise RPCError(self.conn.endpoint, f"GET_TENSOR answered {n} bytes in {len(frames)} frames, asked {size}")
-        return np.frombuffer(P.decompress(codec, frames[0], size), dtype=np.uint8).copy()
+        try:
+            data = P.decompress(codec, frames[0], size)
+        except P.ProtocolError as e:
+            raise RPCError(self.conn.endpoint, f"malformed GET_TENSOR reply: {e}") from None
+        return np.frombuffer(data, dtype=np.uint8).copy()
 
     def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
         size = tensor.nbytes() - offset if size is None else size
@@ -210,7 +214,7 @@ def serialize_graph(graph: Graph, device: int, slot: int) -> bytes:
 class RPCDevice(Device):
     """Device ``index`` of the server at ``conn.endpoint``."""
 
-    def __init__(self, conn: Connection, index: int, n_devices: int) -> None:
+    def __init__(self, conn: Connection, index: int) -> None:
         self.conn = conn
         self.index = index
         info, frames = conn.request(Command.GET_DEVICE_INFO, P.U32.pack(index), reply=P.DEVICE_INFO)
@@ -257,6 +261,6 @@ def connect(endpoints: str | list[str] | tuple[str, ...] | None, server_key: byt
     devices: list[RPCDevice] = []
     for ep in P.parse_endpoints(endpoints):
         conn = Connection(ep, server_key, **kwargs)
-        devices.extend(RPCDevice(conn, i, conn.n_devices) for i in range(conn.n_devices))
+        devices.extend(RPCDevice(conn, i) for i in range(conn.n_devices))
     return devices
 

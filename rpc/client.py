@@ -133,7 +133,7 @@ class Connection:
 
     def _check_monitor(self) -> None:
         """Raise at once if the monitor already saw the connection fail."""
-        while self.monitor.poll(0):
+        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             ev = zmq.utils.monitor.recv_monitor_message(self.monitor)
             if ev["event"] in _FAILURES:
                 self.close(_FAILURES[ev["event"]])

@@ -70,7 +70,6 @@ DEVICE_INFO = struct.Struct("<IQQQQB")               # type, free, total, alignm
 ALLOC_BUFFER = struct.Struct("<IQ")                  # device, size
 ALLOC_REPLY = struct.Struct("<QQ")                   # handle, size
 BUFFER_CLEAR = struct.Struct("<QB")                  # handle, value
-DATA_RANGE = struct.Struct("<QQ")                    # offset within the tensor, size
 SET_TENSOR = struct.Struct("<QQBB")                  # offset, size, codec, flags
 SET_TENSOR_HASH = struct.Struct("<QQ32s")            # offset, size, digest
 GET_TENSOR = struct.Struct("<QQB")                   # offset, size, accepted codec
@@ -89,7 +88,6 @@ TENSOR = struct.Struct(f"<QIIQ4q4q{MAX_OP_PARAMS}ii{MAX_SRC}QQQQ{NAME_BYTES}s")
 GRAPH_SLOTS = 16                     # graphs a session may keep on the server for GRAPH_RECOMPUTE
 DEFAULT_MAX_MESSAGE = 512 << 20      # the server refuses bigger frames; the client chunks below it
 CHUNK_BYTES = 64 << 20               # tensor data is sent in pieces of at most this size
-DIGEST_BYTES = 32
 
 
 class RPCError(RuntimeError):

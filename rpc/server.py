@@ -267,9 +267,10 @@ class RPCServer:
     def _alloc_buffer(self, s: Session, payload: memoryview, data: list) -> Reply:
         dev, size = unpack(P.ALLOC_BUFFER, payload)
         sd = self._device(dev)
-        if size > sd.mem_limit - sd.used:
+        free, _ = sd.memory()  # within --mem, and within what the device has free
+        if size > free:
             raise ProtocolError(f"allocating {size / 2**20:.1f} MiB on {sd.device.get_name()} exceeds the "
-                                f"memory this server offers ({(sd.mem_limit - sd.used) / 2**20:.1f} MiB left)")
+                                f"memory this server offers ({free / 2**20:.1f} MiB left)")
         buft = sd.device.get_buffer_type()
         if size > buft.get_max_size():
             raise ProtocolError(f"a buffer of {size} bytes exceeds the device's maximum")

@@ -36,10 +36,8 @@ def _cp():
 
 def supports(node: Tensor) -> bool:
     """Types the kernels handle: plain F32/F16 everywhere, quantized weights where listed."""
-    for s in node.src:
-        if s is not None and s.type not in PLAIN and s.type not in (Type.I32,) and s.type not in QUANT_KERNELS:
-            return False
-    return node.type in PLAIN or node.type == Type.I32
+    readable = (*PLAIN, Type.I32, *QUANT_KERNELS)
+    return all(s is None or s.type in readable for s in node.src) and node.type in (*PLAIN, Type.I32)
 
 
 def values(t: Tensor):
