@@ -2,19 +2,17 @@
 
 ggml never multiplies quantized weights with float activations: it first converts each
 activation row to the weight type's ``vec_dot_type`` (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL, Q8_1
-for Q4_1/Q5_1, Q8_K for the K-quants and IQ4_XS, F16 for F16 weights) and computes
-integer block dot products.  We decode weights to float32 instead, which is exact for the
-weight side, and apply the same activation quantization here, as float values
-``q * d`` - so our products equal ggml's up to float summation order.  Without this the
-two drift apart by ~0.5% per product and, through 30 layers, flip near-tied argmaxes.
+for Q4_1/Q5_1, Q8_K for the K-quants and IQ4_XS, F16 for F16 weights) and computes integer
+block dot products (qdot.py).  ``quantize_q8`` produces those 8-bit blocks: the integers (as
+float32, exact), the scale per block, and the per-block sum the dot products use.
 
 Details that matter (checked against llama.cpp's intermediate tensors):
 - Q8_0/Q8_1 as x86's SIMD code does it: ``q = rint(x * 127/amax)``, ``d`` stored as F16.
-- Q8_1 also stores ``s = F16(d * sum(q))`` and ggml's Q4_1/Q5_1 dot uses it for the
-  block minimum: ``d_w d_x sum(q_w q_x) + m_w s``.  ``q8_1_correction`` adds the difference
-  ``m_w (s - d_F16 sum(q))`` that decoding alone misses.
+- Q8_1 also stores ``s = F16(d * sum(q))`` (d before its rounding to F16); the Q4_1/Q5_1 dot
+  uses it for the block minimum.
 - Q8_K: ``iscale = -127/max`` (max = the signed value of largest magnitude),
-  ``q = min(127, rint(iscale x))``, ``d = 1/iscale`` in float32.
+  ``q = min(127, rint(iscale x))``, ``d = 1/iscale`` in float32; the K-quant dots use the
+  sum of q per 32 values.
 """
 from __future__ import annotations
 
@@ -51,17 +49,12 @@ def round_f16(v):
 
 
 @njit(cache=True, parallel=True)
-def quantize_activations(x, kind, corr):
-    """x [N, K] float32 -> the values ggml's vec_dot_type holds; for Q8_1 also fills
-    corr [N, K/32] with s - d*sum(q) per block (see q8_1_correction)."""
+def quantize_q8(x, kind, yq, yd, ys):
+    """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
+    scale, ys [N, K/32] (Q8_1: F16(d * sum q) per block; Q8_K: sum q per 32 values)."""
     n_rows, k = x.shape
-    out = np.empty_like(x)
     block = 256 if kind == Q8_K else 32
     for r in prange(n_rows):
-        if kind == F16:
-            for i in range(k):
-                out[r, i] = round_f16(x[r, i])
-            continue
         for b in range(k // block):
             lo = b * block
             if kind == Q8_K:
@@ -70,38 +63,50 @@ def quantize_activations(x, kind, corr):
                     if abs(x[r, i]) > amax:
                         amax, vmax = abs(x[r, i]), x[r, i]
                 if amax == 0.0:
-                    out[r, lo:lo + block] = 0.0
+                    yq[r, lo:lo + block] = 0.0
+                    yd[r, b] = 0.0
+                    ys[r, b * 8:b * 8 + 8] = 0.0
                     continue
                 iscale = np.float32(-127.0) / vmax
-                d = np.float32(1.0) / iscale
+                yd[r, b] = np.float32(1.0) / iscale
                 for i in range(lo, lo + block):
-                    out[r, i] = min(np.float32(127.0), np.rint(iscale * x[r, i])) * d
+                    yq[r, i] = min(np.float32(127.0), np.rint(iscale * x[r, i]))
+                for s in range(8):
+                    acc = np.float32(0.0)
+                    for i in range(lo + 32 * s, lo + 32 * s + 32):
+                        acc += yq[r, i]
+                    ys[r, b * 8 + s] = acc
                 continue
             amax = np.float32(0.0)
             for i in range(lo, lo + block):
                 amax = max(amax, abs(x[r, i]))
             d = amax / np.float32(127.0)
             ident = np.float32(127.0) / amax if amax != 0.0 else np.float32(0.0)
-            d16 = round_f16(d)
             qsum = np.float32(0.0)
             for i in range(lo, lo + block):
                 q = np.rint(x[r, i] * ident)
                 qsum += q
-                out[r, i] = q * d16
-            if kind == Q8_1:
-                corr[r, b] = round_f16(d * qsum) - d16 * qsum
-    return out
+                yq[r, i] = q
+            yd[r, b] = round_f16(d)
+            ys[r, b] = round_f16(d * qsum) if kind == Q8_1 else qsum
 
 
-@njit(cache=True, parallel=True)
-def q8_1_correction(w, corr, out, block_bytes, f16):
-    """out[n, m] += sum_b m_w[m, b] * corr[n, b]: the block minima of Q4_1/Q5_1 rows (an
-    F16 at byte 2 of each block) times the Q8_1 sum correction."""
-    n_blocks = corr.shape[1]
-    for m in prange(w.shape[0]):
-        for n in range(corr.shape[0]):
-            acc = np.float32(0.0)
-            for b in range(n_blocks):
-                p = b * block_bytes + 2
-                acc += f16[np.int64(w[m, p]) | (np.int64(w[m, p + 1]) << 8)] * corr[n, b]
-            out[n, m] += acc
+def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quantize_q8`` with its outputs allocated: (integers, scales, sums)."""
+    n, k = x.shape
+    yq = np.empty((n, k), dtype=np.float32)
+    yd = np.empty((n, k // 256 if kind == Q8_K else k // 32), dtype=np.float32)
+    ys = np.empty((n, k // 32), dtype=np.float32)
+    quantize_q8(x, kind, yq, yd, ys)
+    return yq, yd, ys
+
+
+def activation_values(x: np.ndarray, kind: int) -> np.ndarray:
+    """The float values ggml's vec_dot_type holds for x (for decode-then-dot products)."""
+    if kind == F32:
+        return x
+    if kind == F16:
+        return x.astype(np.float16).astype(np.float32)
+    yq, yd, _ = quantize(x, kind)
+    block = 256 if kind == Q8_K else 32
+    return (yq.reshape(len(x), -1, block) * yd[:, :, None]).reshape(x.shape)

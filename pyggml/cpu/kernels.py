@@ -14,6 +14,7 @@ from .. import quants
 from ..ops import GluOp, Op, RopeMode, UnaryOp
 from ..tensor import Tensor
 from ..types import Type
+from . import nn
 from .buffer import tensor_rows, tensor_view
 from .qdecode import F16_TABLE, f16_values
 from .qmatmul import dequantize_rows, quant_matmul
@@ -99,8 +100,32 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
 GLU_ACT = {GluOp.REGLU: UNARY[UnaryOp.RELU], GluOp.GEGLU: _gelu_tanh, GluOp.SWIGLU: _silu}
 
 
+_GELU_TABLE: list[np.ndarray] = []
+
+
+def _gelu_table() -> np.ndarray:
+    if not _GELU_TABLE:
+        _GELU_TABLE.append(nn.gelu_table())
+    return _GELU_TABLE[0]
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
+
+
 def k_unary(node: Tensor) -> None:
-    tensor_view(node)[...] = UNARY[int(node.op_params[0])](values(node.src[0]))
+    op = int(node.op_params[0])
+    x = values(node.src[0])
+    out = tensor_view(node)
+    if op in (UnaryOp.SILU, UnaryOp.GELU):  # ggml's own rounding (nn.py)
+        res = np.empty(x.shape, dtype=f32)
+        if op == UnaryOp.SILU:
+            nn.silu(_rows(x), res.reshape(-1, x.shape[-1]))
+        else:
+            nn.gelu(_rows(x), res.reshape(-1, x.shape[-1]), _gelu_table())
+        out[...] = res
+        return
+    out[...] = UNARY[op](x)
 
 
 def k_glu(node: Tensor) -> None:
@@ -112,15 +137,24 @@ def k_glu(node: Tensor) -> None:
         b = values(node.src[1])
     if node.op_params[1]:
         a, b = b, a
-    tensor_view(node)[...] = GLU_ACT[GluOp(int(node.op_params[0]))](a) * b
+    glu = GluOp(int(node.op_params[0]))
+    out = tensor_view(node)
+    if glu in (GluOp.SWIGLU, GluOp.GEGLU):
+        res = np.empty(a.shape, dtype=f32)
+        if glu == GluOp.SWIGLU:
+            nn.swiglu(_rows(a), _rows(b), res.reshape(-1, a.shape[-1]))
+        else:
+            nn.geglu(_rows(a), _rows(b), res.reshape(-1, a.shape[-1]), _gelu_table())
+        out[...] = res
+        return
+    out[...] = GLU_ACT[glu](a) * b
 
 
 def k_rms_norm(node: Tensor) -> None:
     x = values(node.src[0])
-    eps = f32(node.get_op_params_f32(0))
-    # ggml's rounding: the sum of squares in double, the mean and the scale in float
-    mean_sq = (np.square(x, dtype=np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(f32)
-    tensor_view(node)[...] = x * (f32(1) / np.sqrt(mean_sq + eps))
+    res = np.empty(x.shape, dtype=f32)
+    nn.rms_norm(_rows(x), node.get_op_params_f32(0), res.reshape(-1, x.shape[-1]))
+    tensor_view(node)[...] = res
 
 
 def k_norm(node: Tensor) -> None:
@@ -130,13 +164,6 @@ def k_norm(node: Tensor) -> None:
     tensor_view(node)[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
 
 
-def _softmax_rows(x: np.ndarray) -> None:
-    """In place, with ggml's rounding: exp in float, the sum in double, times 1/sum."""
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x *= (1.0 / x.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(f32)
-
-
 def k_soft_max(node: Tensor) -> None:
     a, mask = node.src[0], node.src[1]
     scale = node.get_op_params_f32(0)
@@ -144,8 +171,9 @@ def k_soft_max(node: Tensor) -> None:
     if mask is not None:
         m = values(mask)[:, :, :a.ne[1], :]
         x += _tile(m, x.shape)
-    _softmax_rows(x)
-    tensor_view(node)[...] = x
+    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    nn.softmax_rows(rows)
+    tensor_view(node)[...] = rows.reshape(x.shape)
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
@@ -179,21 +207,13 @@ def k_rope(node: Tensor) -> None:
     p = node.op_params
     n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
     fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
-    cos, sin = rope_cache(tensor_view(pos).reshape(-1), n_dims, fb, fs, ef, af, bf, bs, n_ctx_orig,
-                          tensor_view(ff).reshape(-1) if ff is not None else None)
-    x = values(a)  # [ne3, n_tokens, n_head, head_dim]
-    out = tensor_view(node)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    if mode == RopeMode.NEOX:
-        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
-        r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-        out[..., : n_dims // 2], out[..., n_dims // 2: n_dims] = r0, r1
-    else:
-        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = r0, r1
-    if n_dims < a.ne[0]:
-        out[..., n_dims:] = x[..., n_dims:]
+    factors = tensor_view(ff).reshape(-1) if ff is not None else np.ones(1, dtype=f32)
+    cos, sin = nn.rope_cache(tensor_view(pos).reshape(-1).astype(np.int64), n_dims, fb, fs, ef, af, bf, bs,
+                             n_ctx_orig, factors, ff is not None)
+    x = np.ascontiguousarray(values(a))  # [ne3, n_tokens, n_head, head_dim]
+    res = np.empty(x.shape, dtype=f32)
+    nn.rope_rotate(x, res, cos, sin, n_dims, mode == RopeMode.NEOX)
+    tensor_view(node)[...] = res
 
 
 def k_mul_mat(node: Tensor) -> None:
@@ -219,34 +239,21 @@ def k_mul_mat(node: Tensor) -> None:
     out[...] = res.reshape(out.shape)
 
 
-def _as_f16_operand(x: np.ndarray, other: Tensor) -> np.ndarray:
-    """ggml multiplies an F16 tensor with F32 values by first rounding those to F16."""
-    return x.astype(np.float16).astype(f32) if other.type == Type.F16 else x
-
-
 def k_flash_attn_ext(node: Tensor) -> None:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
-    mul_mat(K, Q), softmax, mul_mat(V, KQ)): Q and the probabilities are rounded to F16,
-    products accumulate in float32."""
+    mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention computes it."""
     q, k, v, mask = node.src[:4]
     scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
-    n_tokens, n_head, n_head_kv = q.ne[1], q.ne[2], k.ne[2]
-    group = n_head // n_head_kv  # query head h reads key/value head h // group, as in ggml
+    n_tokens = q.ne[1]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
+    m = np.ascontiguousarray(values(mask)[0, 0, :n_tokens]) if mask is not None \
+        else np.zeros((n_tokens, k.ne[1]), dtype=f32)
+    qv, kv, vv = values(q), values(k), values(v)
     for i3 in range(q.ne[3]):
-        qs = _as_f16_operand(values(q)[i3], k).reshape(n_head_kv, group * n_tokens, q.ne[0])  # [kv head, (group, token), d]
-        ks, vs = values(k)[i3], values(v)[i3]                                # [kv head, n_kv, d]
-        s = np.matmul(qs, ks.swapaxes(-1, -2))                              # [kv head, (group, token), n_kv]
-        if softcap:
-            s = np.tanh(s * f32(scale / softcap)) * f32(softcap)
-        else:
-            s *= f32(scale)
-        s = s.reshape(n_head_kv, group, n_tokens, -1)
-        if mask is not None:
-            s += values(mask)[0, 0, :n_tokens]
-        _softmax_rows(s)
-        o = np.matmul(_as_f16_operand(s, v).reshape(n_head_kv, group * n_tokens, -1), vs)  # [kv head, (group, token), dv]
-        out[i3] = o.reshape(n_head, n_tokens, -1).swapaxes(0, 1)
+        res = np.empty(out.shape[1:], dtype=f32)
+        nn.attention(np.ascontiguousarray(qv[i3]), np.ascontiguousarray(kv[i3]), np.ascontiguousarray(vv[i3]),
+                     m, scale, softcap, res)
+        out[i3] = res
 
 
 def _index_array(t: Tensor) -> np.ndarray:

@@ -1,18 +1,20 @@
 """Matrix products with quantized weights on the CPU.
 
-``a`` holds M rows of quantized blocks, ``b`` holds N float rows of length K.  For few
-columns (token-by-token decoding) each weight row is decoded into an L1-sized scratch
-vector and dotted with every column at once: the weights are read once, as stored.  For
-many columns (prompt processing) rows are decoded a tile at a time and multiplied with
-BLAS, which amortizes the decode over the columns; the tile bounds memory use.
+The weight types of real models go through qdot.py, which reproduces ggml's integer block dot
+products and their float accumulation exactly.  The rest (F16, IQ4_NL/IQ4_XS, Q2_K, Q3_K) are
+decoded row by row and dotted with the activations rounded the way ggml holds them: equal to
+ggml's up to float summation order.  For few columns (token-by-token decoding) each weight row
+is decoded into an L1-sized scratch vector and dotted with every column at once; for many
+columns rows are decoded a tile at a time and multiplied with BLAS.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..types import Type
-from .activations import F32, Q8_1, VEC_DOT_KIND, q8_1_correction, quantize_activations
+from .activations import F32, VEC_DOT_KIND, activation_values, quantize
 from .qdecode import DECODERS, F16_TABLE, KIND, decode_rows, fused_matmul
+from .qdot import EXACT, exact_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -28,37 +30,32 @@ def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
 
 
 def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
-    """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32.
-
-    The activations are first rounded the way ggml's vec_dot_type holds them
-    (activations.py), so the result equals ggml's up to summation order.
-    """
+    """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32."""
     n_cols, k = x.shape
     m_rows = w.shape[0]
     if m_rows == 0 or n_cols == 0:
         return np.zeros((n_cols, m_rows), dtype=np.float32)
-    kind = VEC_DOT_KIND.get(qtype, F32)
-    corr = np.zeros((n_cols, k // 32 if kind == Q8_1 else 0), dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if kind != F32:
-        x = quantize_activations(x, kind, corr)
+    kind = VEC_DOT_KIND.get(qtype, F32)
+    out = np.empty((n_cols, m_rows), dtype=np.float32)
+    if qtype in EXACT:
+        yq, yd, ys = quantize(x, kind)
+        exact_matmul(EXACT[qtype], w, yq, yd, ys, out, F16_TABLE)
+        return out
+    x = activation_values(x, kind)
     dec = KIND[qtype]
     if n_cols <= FUSED_MAX_COLS:
-        out = np.empty((n_cols, m_rows), dtype=np.float32)
         fused_matmul(dec, w, x, out, F16_TABLE)
-    else:
-        # BLAS writes each tile's result into contiguous rows of the transposed output
-        out_t = np.empty((m_rows, n_cols), dtype=np.float32)
-        tile = np.empty((min(TILE_ROWS, m_rows), k), dtype=np.float32)
-        for start in range(0, m_rows, TILE_ROWS):
-            rows = w[start:start + TILE_ROWS]
-            t = tile[:len(rows)]
-            decode_rows(dec, rows, t, F16_TABLE)
-            np.matmul(t, x.T, out=out_t[start:start + len(rows)])
-        out = np.ascontiguousarray(out_t.T)
-    if kind == Q8_1:
-        q8_1_correction(w, corr, out, qtype.type_size, F16_TABLE)
-    return out
+        return out
+    # BLAS writes each tile's result into contiguous rows of the transposed output
+    out_t = np.empty((m_rows, n_cols), dtype=np.float32)
+    tile = np.empty((min(TILE_ROWS, m_rows), k), dtype=np.float32)
+    for start in range(0, m_rows, TILE_ROWS):
+        rows = w[start:start + TILE_ROWS]
+        t = tile[:len(rows)]
+        decode_rows(dec, rows, t, F16_TABLE)
+        np.matmul(t, x.T, out=out_t[start:start + len(rows)])
+    return np.ascontiguousarray(out_t.T)
 
 
 def supports(qtype: Type) -> bool:

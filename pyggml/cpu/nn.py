@@ -1,0 +1,301 @@
+"""Softmax, RoPE, attention and gated activations with ggml's CPU rounding (numba).
+
+Each kernel does the float operations of ggml-cpu's x86 code in the same order (simd.py), so
+that the results equal llama.cpp's bit for bit:
+
+- softmax (``ggml_vec_soft_max_f32``): exp by ggml_v_expf 16 lanes at a time, each 16-lane
+  group summed in float the way ``_mm512_reduce_add_ps`` does, the groups in double; the
+  row scaled by ``(float)(1/sum)``; a tail of fewer than 16 values uses the C library's expf.
+- RoPE (``ggml_rope_cache_init`` + ``rotate_pairs``): the angle advances by a float
+  multiplication per pair, cosf/sinf from the C library, the rotation fused as GCC compiles
+  ``x0*c - x1*s``.
+- attention (llama.cpp's unfused path over an F16 cache, as llamafile's tinyBLAS computes
+  it): Q and the probabilities rounded to F16, every dot product accumulated in 16 lanes
+  by fused multiply-adds and summed like ``_mm512_reduce_add_ps``.
+- RMS norm: squares summed in double, one at a time.
+- SiLU/SwiGLU via ggml_v_silu; GELU/GeGLU through ggml's F16 lookup table.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .activations import round_f16
+from .simd import expf_v, fma32, reduce16, silu_v
+
+f32 = np.float32
+_jit = njit(cache=True, inline="always", boundscheck=False)
+
+
+@_jit
+def _softmax_row(w, n):
+    """In place over w[:n] (already scaled and masked)."""
+    mx = f32(-np.inf)
+    for i in range(n):
+        mx = max(mx, w[i])
+    total = 0.0
+    full = n - n % 16
+    for o in range(0, full, 16):
+        for i in range(o, o + 16):
+            w[i] = expf_v(w[i] - mx)
+        total += np.float64(reduce16(w, o))
+    for i in range(full, n):
+        w[i] = f32(math.exp(w[i] - mx))
+        total += np.float64(w[i])
+    inv = f32(1.0 / total)
+    for i in range(n):
+        w[i] *= inv
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def softmax_rows(x):
+    """Rows of x [rows, n] (scaled and masked) in place."""
+    for r in prange(x.shape[0]):
+        _softmax_row(x[r], x.shape[1])
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def rms_norm(x, eps, out):
+    """ggml_compute_forward_rms_norm_f32: squares rounded to float, summed in double in order;
+    the mean and the scale in float."""
+    n = x.shape[1]
+    for r in prange(x.shape[0]):
+        total = 0.0
+        for i in range(n):
+            total += np.float64(x[r, i] * x[r, i])
+        scale = f32(1.0) / f32(math.sqrt(f32(total / n) + f32(eps)))
+        for i in range(n):
+            out[r, i] = x[r, i] * scale
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def silu(x, out):
+    """ggml_vec_silu_f32 over flat arrays: ggml_v_silu per 16 values, the C library's expf for
+    a tail (rows of a length not a multiple of 16 have their tail at each row's end: pass
+    [rows, n] arrays flattened per row - see ``glu``)."""
+    n = x.shape[1]
+    full = n - n % 16
+    for r in prange(x.shape[0]):
+        for i in range(full):
+            out[r, i] = silu_v(x[r, i])
+        for i in range(full, n):
+            v = x[r, i]
+            out[r, i] = v / (f32(1.0) + f32(math.exp(-v)))
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def swiglu(a, g, out):
+    n = a.shape[1]
+    full = n - n % 16
+    for r in prange(a.shape[0]):
+        for i in range(full):
+            out[r, i] = silu_v(a[r, i]) * g[r, i]
+        for i in range(full, n):
+            v = a[r, i]
+            out[r, i] = v / (f32(1.0) + f32(math.exp(-v))) * g[r, i]
+
+
+def gelu_table() -> np.ndarray:
+    """ggml_table_gelu_f16: GELU (tanh form, float32) of every half, rounded to a half."""
+    x = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    return _gelu_table(x)
+
+
+@njit(cache=True)
+def _gelu_table(x):
+    out = np.empty_like(x)
+    a, s = f32(0.044715), f32(0.79788456080286535587989211986876)
+    for i in range(x.size):
+        v = x[i]
+        if not math.isfinite(v):
+            out[i] = v
+            continue
+        inner = s * v * fma32(a * v, v, f32(1.0))
+        out[i] = round_f16(f32(0.5) * v * (f32(1.0) + f32(math.tanh(inner))))
+    return out
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def geglu(a, g, out, table):
+    """ggml_vec_geglu_f32 with GGML_GELU_FP16: GELU(x) read from the table at F16(x)."""
+    for r in prange(a.shape[0]):
+        for i in range(a.shape[1]):
+            v = a[r, i]
+            if v <= f32(-10.0):
+                out[r, i] = f32(0.0)
+            elif v >= f32(10.0):
+                out[r, i] = v * g[r, i]
+            else:
+                out[r, i] = table[_half_bits(v)] * g[r, i]
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def gelu(a, out, table):
+    for r in prange(a.shape[0]):
+        for i in range(a.shape[1]):
+            v = a[r, i]
+            if v <= f32(-10.0):
+                out[r, i] = f32(0.0)
+            elif v >= f32(10.0):
+                out[r, i] = v
+            else:
+                out[r, i] = table[_half_bits(v)]
+
+
+@_jit
+def _half_bits(v):
+    """The bits of F16(v) (round to nearest even), |v| < 65504."""
+    h = round_f16(v)
+    a = abs(h)
+    sign = 0x8000 if h < 0 or (h == 0 and math.copysign(1.0, h) < 0) else 0
+    if a == 0:
+        return sign
+    if a < 6.103515625e-05:  # subnormal: multiples of 2**-24
+        return sign | int(round(a * 16777216.0))
+    e = math.frexp(a)[1] - 1       # a = 1.m * 2**e
+    mant = int(round((a / math.ldexp(1.0, e) - 1.0) * 1024.0))
+    return sign | ((e + 15) << 10) | mant
+
+
+# -- RoPE --------------------------------------------------------------------------------------------
+
+@_jit
+def _yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base):
+    return f32(n_dims) * f32(math.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2.0) * f32(math.pi)))) \
+        / (f32(2.0) * f32(math.log(base)))
+
+
+@njit(cache=True, boundscheck=False)
+def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
+               n_ctx_orig, freq_factors, has_factors):
+    """cos and sin per position and pair, [n_pos, n_dims/2] each, as ggml_rope_cache_init."""
+    half = n_dims // 2
+    cos = np.empty((pos.size, half), dtype=np.float32)
+    sin = np.empty((pos.size, half), dtype=np.float32)
+    theta_scale = f32(math.pow(f32(freq_base), f32(-2.0) / f32(n_dims)))
+    low = max(f32(0.0), f32(math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, f32(freq_base)))))
+    high = min(f32(n_dims - 1), f32(math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, f32(freq_base)))))
+    for t in range(pos.size):
+        theta = f32(pos[t])
+        for i in range(half):
+            ff = freq_factors[i] if has_factors else f32(1.0)
+            extrap = theta / ff
+            th = f32(freq_scale) * extrap
+            mscale = f32(attn_factor)
+            if ext_factor != 0.0:
+                y = (f32(i) - low) / max(f32(0.001), high - low)
+                ramp = (f32(1.0) - min(f32(1.0), max(f32(0.0), y))) * f32(ext_factor)
+                th = th * (f32(1.0) - ramp) + extrap * ramp
+                mscale *= f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / f32(freq_scale)))
+            cos[t, i] = f32(math.cos(th)) * mscale
+            sin[t, i] = f32(math.sin(th)) * mscale
+            theta = theta * theta_scale
+    return cos, sin
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def rope_rotate(x, out, cos, sin, n_dims, neox):
+    """x, out [batch, n_tokens, n_head, head_dim]; pairs (2i, 2i+1), or (i, i + n_dims/2) for
+    NEOX; dimensions past n_dims are copied."""
+    b3, n_tok, n_head, hd = x.shape
+    half = n_dims // 2
+    for r in prange(b3 * n_tok):
+        i3, t = r // n_tok, r % n_tok
+        for h in range(n_head):
+            for i in range(half):
+                j0, j1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                x0, x1 = x[i3, t, h, j0], x[i3, t, h, j1]
+                c, s = cos[t, i], sin[t, i]
+                out[i3, t, h, j0] = fma32(x0, c, -(x1 * s))
+                out[i3, t, h, j1] = fma32(x0, s, x1 * c)
+            for j in range(n_dims, hd):
+                out[i3, t, h, j] = x[i3, t, h, j]
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+@_jit
+def _dot_tinyblas(kh, c, q16, lanes):
+    """llamafile's tinyBLAS F16 dot: one 16-lane accumulator."""
+    lanes[:] = 0.0
+    for o in range(0, q16.size, 16):
+        for j in range(16):
+            lanes[j] = fma32(kh[c, o + j], q16[o + j], lanes[j])
+    return reduce16(lanes, 0)
+
+
+@_jit
+def _dot_vec_f16(kh, c, q16, lanes):
+    """ggml_vec_dot_f16 (AVX-512): four 16-lane accumulators over steps of 64, folded 0+2,
+    1+3, then together; a tail past the last 64 summed in double."""
+    n = q16.size
+    full = n - n % 64
+    lanes[:] = 0.0
+    for o in range(0, full, 64):
+        for j in range(64):
+            lanes[j] = fma32(kh[c, o + j], q16[o + j], lanes[j])
+    for j in range(16):
+        lanes[j] = (lanes[j] + lanes[32 + j]) + (lanes[16 + j] + lanes[48 + j])
+    total = np.float64(reduce16(lanes, 0))
+    for i in range(full, n):
+        total += np.float64(kh[c, i] * q16[i])
+    return f32(total)
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def attention(q, k, v, mask, scale, softcap, out):
+    """q [n_head, n_tokens, d] (F32, rounded to F16 here), k [n_head_kv, n_kv, d] and
+    v [n_head_kv, n_kv, dv] (values of the F16 cache), mask [n_tokens, n_kv] -> out
+    [n_tokens, n_head, dv].
+
+    ggml computes both products with tinyBLAS when there are several tokens and with
+    ggml_vec_dot_f16 for a single one (llama.cpp's decoding step); the two sum in different
+    lane orders.  The cache is taken as padded with zeros to a multiple of 64 cells (llama.cpp
+    pads it to 256).  Cells the mask hides are skipped: their probability is exactly 0."""
+    n_head, n_tok, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[2]
+    group = n_head // k.shape[0]
+    single = n_tok == 1
+    for r in prange(n_head * n_tok):
+        h, t = r // n_tok, r % n_tok
+        kh, vh = k[h // group], v[h // group]
+        q16 = np.empty(d, dtype=np.float32)
+        for i in range(d):
+            q16[i] = round_f16(q[h, t, i])
+        s = np.empty(n_kv, dtype=np.float32)
+        lanes = np.empty(64, dtype=np.float32)
+        for c in range(n_kv):
+            if mask[t, c] == -np.inf:
+                s[c] = -np.inf
+                continue
+            kq = _dot_vec_f16(kh, c, q16, lanes) if single else _dot_tinyblas(kh, c, q16, lanes)
+            if softcap != 0.0:
+                kq = f32(math.tanh(kq * f32(scale / softcap))) * f32(softcap)
+            else:
+                kq = kq * f32(scale)
+            s[c] = kq + mask[t, c]
+        _softmax_row(s, n_kv)
+        acc = np.zeros((64 if single else 16, dv), dtype=np.float32)
+        for c in range(n_kv):
+            p = round_f16(s[c])
+            if p == 0.0:
+                continue
+            lane = c & 63 if single else c & 15
+            for j in range(dv):
+                acc[lane, j] = fma32(vh[c, j], p, acc[lane, j])
+        if single:
+            for lane in range(16):
+                for j in range(dv):
+                    acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
+        for j in range(dv):
+            out[t, h, j] = _reduce16_col(acc, j)
+
+
+@_jit
+def _reduce16_col(acc, j):
+    t0, t1, t2, t3 = acc[8, j] + acc[0, j], acc[9, j] + acc[1, j], acc[10, j] + acc[2, j], acc[11, j] + acc[3, j]
+    t4, t5, t6, t7 = acc[12, j] + acc[4, j], acc[13, j] + acc[5, j], acc[14, j] + acc[6, j], acc[15, j] + acc[7, j]
+    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
+    return (u0 + u2) + (u1 + u3)

@@ -1,0 +1,233 @@
+"""Quantized matrix products with ggml's exact arithmetic (its x86 AVX2 ``vec_dot`` code).
+
+ggml multiplies a weight row with an activation row quantized to 8 bits (activations.py) by
+integer dot products per block, then accumulates in float32 through 8 SIMD lanes::
+
+    lane l of block b:  S[b, l] = sum of w[i] * y[i] over the block's elements 4l..4l+3
+                        (of every 32-element chunk, for the 256-element K-quant blocks)
+    acc[l] = fma(scale_w[b] * scale_y[b], S[b, l], acc[l])        for b in order
+    result = hsum8(acc) + (the block minima's term, for Q4_1/Q5_1/Q4_K/Q5_K)
+
+The integer sums are exact, so we compute them in float32 (every partial sum stays below
+2**24) in whatever order vectorizes best; only the float steps keep ggml's order.  Weights
+are unpacked one row at a time into a scratch vector of exact integers (times the sub-block
+scale for K-quants) and used at once for every column.
+
+``EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
+Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..types import Type
+from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
+from .simd import fma32, hsum8
+
+f32 = np.float32
+
+# unpacker numbers (the order of the if-chain in ``unpack``)
+EXACT = {Type.Q4_0: 0, Type.Q4_1: 1, Type.Q5_0: 2, Type.Q5_1: 3, Type.Q8_0: 4,
+         Type.Q4_K: 5, Type.Q5_K: 6, Type.Q6_K: 7}
+# how the lanes are scaled and summed: 32-element blocks (Q8_0 activations), the same plus
+# the minimum's term (Q8_1), 256-element K-quant blocks with mins kept per lane group
+# (Q4_K), with mins summed in one scalar (Q5_K), without mins (Q6_K)
+FAM_Q8_0, FAM_Q8_1, FAM_K4, FAM_K5, FAM_K6 = 0, 1, 2, 3, 4
+FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6)
+
+_jit = njit(cache=True, inline="always", boundscheck=False)
+
+
+# -- weights: one row into exact integers (as float32) and per-block scales ----------------------
+# ``one * float(q) + zero``: the same value, but LLVM vectorizes these loops only when the
+# conversion feeds float arithmetic (measured 5x faster); ``one``/``zero`` come from the half
+# table so that the compiler cannot fold them away.
+
+@_jit
+def _int_q4(row, wq, wd, wm, f16, size, has_min, offset):
+    z = _zero(f16)
+    one, zero = f16[15360], f16[0]
+    qs = 4 if has_min else 2
+    for b in range(wq.size // 32):
+        p, o = b * size, b * 32
+        wd[b] = _h(row, p, f16)
+        if has_min:
+            wm[b] = _h(row, p + 2, f16)
+        for j in range(16):
+            q = _u(row, p + qs + j)
+            wq[o + j] = one * np.float32(((q & 15) | ((z >> j) & 1)) - offset) + zero
+            wq[o + 16 + j] = one * np.float32(((q >> 4) | ((z >> (j + 16)) & 1)) - offset) + zero
+
+
+@_jit
+def _int_q5(row, wq, wd, wm, f16, size, has_min, offset):
+    one, zero = f16[15360], f16[0]
+    qs = 8 if has_min else 6
+    for b in range(wq.size // 32):
+        p, o = b * size, b * 32
+        wd[b] = _h(row, p, f16)
+        if has_min:
+            wm[b] = _h(row, p + 2, f16)
+        qh = _qh32(row, qs - 4 + p)
+        for j in range(16):
+            q = _u(row, p + qs + j)
+            wq[o + j] = one * np.float32(((q & 15) | (((qh >> j) & 1) << 4)) - offset) + zero
+            wq[o + 16 + j] = one * np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - offset) + zero
+
+
+@_jit
+def _int_q8_0(row, wq, wd, f16):
+    z = _zero(f16)
+    one, zero = f16[15360], f16[0]
+    for b in range(wq.size // 32):
+        p, o = b * 34, b * 32
+        wd[b] = _h(row, p, f16)
+        for j in range(32):
+            wq[o + j] = one * np.float32(np.int8(_u(row, p + 2 + j) | ((z >> j) & 1))) + zero
+
+
+@_jit
+def _int_qk(row, wq, wd, wm, wmin, f16, five):
+    """Q4_K / Q5_K: q * scale per 32-element sub-block; d, dmin per block; the sub-block mins."""
+    one, zero = f16[15360], f16[0]
+    size = 176 if five else 144
+    qs = 48 if five else 16
+    for b in range(wq.size // 256):
+        p, o = b * size, b * 256
+        wd[b], wm[b] = _h(row, p, f16), _h(row, p + 2, f16)
+        for s in range(8):
+            sc, mn = _k4_scale_min(row, p + 4, s)
+            wmin[b * 8 + s] = np.float32(mn)
+            shift = 4 * (s & 1)
+            for l in range(32):
+                q = (_u(row, p + qs + (s // 2) * 32 + l) >> shift) & 15
+                if five:
+                    q |= ((_u(row, p + 16 + l) >> s) & 1) << 4
+                wq[o + s * 32 + l] = one * np.float32(q * sc) + zero
+
+
+@_jit
+def _int_q6_k(row, wq, wd, f16):
+    one, zero = f16[15360], f16[0]
+    for b in range(wq.size // 256):
+        p, o = b * 210, b * 256
+        wd[b] = _h(row, p + 208, f16)
+        for half in range(2):
+            ql, qh, sc, oo = p + half * 64, p + 128 + half * 32, p + 192 + half * 8, o + half * 128
+            for plane in range(4):
+                lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
+                for g in range(2):
+                    scale = np.int64(np.int8(_u(row, sc + plane * 2 + g)))
+                    for j in range(16):
+                        l = g * 16 + j
+                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
+                        wq[oo + plane * 32 + l] = one * np.float32((q - 32) * scale) + zero
+
+
+@_jit
+def unpack(kind, row, wq, wd, wm, wmin, f16):
+    if kind == 0:
+        _int_q4(row, wq, wd, wm, f16, 18, False, 8)
+    elif kind == 1:
+        _int_q4(row, wq, wd, wm, f16, 20, True, 0)
+    elif kind == 2:
+        _int_q5(row, wq, wd, wm, f16, 22, False, 16)
+    elif kind == 3:
+        _int_q5(row, wq, wd, wm, f16, 24, True, 0)
+    elif kind == 4:
+        _int_q8_0(row, wq, wd, f16)
+    elif kind == 5:
+        _int_qk(row, wq, wd, wm, wmin, f16, False)
+    elif kind == 6:
+        _int_qk(row, wq, wd, wm, wmin, f16, True)
+    else:
+        _int_q6_k(row, wq, wd, f16)
+
+
+# -- the float steps, in ggml's order ---------------------------------------------------------------
+
+@_jit
+def _chain32(S, wd, wm, yd, ys, with_min):
+    """Q4_0/Q5_0/Q8_0 (and with the minimum, Q4_1/Q5_1): one fma per lane per 32-block."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = summs = f32(0.0)
+    for b in range(wd.size):
+        if with_min:
+            summs = fma32(wm[b], ys[b], summs)
+        sc = wd[b] * yd[b]
+        o = b * 8
+        a0 = fma32(sc, S[o], a0)
+        a1 = fma32(sc, S[o + 1], a1)
+        a2 = fma32(sc, S[o + 2], a2)
+        a3 = fma32(sc, S[o + 3], a3)
+        a4 = fma32(sc, S[o + 4], a4)
+        a5 = fma32(sc, S[o + 5], a5)
+        a6 = fma32(sc, S[o + 6], a6)
+        a7 = fma32(sc, S[o + 7], a7)
+    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+
+
+@_jit
+def _lane256(S, b, lane):
+    o = b * 64 + lane
+    return ((S[o] + S[o + 8]) + (S[o + 16] + S[o + 24])) + ((S[o + 32] + S[o + 40]) + (S[o + 48] + S[o + 56]))
+
+
+@_jit
+def _chain256(S, wd, wm, wmin, yd, ys, fam):
+    """K-quants: the lanes' integer sums over a 256-block, one fma per lane per block; the
+    mins' term either in 4 lanes (Q4_K) or one scalar (Q5_K)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0.0)
+    m0 = m1 = m2 = m3 = summs = f32(0.0)
+    for b in range(wd.size):
+        d = yd[b] * wd[b]
+        a0 = fma32(d, _lane256(S, b, 0), a0)
+        a1 = fma32(d, _lane256(S, b, 1), a1)
+        a2 = fma32(d, _lane256(S, b, 2), a2)
+        a3 = fma32(d, _lane256(S, b, 3), a3)
+        a4 = fma32(d, _lane256(S, b, 4), a4)
+        a5 = fma32(d, _lane256(S, b, 5), a5)
+        a6 = fma32(d, _lane256(S, b, 6), a6)
+        a7 = fma32(d, _lane256(S, b, 7), a7)
+        if fam != FAM_K6:
+            dmin = -yd[b] * wm[b]
+            s = b * 8
+            p0 = wmin[s] * ys[s] + wmin[s + 1] * ys[s + 1]           # exact integers
+            p1 = wmin[s + 2] * ys[s + 2] + wmin[s + 3] * ys[s + 3]
+            p2 = wmin[s + 4] * ys[s + 4] + wmin[s + 5] * ys[s + 5]
+            p3 = wmin[s + 6] * ys[s + 6] + wmin[s + 7] * ys[s + 7]
+            if fam == FAM_K4:
+                m0, m1 = fma32(dmin, p0, m0), fma32(dmin, p1, m1)
+                m2, m3 = fma32(dmin, p2, m2), fma32(dmin, p3, m3)
+            else:
+                summs = fma32(dmin, (p0 + p1) + (p2 + p3), summs)
+    if fam == FAM_K4:
+        summs = (m0 + m2) + (m1 + m3)
+    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def exact_matmul(kind, w, yq, yd, ys, out, f16):
+    """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
+    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block)."""
+    m_rows, n_cols, k = w.shape[0], yq.shape[0], yq.shape[1]
+    fam = FAMILY[kind]
+    n_chunks = min(m_rows, 64)
+    per = (m_rows + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        wq = np.empty(k, dtype=np.float32)
+        wd = np.empty(k // 32 if fam <= FAM_Q8_1 else k // 256, dtype=np.float32)
+        wm = np.zeros_like(wd)
+        wmin = np.zeros(k // 32, dtype=np.float32)
+        S = np.empty(k // 4, dtype=np.float32)
+        for m in range(c * per, min(m_rows, (c + 1) * per)):
+            unpack(kind, w[m], wq, wd, wm, wmin, f16)
+            for n in range(n_cols):
+                yn = yq[n]
+                for u in range(k // 4):
+                    i = 4 * u
+                    S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
+                if fam <= FAM_Q8_1:
+                    out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
+                else:
+                    out[n, m] = _chain256(S, wd, wm, wmin, yd[n], ys[n], fam)

@@ -1,0 +1,92 @@
+"""The float arithmetic of ggml's x86 SIMD code, reproduced one rounding at a time.
+
+llama.cpp's CPU backend computes sums in a fixed lane order (8 lanes for the quantized dot
+products, 16 for F16 and softmax), fuses multiply-adds, and uses its own exp polynomial.  With
+activations quantized to 8 bits, a difference in the last bit of one value can flip the rounding
+of an activation, and through a model's layers that flips near-tied argmaxes: so the CPU backend
+does the same operations in the same order, and its results equal llama.cpp's bit for bit
+(tests/test_models.py checks this against llama.cpp's outputs).
+
+These helpers are numba functions, inlined into the kernels that use them.
+"""
+from __future__ import annotations
+
+import math
+
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+f32 = np.float32
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c with a single rounding (``llvm.fma.f32``: one instruction where the CPU has FMA,
+    the C library's exact ``fmaf`` where it does not)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3),
+                                            "llvm.fma.f32")
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+_jit = njit(cache=True, inline="always")
+
+
+@_jit
+def hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """ggml's ``hsum_float_8``: high half onto low half, then pairs (movehl), then the last two."""
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@_jit
+def reduce16(v, o):
+    """GCC's ``_mm512_reduce_add_ps`` of v[o:o+16]: halves folded 256 -> 128 -> 64 -> 32 bits."""
+    t0 = v[o + 8] + v[o + 0]
+    t1 = v[o + 9] + v[o + 1]
+    t2 = v[o + 10] + v[o + 2]
+    t3 = v[o + 11] + v[o + 3]
+    t4 = v[o + 12] + v[o + 4]
+    t5 = v[o + 13] + v[o + 5]
+    t6 = v[o + 14] + v[o + 6]
+    t7 = v[o + 15] + v[o + 7]
+    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
+    w0, w1 = u0 + u2, u1 + u3
+    return w0 + w1
+
+
+# ggml_v_expf's constants (an ARM optimized-routines polynomial), all exact float32 values
+_SHIFT = f32(float.fromhex("0x1.8p23"))
+_LOG2E = f32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = f32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = f32(float.fromhex("0x1.7f7d1cp-20"))
+_C1 = f32(float.fromhex("0x1.ffffecp-1"))
+_C2 = f32(float.fromhex("0x1.fffdb6p-2"))
+_C3 = f32(float.fromhex("0x1.555e66p-3"))
+_C4 = f32(float.fromhex("0x1.573e2ep-5"))
+_C5 = f32(float.fromhex("0x1.0e4020p-7"))
+
+
+@_jit
+def expf_v(x):
+    """One lane of ggml_v_expf (AVX-512): e**x to within 1.5 ulp, the same bits as llama.cpp."""
+    z = fma32(x, _LOG2E, _SHIFT)
+    n = z - _SHIFT
+    b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, f32(1.0)))
+    if abs(n) > f32(192.0):
+        return f32(0.0) if n <= f32(0.0) else f32(np.inf)
+    # scalef: j * 2**n with one rounding (exact unless the result is subnormal)
+    return f32(math.ldexp(np.float64(j), np.int64(n)))
+
+
+@_jit
+def silu_v(x):
+    """ggml_v_silu: x / (1 + e**-x) with ggml_v_expf."""
+    return x / (f32(1.0) + expf_v(f32(0.0) - x))
