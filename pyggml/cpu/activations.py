@@ -11,8 +11,8 @@ Details that matter (checked against llama.cpp's intermediate tensors):
 - Q8_1 also stores ``s = F16(d * sum(q))`` (d before its rounding to F16); the Q4_1/Q5_1 dot
   uses it for the block minimum.
 - Q8_K: ``iscale = -127/max`` (max = the signed value of largest magnitude),
-  ``q = min(127, rint(iscale x))``, ``d = 1/iscale`` in float32; the K-quant dots use the
-  sum of q per 32 values.
+  ``q = min(127, rint(iscale x))``, ``d = 1/iscale`` in float32, and ``bsums``, the sum of
+  q per 16 values, which the K-quant dots use for the mins (Q4_K/Q5_K) and the offset (Q6_K).
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def round_f16(v):
 @njit(cache=True, parallel=True)
 def quantize_q8(x, kind, yq, yd, ys):
     """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
-    scale, ys [N, K/32] (Q8_1: F16(d * sum q) per block; Q8_K: sum q per 32 values)."""
+    scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
+    [N, K/16]."""
     n_rows, k = x.shape
     block = 256 if kind == Q8_K else 32
     for r in prange(n_rows):
@@ -65,17 +66,17 @@ def quantize_q8(x, kind, yq, yd, ys):
                 if amax == 0.0:
                     yq[r, lo:lo + block] = 0.0
                     yd[r, b] = 0.0
-                    ys[r, b * 8:b * 8 + 8] = 0.0
+                    ys[r, b * 16:b * 16 + 16] = 0.0
                     continue
                 iscale = np.float32(-127.0) / vmax
                 yd[r, b] = np.float32(1.0) / iscale
                 for i in range(lo, lo + block):
                     yq[r, i] = min(np.float32(127.0), np.rint(iscale * x[r, i]))
-                for s in range(8):
+                for s in range(16):
                     acc = np.float32(0.0)
-                    for i in range(lo + 32 * s, lo + 32 * s + 32):
+                    for i in range(lo + 16 * s, lo + 16 * s + 16):
                         acc += yq[r, i]
-                    ys[r, b * 8 + s] = acc
+                    ys[r, b * 16 + s] = acc
                 continue
             amax = np.float32(0.0)
             for i in range(lo, lo + block):
@@ -96,7 +97,7 @@ def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n, k = x.shape
     yq = np.empty((n, k), dtype=np.float32)
     yd = np.empty((n, k // 256 if kind == Q8_K else k // 32), dtype=np.float32)
-    ys = np.empty((n, k // 32), dtype=np.float32)
+    ys = np.empty((n, k // 16 if kind == Q8_K else k // 32), dtype=np.float32)
     quantize_q8(x, kind, yq, yd, ys)
     return yq, yd, ys
 

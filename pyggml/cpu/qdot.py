@@ -108,11 +108,15 @@ def _int_qk(row, wq, wd, wm, wmin, f16, five):
 
 
 @_jit
-def _int_q6_k(row, wq, wd, f16):
+def _int_q6_k(row, wq, wd, wsc, f16):
+    """Q6_K: the unsigned 6-bit q times its 16-value scale; the scales kept for the -32 offset,
+    which ggml subtracts per 32 values through the activations' bsums."""
     one, zero = f16[15360], f16[0]
     for b in range(wq.size // 256):
         p, o = b * 210, b * 256
         wd[b] = _h(row, p + 208, f16)
+        for g in range(16):
+            wsc[b * 16 + g] = np.float32(np.int8(_u(row, p + 192 + g)))
         for half in range(2):
             ql, qh, sc, oo = p + half * 64, p + 128 + half * 32, p + 192 + half * 8, o + half * 128
             for plane in range(4):
@@ -122,7 +126,7 @@ def _int_q6_k(row, wq, wd, f16):
                     for j in range(16):
                         l = g * 16 + j
                         q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
-                        wq[oo + plane * 32 + l] = one * np.float32((q - 32) * scale) + zero
+                        wq[oo + plane * 32 + l] = one * np.float32(q * scale) + zero
 
 
 @_jit
@@ -142,7 +146,7 @@ def unpack(kind, row, wq, wd, wm, wmin, f16):
     elif kind == 6:
         _int_qk(row, wq, wd, wm, wmin, f16, True)
     else:
-        _int_q6_k(row, wq, wd, f16)
+        _int_q6_k(row, wq, wd, wmin, f16)
 
 
 # -- the float steps, in ggml's order ---------------------------------------------------------------
@@ -169,33 +173,56 @@ def _chain32(S, wd, wm, yd, ys, with_min):
 
 @_jit
 def _lane256(S, b, lane):
+    """A lane's integer over a 256-block: its 4-value sums of all 8 chunks (in float64: the
+    Q6_K lanes can exceed float32's exact integers before the offset is taken off)."""
     o = b * 64 + lane
-    return ((S[o] + S[o + 8]) + (S[o + 16] + S[o + 24])) + ((S[o + 32] + S[o + 40]) + (S[o + 48] + S[o + 56]))
+    return ((np.float64(S[o]) + S[o + 8]) + (np.float64(S[o + 16]) + S[o + 24])) + \
+        ((np.float64(S[o + 32]) + S[o + 40]) + (np.float64(S[o + 48]) + S[o + 56]))
+
+
+@_jit
+def _lane_k6(S, b, lane, wsc, ys):
+    """Q6_K lane: the unsigned products minus 32 x (scale x bsum) of the lane's 32-value
+    chunk - ggml takes the offset off per chunk, not per element, so lanes differ from
+    sum((q - 32) ...) while their total does not."""
+    g = b * 16 + 2 * lane
+    off = 32.0 * (np.float64(wsc[g]) * ys[g] + np.float64(wsc[g + 1]) * ys[g + 1])
+    return np.float32(_lane256(S, b, lane) - off)
+
+
+@_jit
+def _lane(S, b, lane, wsc, ys, fam):
+    if fam == FAM_K6:
+        return _lane_k6(S, b, lane, wsc, ys)
+    return np.float32(_lane256(S, b, lane))
 
 
 @_jit
 def _chain256(S, wd, wm, wmin, yd, ys, fam):
     """K-quants: the lanes' integer sums over a 256-block, one fma per lane per block; the
-    mins' term either in 4 lanes (Q4_K) or one scalar (Q5_K)."""
+    mins' term either in 4 lanes (Q4_K) or one scalar (Q5_K).  ys holds the activations'
+    bsums (16 per block); wmin the sub-block mins (Q4_K/Q5_K, 8 per block) or the 16 scales
+    (Q6_K)."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0.0)
     m0 = m1 = m2 = m3 = summs = f32(0.0)
     for b in range(wd.size):
         d = yd[b] * wd[b]
-        a0 = fma32(d, _lane256(S, b, 0), a0)
-        a1 = fma32(d, _lane256(S, b, 1), a1)
-        a2 = fma32(d, _lane256(S, b, 2), a2)
-        a3 = fma32(d, _lane256(S, b, 3), a3)
-        a4 = fma32(d, _lane256(S, b, 4), a4)
-        a5 = fma32(d, _lane256(S, b, 5), a5)
-        a6 = fma32(d, _lane256(S, b, 6), a6)
-        a7 = fma32(d, _lane256(S, b, 7), a7)
+        a0 = fma32(d, _lane(S, b, 0, wmin, ys, fam), a0)
+        a1 = fma32(d, _lane(S, b, 1, wmin, ys, fam), a1)
+        a2 = fma32(d, _lane(S, b, 2, wmin, ys, fam), a2)
+        a3 = fma32(d, _lane(S, b, 3, wmin, ys, fam), a3)
+        a4 = fma32(d, _lane(S, b, 4, wmin, ys, fam), a4)
+        a5 = fma32(d, _lane(S, b, 5, wmin, ys, fam), a5)
+        a6 = fma32(d, _lane(S, b, 6, wmin, ys, fam), a6)
+        a7 = fma32(d, _lane(S, b, 7, wmin, ys, fam), a7)
         if fam != FAM_K6:
             dmin = -yd[b] * wm[b]
-            s = b * 8
-            p0 = wmin[s] * ys[s] + wmin[s + 1] * ys[s + 1]           # exact integers
-            p1 = wmin[s + 2] * ys[s + 2] + wmin[s + 3] * ys[s + 3]
-            p2 = wmin[s + 4] * ys[s + 4] + wmin[s + 5] * ys[s + 5]
-            p3 = wmin[s + 6] * ys[s + 6] + wmin[s + 7] * ys[s + 7]
+            s, g = b * 8, b * 16
+            # the 32-value sums of the activations (ggml: hadd of bsums) times the mins, in pairs
+            p0 = wmin[s] * (ys[g] + ys[g + 1]) + wmin[s + 1] * (ys[g + 2] + ys[g + 3])
+            p1 = wmin[s + 2] * (ys[g + 4] + ys[g + 5]) + wmin[s + 3] * (ys[g + 6] + ys[g + 7])
+            p2 = wmin[s + 4] * (ys[g + 8] + ys[g + 9]) + wmin[s + 5] * (ys[g + 10] + ys[g + 11])
+            p3 = wmin[s + 6] * (ys[g + 12] + ys[g + 13]) + wmin[s + 7] * (ys[g + 14] + ys[g + 15])
             if fam == FAM_K4:
                 m0, m1 = fma32(dmin, p0, m0), fma32(dmin, p1, m1)
                 m2, m3 = fma32(dmin, p2, m2), fma32(dmin, p3, m3)
@@ -218,7 +245,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
         wq = np.empty(k, dtype=np.float32)
         wd = np.empty(k // 32 if fam <= FAM_Q8_1 else k // 256, dtype=np.float32)
         wm = np.zeros_like(wd)
-        wmin = np.zeros(k // 32, dtype=np.float32)
+        wmin = np.zeros(k // 16, dtype=np.float32)
         S = np.empty(k // 4, dtype=np.float32)
         for m in range(c * per, min(m_rows, (c + 1) * per)):
             unpack(kind, w[m], wq, wd, wm, wmin, f16)
