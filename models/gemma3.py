@@ -28,7 +28,9 @@ def build(b: GraphBuilder) -> Tensor:
     for il in range(hp.n_layer):
         cur = b.build_norm(inp, b.w("attn_norm.weight", il), "attn_norm", il)
         q, k, v = b.build_qkv(cur, il, qk_norm=True)
-        cur = b.build_attn(q, k, v, il, hp.kq_scale())
+        # scaled before attention, as llama.cpp does: the F16 rounding of q sees the scaled values
+        q = b.cb(ops.scale(q, hp.kq_scale()), "Qcur_scaled", il)
+        cur = b.build_attn(q, k, v, il, 1.0)
         cur = b.build_norm(cur, b.w("post_attention_norm.weight", il), "attn_post_norm", il)
         sa_out = b.cb(ops.add(cur, inp), "sa_out", il)
         cur = b.build_norm(sa_out, b.w("ffn_norm.weight", il), "ffn_norm", il)

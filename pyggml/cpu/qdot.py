@@ -30,11 +30,16 @@ f32 = np.float32
 # unpacker numbers (the order of the if-chain in ``unpack``)
 EXACT = {Type.Q4_0: 0, Type.Q4_1: 1, Type.Q5_0: 2, Type.Q5_1: 3, Type.Q8_0: 4,
          Type.Q4_K: 5, Type.Q5_K: 6, Type.Q6_K: 7}
+# llama.cpp repacks Q4_K weights of a multiple of 8 rows (its CPU_REPACK buffer, q4_K_8x8 on
+# AVX2 machines) and multiplies them with other code: whole-block integer sums, no lanes
+Q4_K_X8 = 8
 # how the lanes are scaled and summed: 32-element blocks (Q8_0 activations), the same plus
 # the minimum's term (Q8_1), 256-element K-quant blocks with mins kept per lane group
 # (Q4_K), with mins summed in one scalar (Q5_K), without mins (Q6_K)
-FAM_Q8_0, FAM_Q8_1, FAM_K4, FAM_K5, FAM_K6 = 0, 1, 2, 3, 4
-FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6)
+FAM_Q8_0, FAM_Q8_1, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8 = 0, 1, 2, 3, 4, 5
+# from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
+TILED_MIN_COLS = 8
+FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8)
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
@@ -141,7 +146,7 @@ def unpack(kind, row, wq, wd, wm, wmin, f16):
         _int_q5(row, wq, wd, wm, f16, 24, True, 0)
     elif kind == 4:
         _int_q8_0(row, wq, wd, f16)
-    elif kind == 5:
+    elif kind == 5 or kind == Q4_K_X8:
         _int_qk(row, wq, wd, wm, wmin, f16, False)
     elif kind == 6:
         _int_qk(row, wq, wd, wm, wmin, f16, True)
@@ -233,6 +238,54 @@ def _chain256(S, wd, wm, wmin, yd, ys, fam):
     return hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
 
 
+@_jit
+def _chain_tiled(S, wd, wm, wmin, yd, ys, fam):
+    """K-quants with 8 or more columns: llama.cpp's tiled matmul (AVX-512 VNNI kernel).  Per
+    256-block the integer sums of the scales' and the mins' terms; ``r = float(s1) * d``,
+    ``r = fma(-dmin, float(s2), r)``, then ``acc = fma(r, d_y, acc)``."""
+    acc = f32(0.0)
+    for b in range(wd.size):
+        s1 = 0.0
+        for u in range(b * 64, b * 64 + 64):
+            s1 += S[u]
+        if fam == FAM_K6:    # unsigned q: take 32 x scale x bsum off, per 16 values
+            for g in range(b * 16, b * 16 + 16):
+                s1 -= 32.0 * wmin[g] * ys[g]
+        r = np.float32(s1) * wd[b]
+        if fam != FAM_K6:
+            s2 = 0.0
+            for j in range(8):
+                s2 += wmin[b * 8 + j] * (np.float64(ys[b * 16 + 2 * j]) + ys[b * 16 + 2 * j + 1])
+            r = fma32(-wm[b], np.float32(s2), r)
+        acc = fma32(r, yd[b], acc)
+    return acc
+
+
+@_jit
+def _chain_k4_x8(S, wd, wm, wmin, yd, ys, per_pair):
+    """Repacked Q4_K: integer sums converted to float and fused into two accumulators (the
+    scales' and the mins'), subtracted at the end.  ggml_gemv_q4_K_8x8_q8_K (single columns)
+    converts once per 256-block; ggml_gemm_q4_K_8x8_q8_K (columns in fours) once per pair of
+    32-value sub-blocks."""
+    acc = acc_min = f32(0.0)
+    for b in range(wd.size):
+        d, dmin = wd[b] * yd[b], wm[b] * yd[b]
+        isum = imin = 0.0
+        for pair in range(4):
+            for u in range(b * 64 + pair * 16, b * 64 + pair * 16 + 16):
+                isum += S[u]
+            for j in range(2 * pair, 2 * pair + 2):
+                imin += wmin[b * 8 + j] * (ys[b * 16 + 2 * j] + ys[b * 16 + 2 * j + 1])
+            if per_pair:
+                acc = fma32(np.float32(isum), d, acc)
+                acc_min = fma32(np.float32(imin), dmin, acc_min)
+                isum = imin = 0.0
+        if not per_pair:
+            acc = fma32(np.float32(isum), d, acc)
+            acc_min = fma32(np.float32(imin), dmin, acc_min)
+    return acc - acc_min
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def exact_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
@@ -256,5 +309,9 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
                     S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
                 if fam <= FAM_Q8_1:
                     out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
+                elif fam == FAM_K4_X8:  # columns in whole fours go through ggml's gemm
+                    out[n, m] = _chain_k4_x8(S, wd, wm, wmin, yd[n], ys[n], n < n_cols - n_cols % 4)
+                elif n_cols >= TILED_MIN_COLS:
+                    out[n, m] = _chain_tiled(S, wd, wm, wmin, yd[n], ys[n], fam)
                 else:
                     out[n, m] = _chain256(S, wd, wm, wmin, yd[n], ys[n], fam)

@@ -14,7 +14,7 @@ import numpy as np
 from ..types import Type
 from .activations import F32, VEC_DOT_KIND, activation_values, quantize
 from .qdecode import DECODERS, F16_TABLE, KIND, decode_rows, fused_matmul
-from .qdot import EXACT, exact_matmul
+from .qdot import EXACT, Q4_K_X8, exact_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -40,7 +40,8 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     out = np.empty((n_cols, m_rows), dtype=np.float32)
     if qtype in EXACT:
         yq, yd, ys = quantize(x, kind)
-        exact_matmul(EXACT[qtype], w, yq, yd, ys, out, F16_TABLE)
+        exact = Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
+        exact_matmul(exact, w, yq, yd, ys, out, F16_TABLE)
         return out
     x = activation_values(x, kind)
     dec = KIND[qtype]
