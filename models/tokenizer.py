@@ -9,14 +9,17 @@
   Unknown characters fall back to ``<0xXX>`` byte tokens.
 
 Control tokens (``token_type`` 3, e.g. ``<|im_start|>``, ``<bos>``) are recognised in the
-text only with ``special=True``, like llama.cpp's ``parse_special``.  Both kinds reproduce
-llama.cpp's ids on every reference string (tests/test_tokenizer.py).
+text only with ``special=True``, like llama.cpp's ``parse_special``: we split the text at
+them ourselves rather than registering them with ``tokenizers`` as added tokens, whose
+matcher for Gemma's 6249 control tokens took ~250 MB.  Both kinds reproduce llama.cpp's ids on
+every reference string (tests/test_tokenizer.py).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,7 +49,7 @@ BPE_PRE = {
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<eos>", "</s>")
 
 
-CACHE_VERSION = 1  # bump when the way a tokenizer is built from a GGUF changes
+CACHE_VERSION = 2  # bump when the way a tokenizer is built from a GGUF changes
 
 
 def _cache_path(f: GGUFFile, tokens: list[str], types: np.ndarray) -> Path:
@@ -109,16 +112,15 @@ class Tokenizer:
         self.hf: HFTokenizer | None = _load_cached(cache)
         if self.hf is None:
             self.hf = self._byte_level_bpe(f) if self.kind == "gpt2" else self._sentencepiece(f)
-            special = [AddedToken(self.tokens[i], special=bool(self.types[i] == CONTROL), normalized=False)
-                       for i in np.nonzero((self.types == CONTROL) | (self.types == USER_DEFINED))[0]]
-            self.hf.add_tokens(special)
+            # user-defined pieces are matched whole, as SentencePiece does; control tokens are
+            # split out in tokenize() (only when asked to)
+            self.hf.add_tokens([AddedToken(self.tokens[i], normalized=False)
+                                for i in np.nonzero(self.types == USER_DEFINED)[0]])
             _store(cache, self.hf)
+        self.control = {self.tokens[i]: int(i) for i in np.nonzero(self.types == CONTROL)[0]}
+        self._control_re: re.Pattern | None = None
         eog = {self.eos_id, self._id(f, "eot_token_id"), self._id(f, "eom_token_id")}
-        index = {t: i for i, t in enumerate(self.tokens)} if self.kind == "gpt2" else None
-        for text in EOG_TEXTS:
-            i = index.get(text) if index is not None else self.hf.token_to_id(text)
-            if i is not None and self.types[i] == CONTROL:
-                eog.add(i)
+        eog.update(self.control[text] for text in EOG_TEXTS if text in self.control)
         self.eog_ids = frozenset(i for i in eog if i is not None)
 
     @staticmethod
@@ -187,8 +189,12 @@ class Tokenizer:
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos=None`` follows the model's rule; ``special`` lets
         control tokens written in the text (``<|im_start|>``) become those tokens."""
-        self.hf.encode_special_tokens = not special
-        ids = self.hf.encode(text, add_special_tokens=False).ids if text else []
+        ids: list[int] = []
+        for piece in (self._split_control(text) if special and self.control else [text]):
+            if piece in self.control and special:
+                ids.append(self.control[piece])
+            elif piece:
+                ids.extend(self.hf.encode(piece, add_special_tokens=False).ids)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not (ids and ids[0] == self.bos_id):
                 ids = [self.bos_id] + ids
@@ -199,7 +205,17 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
-        return self.hf.decode(list(ids), skip_special_tokens=not special)
+        if not special:
+            ids = [i for i in ids if self.types[i] != CONTROL]
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def _split_control(self, text: str) -> list[str]:
+        """text cut at every control token it contains (longest first where they overlap),
+        the control tokens kept as pieces of their own - llama.cpp's special-token partition."""
+        if self._control_re is None:
+            alternatives = sorted(self.control, key=len, reverse=True)
+            self._control_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+        return self._control_re.split(text)
 
     def token_text(self, i: int) -> str:
         return self.tokens[i]

@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from ..types import Type
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
-from .simd import fma32, hsum8
+from .simd import fma32, hsum8, lane_chain8
 
 f32 = np.float32
 
@@ -158,22 +158,13 @@ def unpack(kind, row, wq, wd, wm, wmin, f16):
 
 @_jit
 def _chain32(S, wd, wm, yd, ys, with_min):
-    """Q4_0/Q5_0/Q8_0 (and with the minimum, Q4_1/Q5_1): one fma per lane per 32-block."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = summs = f32(0.0)
-    for b in range(wd.size):
-        if with_min:
+    """Q4_0/Q5_0/Q8_0 (and with the minimum, Q4_1/Q5_1): one fma per lane per 32-block, the
+    minimum's term ``summs = fma(m_w, s_y, summs)`` in a scalar of its own."""
+    summs = f32(0.0)
+    if with_min:
+        for b in range(wd.size):
             summs = fma32(wm[b], ys[b], summs)
-        sc = wd[b] * yd[b]
-        o = b * 8
-        a0 = fma32(sc, S[o], a0)
-        a1 = fma32(sc, S[o + 1], a1)
-        a2 = fma32(sc, S[o + 2], a2)
-        a3 = fma32(sc, S[o + 3], a3)
-        a4 = fma32(sc, S[o + 4], a4)
-        a5 = fma32(sc, S[o + 5], a5)
-        a6 = fma32(sc, S[o + 6], a6)
-        a7 = fma32(sc, S[o + 7], a7)
-    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+    return lane_chain8(S, wd, yd, wd.size) + summs
 
 
 @_jit
@@ -196,30 +187,15 @@ def _lane_k6(S, b, lane, wsc, ys):
 
 
 @_jit
-def _lane(S, b, lane, wsc, ys, fam):
-    if fam == FAM_K6:
-        return _lane_k6(S, b, lane, wsc, ys)
-    return np.float32(_lane256(S, b, lane))
-
-
-@_jit
-def _chain256(S, wd, wm, wmin, yd, ys, fam):
-    """K-quants: the lanes' integer sums over a 256-block, one fma per lane per block; the
-    mins' term either in 4 lanes (Q4_K) or one scalar (Q5_K).  ys holds the activations'
-    bsums (16 per block); wmin the sub-block mins (Q4_K/Q5_K, 8 per block) or the 16 scales
-    (Q6_K)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0.0)
+def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
+    """K-quants: each lane's integer over a 256-block (into L, rounded to float32 as ggml's
+    int->float conversion does), one fma per lane per block; the mins' term either in 4 lanes
+    (Q4_K) or one scalar (Q5_K).  ys holds the activations' bsums (16 per block); wmin the
+    sub-block mins (Q4_K/Q5_K, 8 per block) or the 16 scales (Q6_K)."""
     m0 = m1 = m2 = m3 = summs = f32(0.0)
     for b in range(wd.size):
-        d = yd[b] * wd[b]
-        a0 = fma32(d, _lane(S, b, 0, wmin, ys, fam), a0)
-        a1 = fma32(d, _lane(S, b, 1, wmin, ys, fam), a1)
-        a2 = fma32(d, _lane(S, b, 2, wmin, ys, fam), a2)
-        a3 = fma32(d, _lane(S, b, 3, wmin, ys, fam), a3)
-        a4 = fma32(d, _lane(S, b, 4, wmin, ys, fam), a4)
-        a5 = fma32(d, _lane(S, b, 5, wmin, ys, fam), a5)
-        a6 = fma32(d, _lane(S, b, 6, wmin, ys, fam), a6)
-        a7 = fma32(d, _lane(S, b, 7, wmin, ys, fam), a7)
+        for lane in range(8):
+            L[b * 8 + lane] = _lane_k6(S, b, lane, wmin, ys) if fam == FAM_K6 else np.float32(_lane256(S, b, lane))
         if fam != FAM_K6:
             dmin = -yd[b] * wm[b]
             s, g = b * 8, b * 16
@@ -235,7 +211,7 @@ def _chain256(S, wd, wm, wmin, yd, ys, fam):
                 summs = fma32(dmin, (p0 + p1) + (p2 + p3), summs)
     if fam == FAM_K4:
         summs = (m0 + m2) + (m1 + m3)
-    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7) + summs
+    return lane_chain8(L, yd, wd, wd.size) + summs
 
 
 @_jit
@@ -300,6 +276,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
         wm = np.zeros_like(wd)
         wmin = np.zeros(k // 16, dtype=np.float32)
         S = np.empty(k // 4, dtype=np.float32)
+        L = np.empty(k // 32, dtype=np.float32)
         for m in range(c * per, min(m_rows, (c + 1) * per)):
             unpack(kind, w[m], wq, wd, wm, wmin, f16)
             for n in range(n_cols):
@@ -314,4 +291,4 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
                 elif n_cols >= TILED_MIN_COLS:
                     out[n, m] = _chain_tiled(S, wd, wm, wmin, yd[n], ys[n], fam)
                 else:
-                    out[n, m] = _chain256(S, wd, wm, wmin, yd[n], ys[n], fam)
+                    out[n, m] = _chain256(S, L, wd, wm, wmin, yd[n], ys[n], fam)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-import llvmlite.ir as ir
+from llvmlite import ir
 import numpy as np
 from numba import njit, types
 from numba.core import cgutils
@@ -32,6 +32,52 @@ def fma32(typingctx, a, b, c):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3),
                                             "llvm.fma.f32")
         return builder.call(fn, args)
+    return sig, codegen
+
+
+@intrinsic
+def lane_chain8(typingctx, S, wd, yd, nb):
+    """The 8-lane accumulation of ggml's quantized dot products, as one vector loop:
+    ``acc[0:8] = fma(wd[b] * yd[b], S[8b:8b+8], acc)`` for b < nb, then ``hsum8(acc)``.
+
+    Written in LLVM IR because numba does not vectorize the 8 scalar chains (its SLP
+    vectorizer is off) and they were most of a decoding step's matrix products."""
+    sig = types.float32(S, wd, yd, types.intp)
+
+    def codegen(context, builder, signature, args):
+        f32t, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        v8 = ir.VectorType(f32t, 8)
+        s_ptr, wd_ptr, yd_ptr = (context.make_array(t)(context, builder, a).data
+                                 for t, a in zip(signature.args[:3], args[:3]))
+        nb = args[3]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
+        zero = ir.Constant(v8, [0.0] * 8)
+        pre = builder.basic_block
+        loop = builder.append_basic_block("lanes.loop")
+        done = builder.append_basic_block("lanes.done")
+        builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        b, acc = builder.phi(i64), builder.phi(v8)
+        b.add_incoming(ir.Constant(i64, 0), pre)
+        acc.add_incoming(zero, pre)
+        scale = builder.fmul(builder.load(builder.gep(wd_ptr, [b])), builder.load(builder.gep(yd_ptr, [b])))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), scale, ir.Constant(i32, 0)),
+                                       ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
+                             align=4)
+        nacc = builder.call(fma, [splat, lanes, acc])
+        b_next = builder.add(b, ir.Constant(i64, 1))
+        b.add_incoming(b_next, loop)
+        acc.add_incoming(nacc, loop)
+        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+        builder.position_at_end(done)
+        res = builder.phi(v8)
+        res.add_incoming(zero, pre)
+        res.add_incoming(nacc, loop)
+        e = [builder.extract_element(res, ir.Constant(i32, i)) for i in range(8)]
+        # hsum8's order
+        return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
+                            builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
     return sig, codegen
 
 
