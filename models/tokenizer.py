@@ -2,17 +2,16 @@
 
 - ``tokenizer.ggml.model == "gpt2"``: byte-level BPE with the file's merges and the
   pre-tokenizer that ``tokenizer.ggml.pre`` names (the regexes are llama.cpp's).
-- ``"llama"``: SentencePiece BPE (Gemma).  SentencePiece merges the adjacent pair whose
-  merged piece scores highest; a BPE model whose merges are ordered by the merged piece's
-  score does the same.  Pieces marked user-defined (``token_type`` 4: runs of spaces and
-  newlines) are matched whole before any merging, as SentencePiece does - as added tokens.
-  Unknown characters fall back to ``<0xXX>`` byte tokens.
+- ``"llama"``: SentencePiece BPE (Gemma), by models/spm.py (llama.cpp's algorithm over the
+  pieces and their scores; see there why not ``tokenizers``).  Pieces marked user-defined
+  (``token_type`` 4: runs of spaces and newlines) are matched whole before any merging, as
+  SentencePiece does.  Unknown characters fall back to ``<0xXX>`` byte tokens.
 
 Control tokens (``token_type`` 3, e.g. ``<|im_start|>``, ``<bos>``) are recognised in the
 text only with ``special=True``, like llama.cpp's ``parse_special``: we split the text at
-them ourselves rather than registering them with ``tokenizers`` as added tokens, whose
-matcher for Gemma's 6249 control tokens took ~250 MB.  Both kinds reproduce llama.cpp's ids on
-every reference string (tests/test_tokenizer.py).
+them ourselves (llama.cpp's special-token partition) rather than registering them with
+``tokenizers`` as added tokens.  Both kinds reproduce llama.cpp's ids on every reference
+string (tests/test_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -26,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from pyggml.gguf import GGUFError, GGUFFile
+
+from .spm import SentencePieceBPE
 
 log = logging.getLogger("pyggml.tokenizer")
 
@@ -92,9 +93,6 @@ def _store(path: Path, hf) -> None:
 
 class Tokenizer:
     def __init__(self, f: GGUFFile) -> None:
-        from tokenizers import AddedToken
-        from tokenizers import Tokenizer as HFTokenizer
-
         self.kind = str(f.get("tokenizer.ggml.model", ""))
         self.tokens = [str(t) for t in f.get("tokenizer.ggml.tokens", [])]
         if not self.tokens:
@@ -108,17 +106,15 @@ class Tokenizer:
             raise GGUFError(f.path, f"unsupported tokenizer model {self.kind!r} (supported: gpt2, llama)")
         add_bos = f.get("tokenizer.ggml.add_bos_token")
         self.add_bos = bool(self.kind == "llama" if add_bos is None else add_bos) and self.bos_id is not None
-        cache = _cache_path(f, self.tokens, self.types)
-        self.hf: HFTokenizer | None = _load_cached(cache)
-        if self.hf is None:
-            self.hf = self._byte_level_bpe(f) if self.kind == "gpt2" else self._sentencepiece(f)
-            # user-defined pieces are matched whole, as SentencePiece does; control tokens are
-            # split out in tokenize() (only when asked to)
-            self.hf.add_tokens([AddedToken(self.tokens[i], normalized=False)
-                                for i in np.nonzero(self.types == USER_DEFINED)[0]])
-            _store(cache, self.hf)
         self.control = {self.tokens[i]: int(i) for i in np.nonzero(self.types == CONTROL)[0]}
-        self._control_re: re.Pattern | None = None
+        self.user_defined = {self.tokens[i]: int(i) for i in np.nonzero(self.types == USER_DEFINED)[0]}
+        self._split_re: dict[bool, re.Pattern | None] = {}
+        self.hf = self.spm = None
+        if self.kind == "gpt2":
+            self.hf = self._byte_level_bpe_cached(f)
+        else:
+            self.spm = self._sentencepiece(f)
+            self.space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
         eog = {self.eos_id, self._id(f, "eot_token_id"), self._id(f, "eom_token_id")}
         eog.update(self.control[text] for text in EOG_TEXTS if text in self.control)
         self.eog_ids = frozenset(i for i in eog if i is not None)
@@ -127,6 +123,17 @@ class Tokenizer:
     def _id(f: GGUFFile, key: str) -> int | None:
         value = f.get(f"tokenizer.ggml.{key}")
         return int(value) if value is not None and int(value) >= 0 else None
+
+    def _byte_level_bpe_cached(self, f: GGUFFile):
+        from tokenizers import AddedToken
+        cache = _cache_path(f, self.tokens, self.types)
+        hf = _load_cached(cache)
+        if hf is None:
+            hf = self._byte_level_bpe(f)
+            # user-defined pieces are matched whole; control tokens are split out in tokenize()
+            hf.add_tokens([AddedToken(t, normalized=False) for t in self.user_defined])
+            _store(cache, hf)
+        return hf
 
     def _byte_level_bpe(self, f: GGUFFile):
         from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -150,36 +157,18 @@ class Tokenizer:
         hf.decoder = decoders.ByteLevel()
         return hf
 
-    def _sentencepiece(self, f: GGUFFile):
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, normalizers
-
+    def _sentencepiece(self, f: GGUFFile) -> SentencePieceBPE:
         scores = f.get("tokenizer.ggml.scores")
         if scores is None:
             raise GGUFError(f.path, "SentencePiece vocabulary without scores (tokenizer.ggml.scores)")
-        scores = np.asarray(scores, dtype=np.float32)
-        vocab = {t: i for i, t in enumerate(self.tokens)}
-        rank = np.empty(len(scores), dtype=np.int64)
-        rank[np.argsort(-scores, kind="stable")] = np.arange(len(scores))
-        normal = self.types == NORMAL
-        merges = []
-        for piece, i in vocab.items():
-            if not normal[i]:
-                continue
-            for cut in range(1, len(piece)):
-                left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
-                if left is not None and right is not None and normal[left] and normal[right]:
-                    merges.append((rank[i], rank[left], rank[right], piece[:cut], piece[cut:]))
-        merges.sort()
-        unk = self._id(f, "unknown_token_id")
-        hf = HFTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], byte_fallback=True, fuse_unk=False,
-                                    unk_token=self.tokens[unk] if unk is not None else None))
-        prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-        steps = ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
-        hf.normalizer = normalizers.Sequence(steps)
-        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        hf.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-        return hf
+        byte_ids = {}
+        for i in np.nonzero(self.types == BYTE)[0]:
+            piece = self.tokens[i]
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                byte_ids[int(piece[3:5], 16)] = int(i)
+        if len(byte_ids) != 256:
+            raise GGUFError(f.path, f"SentencePiece vocabulary with {len(byte_ids)} of the 256 byte pieces <0xXX>")
+        return SentencePieceBPE(self.tokens, np.asarray(scores, dtype=np.float32), byte_ids)
 
     # -- public -------------------------------------------------------------------------------------
     @property
@@ -190,15 +179,39 @@ class Tokenizer:
         """Token ids of ``text``; ``add_bos=None`` follows the model's rule; ``special`` lets
         control tokens written in the text (``<|im_start|>``) become those tokens."""
         ids: list[int] = []
-        for piece in (self._split_control(text) if special and self.control else [text]):
-            if piece in self.control and special:
-                ids.append(self.control[piece])
+        after_token = True  # SentencePiece prefixes a space to text at the start or after a token
+        for piece in self._partition(text, special):
+            token = self.user_defined.get(piece)
+            if token is None and special:
+                token = self.control.get(piece)
+            if token is not None:
+                ids.append(token)
+                after_token = True
             elif piece:
-                ids.extend(self.hf.encode(piece, add_special_tokens=False).ids)
+                if self.spm is not None:
+                    piece = ((" " if self.space_prefix and after_token else "") + piece).replace(" ", "▁")
+                    ids.extend(self.spm.encode(piece))
+                else:
+                    ids.extend(self.hf.encode(piece, add_special_tokens=False).ids)
+                after_token = False
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not (ids and ids[0] == self.bos_id):
                 ids = [self.bos_id] + ids
         return ids
+
+    def _partition(self, text: str, special: bool) -> list[str]:
+        """text cut at every user-defined piece (and control token, with ``special``), longest
+        first where they overlap, those kept as parts of their own: llama.cpp's partition of
+        special tokens.  (For gpt2 vocabularies ``tokenizers`` matches the user-defined ones.)"""
+        if self.spm is None and not special:
+            return [text]
+        if special not in self._split_re:
+            texts = list(self.control) if special else []
+            texts += list(self.user_defined) if self.spm is not None else []
+            texts.sort(key=len, reverse=True)
+            self._split_re[special] = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+        pattern = self._split_re[special]
+        return pattern.split(text) if pattern is not None else [text]
 
     def detokenize(self, ids: list[int], special: bool = False) -> str:
         """Text of ``ids``; control tokens are left out unless ``special``."""
@@ -207,15 +220,21 @@ class Tokenizer:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         if not special:
             ids = [i for i in ids if self.types[i] != CONTROL]
-        return self.hf.decode(list(ids), skip_special_tokens=False)
+        if self.spm is None:
+            return self.hf.decode(list(ids), skip_special_tokens=False)
+        out = bytearray()
+        for i in ids:
+            piece = self.tokens[i]
+            if self.types[i] == BYTE:
+                out.append(int(piece[3:5], 16))
+            else:
+                out += piece.replace("\u2581", " ").encode("utf-8", "surrogatepass")
+        text = out.decode("utf-8", "replace")
+        return text[1:] if self.space_prefix and text.startswith(" ") else text
 
-    def _split_control(self, text: str) -> list[str]:
-        """text cut at every control token it contains (longest first where they overlap),
-        the control tokens kept as pieces of their own - llama.cpp's special-token partition."""
-        if self._control_re is None:
-            alternatives = sorted(self.control, key=len, reverse=True)
-            self._control_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
-        return self._control_re.split(text)
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the piece spelled exactly ``text``, if there is one."""
+        return self.spm.ids.get(text) if self.spm is not None else self.hf.token_to_id(text)
 
     def token_text(self, i: int) -> str:
         return self.tokens[i]

@@ -9,7 +9,13 @@ from pyggml.models import Tokenizer
 from .conftest import REFERENCES, reference
 
 
-@pytest.fixture(scope="module", params=[(alias, how) for alias in REFERENCES for how in ("built", "cached")],
+# byte-level BPE tokenizers (``tokenizers`` objects) are cached on disk; SentencePiece ones are
+# built from the pieces and scores each time (models/spm.py), with nothing to cache
+CACHED = {"smollm2"}
+
+
+@pytest.fixture(scope="module", params=[(alias, how) for alias in REFERENCES
+                                        for how in (("built", "cached") if alias in CACHED else ("built",))],
                 ids=lambda p: "-".join(p))
 def case(request, tmp_path_factory):
     """Each model's tokenizer built from the GGUF, and loaded back from the tokenizer cache."""
@@ -23,7 +29,7 @@ def case(request, tmp_path_factory):
     try:
         tk = Tokenizer(GGUFFile(path))
         cached = list((hub.cache_dir() / "tokenizers").glob("*.json"))
-        assert len(cached) == 1  # the build was stored
+        assert len(cached) == (1 if alias in CACHED else 0)  # a build of a cached kind was stored
         if how == "cached":
             before = cached[0].stat()
             tk = Tokenizer(GGUFFile(path))
@@ -63,7 +69,7 @@ def test_detokenize_round_trips(case):
 def test_control_tokens_only_with_special(case):
     tk, _, alias = case
     marker = "<|im_start|>" if alias == "smollm2" else "<start_of_turn>"
-    control = tk.hf.token_to_id(marker)
+    control = tk.token_to_id(marker)
     assert control is not None
     assert tk.tokenize(marker, add_bos=False, special=True) == [control]
     assert control not in tk.tokenize(marker, add_bos=False)
@@ -73,7 +79,7 @@ def test_control_tokens_only_with_special(case):
 def test_end_of_generation_tokens(case):
     tk, _, alias = case
     eot = "<|im_end|>" if alias == "smollm2" else "<end_of_turn>"
-    assert tk.is_eog(tk.eos_id) and tk.is_eog(tk.hf.token_to_id(eot))
+    assert tk.is_eog(tk.eos_id) and tk.is_eog(tk.token_to_id(eot))
     assert not tk.is_eog(tk.tokenize("Hello", add_bos=False)[0])
 
 
