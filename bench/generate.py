@@ -1,7 +1,10 @@
 """Prompt and generation speed of real models, and peak memory (prints figures; asserts nothing).
 
 For each model: prompt processing tokens/s (a 128-token prompt), generation tokens/s
-(greedy, 64 tokens), peak resident memory against the GGUF size plus the KV cache.  When
+(greedy, 64 tokens), peak resident memory, and the part of it the model accounts for against
+the GGUF size plus the KV cache: the peak less what the engine's process holds before it loads
+a model (the interpreter, numpy, numba, its JIT and our kernels; llama-cpp-python and its
+libraries).  When
 llama-cpp-python happens to be installed (it is not a dependency), the same figures for
 llama.cpp on the same machine and thread count, and the ratio.  Each engine runs in its
 own process so that peak memory is its own.
@@ -22,8 +25,17 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "movable metal type, oil-based ink and a wooden press adapted from those used for wine. ") * 6
 
 
+def resident() -> int:
+    """Bytes resident now (not the peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     import pyggml
+    from pyggml.cpu import warm_up
+    warm_up()  # numba's JIT, its threads and the CPU kernels loaded: the runtime, before any model
+    runtime = resident()
     t0 = time.perf_counter()
     m = pyggml.Model(alias, n_ctx=1024, n_threads=threads, progress=False)
     load_s = time.perf_counter() - t0
@@ -39,12 +51,15 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     t = m.timings
     tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else float("nan")
     return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
-            "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(),
+            "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(), "runtime_rss": runtime,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+    import llama_cpp
     from llama_cpp import Llama
+    llama_cpp.llama_backend_init()
+    runtime = resident()
     t0 = time.perf_counter()
     llm = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t0
@@ -63,7 +78,7 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             break
     tg = (n - 1) / (time.perf_counter() - t0)
     return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n - 1,
-            "gguf_bytes": os.path.getsize(path), "kv_bytes": 0,
+            "gguf_bytes": os.path.getsize(path), "runtime_rss": runtime,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -107,15 +122,17 @@ def main() -> None:
         print("llama-cpp-python is not installed: pyggml figures only")
     print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
     print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
-          f"{'RSS/(GGUF+KV)':>14}")
+          f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16}")
     for alias in a.models.split(","):
         results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens)]
         if have_llama:
             results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens, a.llama_python))
+        kv = results[0]["kv_bytes"]  # llama.cpp's F16 cache of the same n_ctx has the same size
         for r in filter(None, results):
-            ratio = r["peak_rss"] / (r["gguf_bytes"] + r["kv_bytes"])
+            model = r["peak_rss"] - r["runtime_rss"]
             print(f"{alias:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
-                  f"{r['peak_rss'] / 2**20:>12.0f} {ratio:>14.2f}")
+                  f"{r['peak_rss'] / 2**20:>12.0f} {r['runtime_rss'] / 2**20:>11.0f} {model / 2**20:>9.0f} "
+                  f"{model / (r['gguf_bytes'] + kv):>16.2f}")
         if len(results) == 2 and results[1]:
             ours, ref = results
             print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "

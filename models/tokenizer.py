@@ -15,12 +15,8 @@ string (tests/test_tokenizer.py).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
@@ -50,47 +46,6 @@ BPE_PRE = {
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<eos>", "</s>")
 
 
-CACHE_VERSION = 2  # bump when the way a tokenizer is built from a GGUF changes
-
-
-def _cache_path(f: GGUFFile, tokens: list[str], types: np.ndarray) -> Path:
-    """Where the tokenizer built from this vocabulary is kept: named by a hash of everything
-    it is built from (building Gemma's 262k-piece SentencePiece model takes 1.5 s, loading it 0.7 s)."""
-    h = hashlib.sha256(f"v{CACHE_VERSION}".encode())
-    h.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
-    h.update(types.astype("<i4").tobytes())
-    for key in ("model", "pre", "scores", "merges", "add_space_prefix", "unknown_token_id"):
-        value = f.get(f"tokenizer.ggml.{key}")
-        if isinstance(value, list) and value and isinstance(value[0], float):
-            h.update(np.asarray(value, dtype="<f4").tobytes())
-        elif isinstance(value, list):
-            h.update("\0".join(map(str, value)).encode("utf-8", "surrogatepass"))
-        else:
-            h.update(repr(value).encode())
-    from pyggml import hub
-    return hub.cache_dir() / "tokenizers" / f"{h.hexdigest()}.json"
-
-
-def _load_cached(path: Path):
-    from tokenizers import Tokenizer as HFTokenizer
-    try:
-        return HFTokenizer.from_file(str(path)) if path.exists() else None
-    except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, whatever the error
-        log.warning("ignoring the cached tokenizer %s: %s", path, e)
-        return None
-
-
-def _store(path: Path, hf) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(hf.to_str())
-        os.replace(tmp, path)  # whole or not at all
-    except OSError as e:
-        log.info("cannot cache the tokenizer in %s: %s", path.parent, e)
-
-
 class Tokenizer:
     def __init__(self, f: GGUFFile) -> None:
         self.kind = str(f.get("tokenizer.ggml.model", ""))
@@ -111,7 +66,10 @@ class Tokenizer:
         self._split_re: dict[bool, re.Pattern | None] = {}
         self.hf = self.spm = None
         if self.kind == "gpt2":
-            self.hf = self._byte_level_bpe_cached(f)
+            from tokenizers import AddedToken
+            self.hf = self._byte_level_bpe(f)
+            # user-defined pieces are matched whole; control tokens are split out in tokenize()
+            self.hf.add_tokens([AddedToken(t, normalized=False) for t in self.user_defined])
         else:
             self.spm = self._sentencepiece(f)
             self.space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
@@ -123,17 +81,6 @@ class Tokenizer:
     def _id(f: GGUFFile, key: str) -> int | None:
         value = f.get(f"tokenizer.ggml.{key}")
         return int(value) if value is not None and int(value) >= 0 else None
-
-    def _byte_level_bpe_cached(self, f: GGUFFile):
-        from tokenizers import AddedToken
-        cache = _cache_path(f, self.tokens, self.types)
-        hf = _load_cached(cache)
-        if hf is None:
-            hf = self._byte_level_bpe(f)
-            # user-defined pieces are matched whole; control tokens are split out in tokenize()
-            hf.add_tokens([AddedToken(t, normalized=False) for t in self.user_defined])
-            _store(cache, hf)
-        return hf
 
     def _byte_level_bpe(self, f: GGUFFile):
         from tokenizers import Regex, decoders, models, pre_tokenizers
