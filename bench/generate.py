@@ -3,8 +3,8 @@
 For each model: prompt processing tokens/s (a 128-token prompt), generation tokens/s
 (greedy, 64 tokens), peak resident memory, and the part of it the model accounts for against
 the GGUF size plus the KV cache: the peak less what the engine's process holds before it loads
-a model (the interpreter, numpy, numba, its JIT and our kernels; llama-cpp-python and its
-libraries).  When
+a model (the interpreter, numpy, numba, its JIT and our kernels, tokenizers, jinja2;
+llama-cpp-python and its libraries).  When
 llama-cpp-python happens to be installed (it is not a dependency), the same figures for
 llama.cpp on the same machine and thread count, and the ratio.  Each engine runs in its
 own process so that peak memory is its own.
@@ -32,6 +32,9 @@ def resident() -> int:
 
 
 def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+    import jinja2.sandbox  # noqa: F401 - the libraries tokenizers and chat templates use belong to the runtime
+    import tokenizers  # noqa: F401
+
     import pyggml
     from pyggml.cpu import warm_up
     warm_up()  # numba's JIT, its threads and the CPU kernels loaded: the runtime, before any model

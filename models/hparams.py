@@ -5,11 +5,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pyggml.gguf import GGUFError, GGUFFile
 
 
 def _scalar(value: Any) -> Any:
     """Some keys may hold one value per layer; the models we support use one for all."""
+    if isinstance(value, np.ndarray):
+        return value[0].item() if len(value) else None
     if isinstance(value, (list, tuple)):
         return value[0] if value else None
     return value

@@ -49,7 +49,7 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftex
 class Tokenizer:
     def __init__(self, f: GGUFFile) -> None:
         self.kind = str(f.get("tokenizer.ggml.model", ""))
-        self.tokens = [str(t) for t in f.get("tokenizer.ggml.tokens", [])]
+        self.tokens = f.get("tokenizer.ggml.tokens", [])  # the file's compact array: decoded on access
         if not self.tokens:
             raise GGUFError(f.path, "no tokenizer vocabulary (tokenizer.ggml.tokens)")
         n = len(self.tokens)
