@@ -117,46 +117,40 @@ def _gelu_table(x):
     return out
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def geglu(a, g, out, table):
-    """ggml_vec_geglu_f32 with GGML_GELU_FP16: GELU(x) read from the table at F16(x)."""
-    for r in prange(a.shape[0]):
-        for i in range(a.shape[1]):
-            v = a[r, i]
-            if v <= f32(-10.0):
-                out[r, i] = f32(0.0)
-            elif v >= f32(10.0):
-                out[r, i] = v * g[r, i]
-            else:
-                out[r, i] = table[_half_bits(v)] * g[r, i]
-
-
-@njit(cache=True, parallel=True, boundscheck=False)
-def gelu(a, out, table):
-    for r in prange(a.shape[0]):
-        for i in range(a.shape[1]):
-            v = a[r, i]
-            if v <= f32(-10.0):
-                out[r, i] = f32(0.0)
-            elif v >= f32(10.0):
-                out[r, i] = v
-            else:
-                out[r, i] = table[_half_bits(v)]
-
-
 @_jit
-def _half_bits(v):
-    """The bits of F16(v) (round to nearest even), |v| < 65504."""
-    h = round_f16(v)
-    a = abs(h)
-    sign = 0x8000 if h < 0 or (h == 0 and math.copysign(1.0, h) < 0) else 0
-    if a == 0:
-        return sign
-    if a < 6.103515625e-05:  # subnormal: multiples of 2**-24
-        return sign | int(round(a * 16777216.0))
-    e = math.frexp(a)[1] - 1       # a = 1.m * 2**e
-    mant = int(round((a / math.ldexp(1.0, e) - 1.0) * 1024.0))
-    return sign | ((e + 15) << 10) | mant
+def _half_index(v, bits):
+    """The bits of F16(v), rounded to nearest even, from v and its float32 bits (|v| < 65504)."""
+    sign = (bits >> 16) & 0x8000
+    magnitude = bits & 0x7FFFFFFF
+    if magnitude < 0x38800000:  # below 2**-14: a subnormal half, a multiple of 2**-24
+        return sign | np.int64(np.rint(abs(np.float64(v)) * 16777216.0))
+    rounded = magnitude + 0xFFF + ((magnitude >> 13) & 1)
+    return sign | ((rounded - 0x38000000) >> 13)
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def _gelu_rows(a, g, out, table, gated):
+    """GGML_GELU_FP16: GELU(x) read from the table at F16(x); 0 below -10 and x above 10."""
+    for r in prange(a.shape[0]):
+        bits = a[r].view(np.uint32) if a[r].flags.c_contiguous else a[r].copy().view(np.uint32)
+        for i in range(a.shape[1]):
+            v = a[r, i]
+            if v <= f32(-10.0):
+                y = f32(0.0)
+            elif v >= f32(10.0):
+                y = v
+            else:
+                y = table[_half_index(v, np.int64(bits[i]))]
+            out[r, i] = y * g[r, i] if gated else y
+
+
+def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray, table: np.ndarray) -> None:
+    """ggml_vec_geglu_f32 (rows of a, g and out are contiguous float32)."""
+    _gelu_rows(a, g, out, table, True)
+
+
+def gelu(a: np.ndarray, out: np.ndarray, table: np.ndarray) -> None:
+    _gelu_rows(a, a, out, table, False)
 
 
 # -- RoPE --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ Q4_K_X8 = 8
 # the minimum's term (Q8_1), 256-element K-quant blocks with mins kept per lane group
 # (Q4_K), with mins summed in one scalar (Q5_K), without mins (Q6_K)
 FAM_Q8_0, FAM_Q8_1, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8 = 0, 1, 2, 3, 4, 5
+PLANES_MIN_COLS = 4
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
 FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8)
@@ -116,22 +117,22 @@ def _int_qk(row, wq, wd, wm, wmin, f16, five):
 def _int_q6_k(row, wq, wd, wsc, f16):
     """Q6_K: the unsigned 6-bit q times its 16-value scale; the scales kept for the -32 offset,
     which ggml subtracts per 32 values through the activations' bsums."""
-    one, zero = f16[15360], f16[0]
+    z = _zero(f16)
     for b in range(wq.size // 256):
         p, o = b * 210, b * 256
         wd[b] = _h(row, p + 208, f16)
         for g in range(16):
             wsc[b * 16 + g] = np.float32(np.int8(_u(row, p + 192 + g)))
         for half in range(2):
-            ql, qh, sc, oo = p + half * 64, p + 128 + half * 32, p + 192 + half * 8, o + half * 128
+            ql, qh, oo = p + half * 64, p + 128 + half * 32, o + half * 128
             for plane in range(4):
                 lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
                 for g in range(2):
-                    scale = np.int64(np.int8(_u(row, sc + plane * 2 + g)))
+                    scale = wsc[b * 16 + half * 8 + plane * 2 + g]
                     for j in range(16):
                         l = g * 16 + j
                         q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
-                        wq[oo + plane * 32 + l] = one * np.float32(q * scale) + zero
+                        wq[oo + plane * 32 + l] = np.float32(q | ((z >> j) & 1)) * scale  # exact: |q x scale| < 2**13
 
 
 @_jit
@@ -168,12 +169,30 @@ def _chain32(S, wd, wm, yd, ys, with_min):
 
 
 @_jit
+def _block_sum(S, lo, hi):
+    """The exact integer sum of S[lo:hi] (int64: the compiler may add in any order, and a
+    block's sum can pass float32's 2**24)."""
+    total = np.int64(0)
+    for u in range(lo, hi):
+        total += np.int64(S[u])
+    return total
+
+
+@_jit
 def _lane256(S, b, lane):
-    """A lane's integer over a 256-block: its 4-value sums of all 8 chunks (in float64: the
-    Q6_K lanes can exceed float32's exact integers before the offset is taken off)."""
+    """A lane's integer over a 256-block: its 4-value sums of all 8 chunks."""
     o = b * 64 + lane
-    return ((np.float64(S[o]) + S[o + 8]) + (np.float64(S[o + 16]) + S[o + 24])) + \
-        ((np.float64(S[o + 32]) + S[o + 40]) + (np.float64(S[o + 48]) + S[o + 56]))
+    return ((np.int64(S[o]) + np.int64(S[o + 8])) + (np.int64(S[o + 16]) + np.int64(S[o + 24]))) + \
+        ((np.int64(S[o + 32]) + np.int64(S[o + 40])) + (np.int64(S[o + 48]) + np.int64(S[o + 56])))
+
+
+@_jit
+def _q6_offset(wsc, ys, g0, g1):
+    """32 x the sum of scale x bsum over the 16-value groups g0..g1: the -32 of Q6_K's codes."""
+    total = np.int64(0)
+    for g in range(g0, g1):
+        total += np.int64(wsc[g]) * np.int64(ys[g])
+    return 32 * total
 
 
 @_jit
@@ -182,8 +201,7 @@ def _lane_k6(S, b, lane, wsc, ys):
     chunk - ggml takes the offset off per chunk, not per element, so lanes differ from
     sum((q - 32) ...) while their total does not."""
     g = b * 16 + 2 * lane
-    off = 32.0 * (np.float64(wsc[g]) * ys[g] + np.float64(wsc[g + 1]) * ys[g + 1])
-    return np.float32(_lane256(S, b, lane) - off)
+    return np.float32(_lane256(S, b, lane) - _q6_offset(wsc, ys, g, g + 2))
 
 
 @_jit
@@ -215,24 +233,27 @@ def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
 
 
 @_jit
+def _mins_sum(wmin, ys, b, j0, j1):
+    """Sum of min x (32-value activation sum) over the sub-blocks j0..j1 of block b (integers)."""
+    total = np.int64(0)
+    for j in range(j0, j1):
+        total += np.int64(wmin[b * 8 + j]) * (np.int64(ys[b * 16 + 2 * j]) + np.int64(ys[b * 16 + 2 * j + 1]))
+    return total
+
+
+@_jit
 def _chain_tiled(S, wd, wm, wmin, yd, ys, fam):
     """K-quants with 8 or more columns: llama.cpp's tiled matmul (AVX-512 VNNI kernel).  Per
     256-block the integer sums of the scales' and the mins' terms; ``r = float(s1) * d``,
     ``r = fma(-dmin, float(s2), r)``, then ``acc = fma(r, d_y, acc)``."""
     acc = f32(0.0)
     for b in range(wd.size):
-        s1 = 0.0
-        for u in range(b * 64, b * 64 + 64):
-            s1 += S[u]
+        s1 = _block_sum(S, b * 64, b * 64 + 64)
         if fam == FAM_K6:    # unsigned q: take 32 x scale x bsum off, per 16 values
-            for g in range(b * 16, b * 16 + 16):
-                s1 -= 32.0 * wmin[g] * ys[g]
+            s1 -= _q6_offset(wmin, ys, b * 16, b * 16 + 16)
         r = np.float32(s1) * wd[b]
         if fam != FAM_K6:
-            s2 = 0.0
-            for j in range(8):
-                s2 += wmin[b * 8 + j] * (np.float64(ys[b * 16 + 2 * j]) + ys[b * 16 + 2 * j + 1])
-            r = fma32(-wm[b], np.float32(s2), r)
+            r = fma32(-wm[b], np.float32(_mins_sum(wmin, ys, b, 0, 8)), r)
         acc = fma32(r, yd[b], acc)
     return acc
 
@@ -246,20 +267,42 @@ def _chain_k4_x8(S, wd, wm, wmin, yd, ys, per_pair):
     acc = acc_min = f32(0.0)
     for b in range(wd.size):
         d, dmin = wd[b] * yd[b], wm[b] * yd[b]
-        isum = imin = 0.0
-        for pair in range(4):
-            for u in range(b * 64 + pair * 16, b * 64 + pair * 16 + 16):
-                isum += S[u]
-            for j in range(2 * pair, 2 * pair + 2):
-                imin += wmin[b * 8 + j] * (ys[b * 16 + 2 * j] + ys[b * 16 + 2 * j + 1])
-            if per_pair:
-                acc = fma32(np.float32(isum), d, acc)
-                acc_min = fma32(np.float32(imin), dmin, acc_min)
-                isum = imin = 0.0
-        if not per_pair:
-            acc = fma32(np.float32(isum), d, acc)
-            acc_min = fma32(np.float32(imin), dmin, acc_min)
+        if per_pair:
+            for pair in range(4):
+                lo = b * 64 + pair * 16
+                acc = fma32(np.float32(_block_sum(S, lo, lo + 16)), d, acc)
+                acc_min = fma32(np.float32(_mins_sum(wmin, ys, b, 2 * pair, 2 * pair + 2)), dmin, acc_min)
+        else:
+            acc = fma32(np.float32(_block_sum(S, b * 64, b * 64 + 64)), d, acc)
+            acc_min = fma32(np.float32(_mins_sum(wmin, ys, b, 0, 8)), dmin, acc_min)
     return acc - acc_min
+
+
+@_jit
+def _planes(v, p):
+    """p[i, u] = v[4u + i]: the 4 values of each lane group side by side in 4 planes, so that
+    the lane sums below are plain vector arithmetic."""
+    for u in range(p.shape[1]):
+        p[0, u] = v[4 * u]
+        p[1, u] = v[4 * u + 1]
+        p[2, u] = v[4 * u + 2]
+        p[3, u] = v[4 * u + 3]
+
+
+@_jit
+def _lane_sums(wp, yp, S):
+    """S[u] = the integer sum of products of lane group u (exact in float32)."""
+    w0, w1, w2, w3 = wp[0], wp[1], wp[2], wp[3]
+    y0, y1, y2, y3 = yp[0], yp[1], yp[2], yp[3]
+    for u in range(S.size):
+        S[u] = (w0[u] * y0[u] + w1[u] * y1[u]) + (w2[u] * y2[u] + w3[u] * y3[u])
+
+
+@_jit
+def _lane_sums_direct(wq, yn, S):
+    for u in range(S.size):
+        i = 4 * u
+        S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -268,6 +311,12 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block)."""
     m_rows, n_cols, k = w.shape[0], yq.shape[0], yq.shape[1]
     fam = FAMILY[kind]
+    # with several columns the weights are put in lane planes once per row (for one column the
+    # extra pass costs more than the plain loop saves)
+    use_planes = n_cols >= PLANES_MIN_COLS
+    yp = np.empty((n_cols if use_planes else 0, 4, k // 4), dtype=np.float32)
+    for n in prange(yp.shape[0]):
+        _planes(yq[n], yp[n])
     n_chunks = min(m_rows, 64)
     per = (m_rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
@@ -277,13 +326,16 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
         wmin = np.zeros(k // 16, dtype=np.float32)
         S = np.empty(k // 4, dtype=np.float32)
         L = np.empty(k // 32, dtype=np.float32)
+        wp = np.empty((4, k // 4), dtype=np.float32)
         for m in range(c * per, min(m_rows, (c + 1) * per)):
             unpack(kind, w[m], wq, wd, wm, wmin, f16)
+            if use_planes:
+                _planes(wq, wp)
             for n in range(n_cols):
-                yn = yq[n]
-                for u in range(k // 4):
-                    i = 4 * u
-                    S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
+                if use_planes:
+                    _lane_sums(wp, yp[n], S)
+                else:
+                    _lane_sums_direct(wq, yq[n], S)
                 if fam <= FAM_Q8_1:
                     out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
                 elif fam == FAM_K4_X8:  # columns in whole fours go through ggml's gemm
