@@ -70,34 +70,13 @@ def k_scale(node: Tensor) -> None:
         out += f32(bias)
 
 
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return f32(0.5) * x * (f32(1) + np.tanh(f32(math.sqrt(2 / math.pi)) * x * (f32(1) + f32(0.044715) * x * x)))
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return x / (f32(1) + np.exp(-x))
-
-
 def _gelu_erf(x: np.ndarray) -> np.ndarray:
     from math import erf
     return (f32(0.5) * x * (f32(1) + np.vectorize(erf, otypes=[np.float64])(x / math.sqrt(2)))).astype(f32)
 
 
-UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
-    UnaryOp.ABS: np.abs,
-    UnaryOp.NEG: np.negative,
-    UnaryOp.TANH: np.tanh,
-    UnaryOp.RELU: lambda x: np.maximum(x, f32(0)),
-    UnaryOp.SIGMOID: lambda x: f32(1) / (f32(1) + np.exp(-x)),
-    UnaryOp.GELU: _gelu_tanh,
-    UnaryOp.GELU_QUICK: lambda x: x / (f32(1) + np.exp(f32(-1.702) * x)),
-    UnaryOp.SILU: _silu,
-    UnaryOp.EXP: np.exp,
-    UnaryOp.GELU_ERF: _gelu_erf,
-}
-
-GLU_ACT = {GluOp.REGLU: UNARY[UnaryOp.RELU], GluOp.GEGLU: _gelu_tanh, GluOp.SWIGLU: _silu}
+def _rows(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
 
 
 _GELU_TABLE: list[np.ndarray] = []
@@ -109,23 +88,50 @@ def _gelu_table() -> np.ndarray:
     return _GELU_TABLE[0]
 
 
-def _rows(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
+def _silu(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape, dtype=f32)
+    nn.silu(_rows(x), out.reshape(-1, x.shape[-1]))
+    return out
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape, dtype=f32)
+    nn.gelu(_rows(x), out.reshape(-1, x.shape[-1]), _gelu_table())
+    return out
+
+
+def _gated(kernel: Callable, *extra: Callable[[], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """act(a) * b by a numba row kernel of nn.py (the activation and the product in one pass)."""
+    def glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = np.empty(a.shape, dtype=f32)
+        kernel(_rows(a), _rows(b), out.reshape(-1, a.shape[-1]), *(e() for e in extra))
+        return out
+    return glu
+
+
+# SiLU and GELU with ggml's rounding (nn.py); the others as numpy computes them
+UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    UnaryOp.ABS: np.abs,
+    UnaryOp.NEG: np.negative,
+    UnaryOp.TANH: np.tanh,
+    UnaryOp.RELU: lambda x: np.maximum(x, f32(0)),
+    UnaryOp.SIGMOID: lambda x: f32(1) / (f32(1) + np.exp(-x)),
+    UnaryOp.GELU: _gelu,
+    UnaryOp.GELU_QUICK: lambda x: x / (f32(1) + np.exp(f32(-1.702) * x)),
+    UnaryOp.SILU: _silu,
+    UnaryOp.EXP: np.exp,
+    UnaryOp.GELU_ERF: _gelu_erf,
+}
+
+GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    GluOp.REGLU: lambda a, b: np.maximum(a, f32(0)) * b,
+    GluOp.SWIGLU: _gated(nn.swiglu),
+    GluOp.GEGLU: _gated(nn.geglu, _gelu_table),
+}
 
 
 def k_unary(node: Tensor) -> None:
-    op = int(node.op_params[0])
-    x = values(node.src[0])
-    out = tensor_view(node)
-    if op in (UnaryOp.SILU, UnaryOp.GELU):  # ggml's own rounding (nn.py)
-        res = np.empty(x.shape, dtype=f32)
-        if op == UnaryOp.SILU:
-            nn.silu(_rows(x), res.reshape(-1, x.shape[-1]))
-        else:
-            nn.gelu(_rows(x), res.reshape(-1, x.shape[-1]), _gelu_table())
-        out[...] = res
-        return
-    out[...] = UNARY[op](x)
+    tensor_view(node)[...] = UNARY[int(node.op_params[0])](values(node.src[0]))
 
 
 def k_glu(node: Tensor) -> None:
@@ -137,17 +143,7 @@ def k_glu(node: Tensor) -> None:
         b = values(node.src[1])
     if node.op_params[1]:
         a, b = b, a
-    glu = GluOp(int(node.op_params[0]))
-    out = tensor_view(node)
-    if glu in (GluOp.SWIGLU, GluOp.GEGLU):
-        res = np.empty(a.shape, dtype=f32)
-        if glu == GluOp.SWIGLU:
-            nn.swiglu(_rows(a), _rows(b), res.reshape(-1, a.shape[-1]))
-        else:
-            nn.geglu(_rows(a), _rows(b), res.reshape(-1, a.shape[-1]), _gelu_table())
-        out[...] = res
-        return
-    out[...] = GLU_ACT[glu](a) * b
+    tensor_view(node)[...] = GLU[int(node.op_params[0])](a, b)
 
 
 def k_rms_norm(node: Tensor) -> None:
@@ -174,32 +170,6 @@ def k_soft_max(node: Tensor) -> None:
     rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     nn.softmax_rows(rows)
     tensor_view(node)[...] = rows.reshape(x.shape)
-
-
-def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
-    return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
-
-
-def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
-               attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
-               freq_factors: np.ndarray | None, xp=np) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every rotation angle, [n_tokens, n_dims/2] (ggml's rope_yarn).
-
-    ``xp`` is the array module (numpy here; the CUDA backend passes cupy and GPU arrays)."""
-    i = xp.arange(n_dims // 2, dtype=xp.float64)
-    theta_extrap = pos.astype(xp.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)
-    if freq_factors is not None:
-        theta_extrap = theta_extrap / freq_factors[: n_dims // 2].astype(xp.float64)
-    theta = freq_scale * theta_extrap
-    mscale = attn_factor
-    if ext_factor != 0.0:
-        low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base)))
-        high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base)))
-        ramp = 1 - xp.clip((i - low) / max(0.001, high - low), 0, 1)
-        mix = ramp * ext_factor
-        theta = theta * (1 - mix) + theta_extrap * mix
-        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
-    return (xp.cos(theta) * mscale).astype(xp.float32), (xp.sin(theta) * mscale).astype(xp.float32)
 
 
 def k_rope(node: Tensor) -> None:

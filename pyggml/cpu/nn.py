@@ -72,9 +72,8 @@ def rms_norm(x, eps, out):
 
 @njit(cache=True, parallel=True, boundscheck=False)
 def silu(x, out):
-    """ggml_vec_silu_f32 over flat arrays: ggml_v_silu per 16 values, the C library's expf for
-    a tail (rows of a length not a multiple of 16 have their tail at each row's end: pass
-    [rows, n] arrays flattened per row - see ``glu``)."""
+    """ggml_vec_silu_f32 per row of x [rows, n]: ggml_v_silu 16 values at a time, the C
+    library's expf for the last n % 16 of each row (ggml works row by row too)."""
     n = x.shape[1]
     full = n - n % 16
     for r in prange(x.shape[0]):
@@ -87,6 +86,7 @@ def silu(x, out):
 
 @njit(cache=True, parallel=True, boundscheck=False)
 def swiglu(a, g, out):
+    """ggml_vec_swiglu_f32 per row: silu(a) * g, as ``silu``."""
     n = a.shape[1]
     full = n - n % 16
     for r in prange(a.shape[0]):

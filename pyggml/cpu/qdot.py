@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from ..types import Type
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
-from .simd import fma32, hsum8, lane_chain8
+from .simd import fma32, lane_chain8
 
 f32 = np.float32
 

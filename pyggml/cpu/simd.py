@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from llvmlite import ir
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..cpu.kernels import rope_cache
 from ..ops import GluOp, Op, RopeMode, UnaryOp
 from ..tensor import Tensor
 from ..types import Type
@@ -136,6 +135,32 @@ def k_norm(node: Tensor) -> None:
     x = values(node.src[0])
     c = x - x.mean(axis=-1, keepdims=True)
     tensor_view(node)[...] = c / cp.sqrt((c * c).mean(axis=-1, keepdims=True) + np.float32(node.get_op_params_f32(0)))
+
+
+def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
+    return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+               attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
+               freq_factors: np.ndarray | None, xp=np) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle, [n_tokens, n_dims/2] (ggml's rope_yarn), computed
+    in float64 on the GPU (``xp`` = cupy; numpy in tests/test_cuda_ops_on_cpu.py).  The CPU
+    backend reproduces ggml's float32 steps instead (pyggml/cpu/nn.py)."""
+    i = xp.arange(n_dims // 2, dtype=xp.float64)
+    theta_extrap = pos.astype(xp.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)
+    if freq_factors is not None:
+        theta_extrap = theta_extrap / freq_factors[: n_dims // 2].astype(xp.float64)
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base)))
+        high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base)))
+        ramp = 1 - xp.clip((i - low) / max(0.001, high - low), 0, 1)
+        mix = ramp * ext_factor
+        theta = theta * (1 - mix) + theta_extrap * mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    return (xp.cos(theta) * mscale).astype(xp.float32), (xp.sin(theta) * mscale).astype(xp.float32)
 
 
 def _softmax_rows(x):
