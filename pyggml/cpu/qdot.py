@@ -1,17 +1,22 @@
-"""Quantized matrix products with ggml's exact arithmetic (its x86 AVX2 ``vec_dot`` code).
+"""Quantized matrix products with ggml's exact arithmetic (llama.cpp's x86 build).
 
 ggml multiplies a weight row with an activation row quantized to 8 bits (activations.py) by
-integer dot products per block, then accumulates in float32 through 8 SIMD lanes::
+integer dot products per block, then accumulates in float32.  For a single column
+(``vec_dot``, AVX2 code) through 8 SIMD lanes::
 
     lane l of block b:  S[b, l] = sum of w[i] * y[i] over the block's elements 4l..4l+3
                         (of every 32-element chunk, for the 256-element K-quant blocks)
     acc[l] = fma(scale_w[b] * scale_y[b], S[b, l], acc[l])        for b in order
     result = hsum8(acc) + (the block minima's term, for Q4_1/Q5_1/Q4_K/Q5_K)
 
-The integer sums are exact, so we compute them in float32 (every partial sum stays below
-2**24) in whatever order vectorizes best; only the float steps keep ggml's order.  Weights
-are unpacked one row at a time into a scratch vector of exact integers (times the sub-block
-scale for K-quants) and used at once for every column.
+For batches llama.cpp takes other kernels, with other float steps: repacked Q4_K
+(``gemv``/``gemm_q4_K_8x8_q8_K``) and, from 8 columns, its tiled K-quant matmul; the chains
+below reproduce each.  The integer sums are exact, so we compute them in float32 (every
+4-value sum stays below 2**24) or int64, in whatever order vectorizes best; only the float
+steps keep ggml's order.  Weights are unpacked one row at a time into exact integers (times
+the sub-block scale for K-quants) and used at once for every column; with several columns
+both sides are first laid out in "lane planes" (``_planes``) so that the 4-value sums are
+plain vector arithmetic.
 
 ``EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
@@ -205,6 +210,15 @@ def _lane_k6(S, b, lane, wsc, ys):
 
 
 @_jit
+def _mins_sum(wmin, ys, b, j0, j1):
+    """Sum of min x (32-value activation sum) over the sub-blocks j0..j1 of block b (integers)."""
+    total = np.int64(0)
+    for j in range(j0, j1):
+        total += np.int64(wmin[b * 8 + j]) * (np.int64(ys[b * 16 + 2 * j]) + np.int64(ys[b * 16 + 2 * j + 1]))
+    return total
+
+
+@_jit
 def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
     """K-quants: each lane's integer over a 256-block (into L, rounded to float32 as ggml's
     int->float conversion does), one fma per lane per block; the mins' term either in 4 lanes
@@ -216,29 +230,17 @@ def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
             L[b * 8 + lane] = _lane_k6(S, b, lane, wmin, ys) if fam == FAM_K6 else np.float32(_lane256(S, b, lane))
         if fam != FAM_K6:
             dmin = -yd[b] * wm[b]
-            s, g = b * 8, b * 16
-            # the 32-value sums of the activations (ggml: hadd of bsums) times the mins, in pairs
-            p0 = wmin[s] * (ys[g] + ys[g + 1]) + wmin[s + 1] * (ys[g + 2] + ys[g + 3])
-            p1 = wmin[s + 2] * (ys[g + 4] + ys[g + 5]) + wmin[s + 3] * (ys[g + 6] + ys[g + 7])
-            p2 = wmin[s + 4] * (ys[g + 8] + ys[g + 9]) + wmin[s + 5] * (ys[g + 10] + ys[g + 11])
-            p3 = wmin[s + 6] * (ys[g + 12] + ys[g + 13]) + wmin[s + 7] * (ys[g + 14] + ys[g + 15])
+            # mins x the activations' 32-value sums (ggml: hadd of bsums), in pairs of sub-blocks
+            p0, p1 = np.float32(_mins_sum(wmin, ys, b, 0, 2)), np.float32(_mins_sum(wmin, ys, b, 2, 4))
+            p2, p3 = np.float32(_mins_sum(wmin, ys, b, 4, 6)), np.float32(_mins_sum(wmin, ys, b, 6, 8))
             if fam == FAM_K4:
                 m0, m1 = fma32(dmin, p0, m0), fma32(dmin, p1, m1)
                 m2, m3 = fma32(dmin, p2, m2), fma32(dmin, p3, m3)
-            else:
-                summs = fma32(dmin, (p0 + p1) + (p2 + p3), summs)
+            else:  # Q5_K: summed as integers first
+                summs = fma32(dmin, np.float32(_mins_sum(wmin, ys, b, 0, 8)), summs)
     if fam == FAM_K4:
         summs = (m0 + m2) + (m1 + m3)
     return lane_chain8(L, yd, wd, wd.size) + summs
-
-
-@_jit
-def _mins_sum(wmin, ys, b, j0, j1):
-    """Sum of min x (32-value activation sum) over the sub-blocks j0..j1 of block b (integers)."""
-    total = np.int64(0)
-    for j in range(j0, j1):
-        total += np.int64(wmin[b * 8 + j]) * (np.int64(ys[b * 16 + 2 * j]) + np.int64(ys[b * 16 + 2 * j + 1]))
-    return total
 
 
 @_jit
