@@ -36,3 +36,38 @@ def test_vec_dot_bits_equal_ggml(name):
     assert got.dtype == np.float32
     assert np.array_equal(got, want), f"{name}: {(got != want).sum()} of {want.size} differ, " \
         f"max relative {np.abs(got - want).max() / np.abs(want).max():.2g}"
+
+
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # one vec_dot formula for any number of columns
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_batched_columns_equal_single_columns(name):
+    """From 4 columns the lane sums are 8-bit integer dot products (simd.lane_dots); for these
+    types ggml's batched arithmetic is its vec_dot, so every column must equal its own."""
+    w, x = DATA[name + "_w"], DATA[name + "_x"]
+    qtype = pg.Type[name]
+    xs = np.concatenate([x, x[::-1], x * np.float32(0.5)])  # 9 columns
+    batched = quant_matmul(w, qtype, xs)
+    single = np.concatenate([quant_matmul(w, qtype, xs[i:i + 1]) for i in range(len(xs))])
+    assert np.array_equal(batched, single)
+
+
+def test_portable_lane_dots_equal_vnni(tmp_path):
+    """The plain-IR lane dots (CPUs without AVX-512 VNNI) give the same bits: run in a process
+    of its own with PYGGML_NO_VNNI=1 and its own numba cache."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, sys; import pyggml as pg; from pyggml.cpu.qmatmul import quant_matmul;"
+            "d = np.load(sys.argv[1]); out = {}\n"
+            "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q4_K', 'Q6_K'):\n"
+            "    out[n] = quant_matmul(d[n + '_w'], pg.Type[n], np.concatenate([d[n + '_x']] * 3))\n"
+            "np.savez(sys.argv[2], **out)")
+    env = dict(os.environ, PYGGML_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent / "data" / "ggml_vec_dot.npz"),
+                    str(tmp_path / "out.npz")], check=True, env=env, timeout=600)
+    portable = np.load(tmp_path / "out.npz")
+    for n in portable.files:
+        here = quant_matmul(DATA[n + "_w"], pg.Type[n], np.concatenate([DATA[n + "_x"]] * 3))
+        assert np.array_equal(portable[n], here), n

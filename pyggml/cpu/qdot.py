@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from ..types import Type
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
-from .simd import fma32, lane_chain8
+from .simd import fma32, lane_chain8, lane_dots, lane_dots_signed
 
 f32 = np.float32
 
@@ -42,7 +42,9 @@ Q4_K_X8 = 8
 # the minimum's term (Q8_1), 256-element K-quant blocks with mins kept per lane group
 # (Q4_K), with mins summed in one scalar (Q5_K), without mins (Q6_K)
 FAM_Q8_0, FAM_Q8_1, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8 = 0, 1, 2, 3, 4, 5
-PLANES_MIN_COLS = 4
+INT8_MIN_COLS = 4
+# weights with signed values (Q4_0: q - 8, Q5_0: q - 16, Q8_0) go through lane_dots_signed
+SIGNED = (True, False, True, False, True, False, False, False, False)
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
 FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8)
@@ -99,8 +101,9 @@ def _int_q8_0(row, wq, wd, f16):
 
 
 @_jit
-def _int_qk(row, wq, wd, wm, wmin, f16, five):
-    """Q4_K / Q5_K: q * scale per 32-element sub-block; d, dmin per block; the sub-block mins."""
+def _int_qk(row, wq, wd, wm, wmin, ls, f16, five):
+    """Q4_K / Q5_K: the unsigned q; each lane's sub-block scale in ls; d, dmin per block; the
+    sub-block mins."""
     one, zero = f16[15360], f16[0]
     size = 176 if five else 144
     qs = 48 if five else 16
@@ -110,38 +113,39 @@ def _int_qk(row, wq, wd, wm, wmin, f16, five):
         for s in range(8):
             sc, mn = _k4_scale_min(row, p + 4, s)
             wmin[b * 8 + s] = np.float32(mn)
+            for lane in range(b * 64 + s * 8, b * 64 + s * 8 + 8):
+                ls[lane] = np.float32(sc)
             shift = 4 * (s & 1)
             for l in range(32):
                 q = (_u(row, p + qs + (s // 2) * 32 + l) >> shift) & 15
                 if five:
                     q |= ((_u(row, p + 16 + l) >> s) & 1) << 4
-                wq[o + s * 32 + l] = one * np.float32(q * sc) + zero
+                wq[o + s * 32 + l] = one * np.float32(q) + zero
 
 
 @_jit
-def _int_q6_k(row, wq, wd, wsc, f16):
-    """Q6_K: the unsigned 6-bit q times its 16-value scale; the scales kept for the -32 offset,
-    which ggml subtracts per 32 values through the activations' bsums."""
+def _int_q6_k(row, wq, wd, wsc, ls, f16):
+    """Q6_K: the unsigned 6-bit q; each lane's 16-value scale in ls; the scales kept for the
+    -32 offset, which ggml subtracts per 32 values through the activations' bsums."""
     z = _zero(f16)
     for b in range(wq.size // 256):
         p, o = b * 210, b * 256
         wd[b] = _h(row, p + 208, f16)
         for g in range(16):
             wsc[b * 16 + g] = np.float32(np.int8(_u(row, p + 192 + g)))
+            for lane in range(b * 64 + g * 4, b * 64 + g * 4 + 4):
+                ls[lane] = wsc[b * 16 + g]
         for half in range(2):
             ql, qh, oo = p + half * 64, p + 128 + half * 32, o + half * 128
             for plane in range(4):
                 lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
-                for g in range(2):
-                    scale = wsc[b * 16 + half * 8 + plane * 2 + g]
-                    for j in range(16):
-                        l = g * 16 + j
-                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
-                        wq[oo + plane * 32 + l] = np.float32(q | ((z >> j) & 1)) * scale  # exact: |q x scale| < 2**13
+                for j in range(32):
+                    q = ((_u(row, ql + lo_off + j) >> lo_shift) & 15) | (((_u(row, qh + j) >> (2 * plane)) & 3) << 4)
+                    wq[oo + plane * 32 + j] = np.float32(q | ((z >> j) & 1))
 
 
 @_jit
-def unpack(kind, row, wq, wd, wm, wmin, f16):
+def unpack(kind, row, wq, wd, wm, wmin, ls, f16):
     if kind == 0:
         _int_q4(row, wq, wd, wm, f16, 18, False, 8)
     elif kind == 1:
@@ -153,11 +157,11 @@ def unpack(kind, row, wq, wd, wm, wmin, f16):
     elif kind == 4:
         _int_q8_0(row, wq, wd, f16)
     elif kind == 5 or kind == Q4_K_X8:
-        _int_qk(row, wq, wd, wm, wmin, f16, False)
+        _int_qk(row, wq, wd, wm, wmin, ls, f16, False)
     elif kind == 6:
-        _int_qk(row, wq, wd, wm, wmin, f16, True)
+        _int_qk(row, wq, wd, wm, wmin, ls, f16, True)
     else:
-        _int_q6_k(row, wq, wd, wmin, f16)
+        _int_q6_k(row, wq, wd, wmin, ls, f16)
 
 
 # -- the float steps, in ggml's order ---------------------------------------------------------------
@@ -175,12 +179,12 @@ def _chain32(S, wd, wm, yd, ys, with_min):
 
 @_jit
 def _block_sum(S, lo, hi):
-    """The exact integer sum of S[lo:hi] (int64: the compiler may add in any order, and a
-    block's sum can pass float32's 2**24)."""
-    total = np.int64(0)
+    """The exact integer sum of S[lo:hi] (in integers: the compiler may add them in any order,
+    and a block's sum can pass float32's 2**24; 64 lanes stay far below 2**31)."""
+    total = np.int32(0)
     for u in range(lo, hi):
-        total += np.int64(S[u])
-    return total
+        total += np.int32(S[u])
+    return np.int64(total)
 
 
 @_jit
@@ -194,10 +198,10 @@ def _lane256(S, b, lane):
 @_jit
 def _q6_offset(wsc, ys, g0, g1):
     """32 x the sum of scale x bsum over the 16-value groups g0..g1: the -32 of Q6_K's codes."""
-    total = np.int64(0)
+    total = np.int32(0)  # |scale x bsum| < 2**18, 16 of them < 2**22
     for g in range(g0, g1):
-        total += np.int64(wsc[g]) * np.int64(ys[g])
-    return 32 * total
+        total += np.int32(wsc[g]) * np.int32(ys[g])
+    return 32 * np.int64(total)
 
 
 @_jit
@@ -212,10 +216,10 @@ def _lane_k6(S, b, lane, wsc, ys):
 @_jit
 def _mins_sum(wmin, ys, b, j0, j1):
     """Sum of min x (32-value activation sum) over the sub-blocks j0..j1 of block b (integers)."""
-    total = np.int64(0)
+    total = np.int32(0)  # min < 64, a 32-value sum < 2**12: far inside int32
     for j in range(j0, j1):
-        total += np.int64(wmin[b * 8 + j]) * (np.int64(ys[b * 16 + 2 * j]) + np.int64(ys[b * 16 + 2 * j + 1]))
-    return total
+        total += np.int32(wmin[b * 8 + j]) * (np.int32(ys[b * 16 + 2 * j]) + np.int32(ys[b * 16 + 2 * j + 1]))
+    return np.int64(total)
 
 
 @_jit
@@ -281,63 +285,63 @@ def _chain_k4_x8(S, wd, wm, wmin, yd, ys, per_pair):
 
 
 @_jit
-def _planes(v, p):
-    """p[i, u] = v[4u + i]: the 4 values of each lane group side by side in 4 planes, so that
-    the lane sums below are plain vector arithmetic."""
-    for u in range(p.shape[1]):
-        p[0, u] = v[4 * u]
-        p[1, u] = v[4 * u + 1]
-        p[2, u] = v[4 * u + 2]
-        p[3, u] = v[4 * u + 3]
-
-
-@_jit
-def _lane_sums(wp, yp, S):
-    """S[u] = the integer sum of products of lane group u (exact in float32)."""
-    w0, w1, w2, w3 = wp[0], wp[1], wp[2], wp[3]
-    y0, y1, y2, y3 = yp[0], yp[1], yp[2], yp[3]
-    for u in range(S.size):
-        S[u] = (w0[u] * y0[u] + w1[u] * y1[u]) + (w2[u] * y2[u] + w3[u] * y3[u])
-
-
-@_jit
-def _lane_sums_direct(wq, yn, S):
-    for u in range(S.size):
+def _lane_sums(wq, ls, yn, S, n_lanes):
+    """S[u] = ls[u] x the integer sum of the products of lane group u (exact in float32)."""
+    for u in range(n_lanes):
         i = 4 * u
-        S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
+        S[u] = ls[u] * ((wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3]))
+
+
+@_jit
+def _scale_lanes(S, ls, n_lanes):
+    """Each lane times its sub-block scale (K-quants; exact integers)."""
+    for u in range(n_lanes):
+        S[u] *= ls[u]
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
 def exact_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
-    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block)."""
+    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block).
+
+    With several columns the lane sums are 8-bit integer dot products (``simd.lane_dots``):
+    the weights' and the activations' integers as bytes, once per row or column; for a
+    single column the float loop is quicker than that conversion."""
     m_rows, n_cols, k = w.shape[0], yq.shape[0], yq.shape[1]
-    fam = FAMILY[kind]
-    # with several columns the weights are put in lane planes once per row (for one column the
-    # extra pass costs more than the plain loop saves)
-    use_planes = n_cols >= PLANES_MIN_COLS
-    yp = np.empty((n_cols if use_planes else 0, 4, k // 4), dtype=np.float32)
-    for n in prange(yp.shape[0]):
-        _planes(yq[n], yp[n])
+    n_lanes = k // 4
+    fam, signed = FAMILY[kind], SIGNED[kind]
+    k64 = (k + 63) // 64 * 64  # lane_dots takes 64 bytes at a time: zero padding
+    batched = n_cols >= INT8_MIN_COLS
+    yb = np.zeros((n_cols if batched else 0, k64), dtype=np.int8)
+    for n in prange(yb.shape[0]):
+        for i in range(k):
+            yb[n, i] = np.int8(yq[n, i])
     n_chunks = min(m_rows, 64)
     per = (m_rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         wq = np.empty(k, dtype=np.float32)
+        ls = np.ones(n_lanes, dtype=np.float32)
+        codes = np.zeros(k64, dtype=np.int8)  # unsigned codes (at most 63) read the same as bytes
         wd = np.empty(k // 32 if fam <= FAM_Q8_1 else k // 256, dtype=np.float32)
         wm = np.zeros_like(wd)
         wmin = np.zeros(k // 16, dtype=np.float32)
-        S = np.empty(k // 4, dtype=np.float32)
+        S = np.empty(k64 // 4, dtype=np.float32)
         L = np.empty(k // 32, dtype=np.float32)
-        wp = np.empty((4, k // 4), dtype=np.float32)
         for m in range(c * per, min(m_rows, (c + 1) * per)):
-            unpack(kind, w[m], wq, wd, wm, wmin, f16)
-            if use_planes:
-                _planes(wq, wp)
+            unpack(kind, w[m], wq, wd, wm, wmin, ls, f16)
+            if batched:
+                for i in range(k):
+                    codes[i] = wq[i]
             for n in range(n_cols):
-                if use_planes:
-                    _lane_sums(wp, yp[n], S)
+                if batched:
+                    if signed:
+                        lane_dots_signed(codes, yb[n], S, k64 // 64)
+                    else:
+                        lane_dots(codes, yb[n], S, k64 // 64)
+                    if fam > FAM_Q8_1:
+                        _scale_lanes(S, ls, n_lanes)
                 else:
-                    _lane_sums_direct(wq, yq[n], S)
+                    _lane_sums(wq, ls, yq[n], S, n_lanes)
                 if fam <= FAM_Q8_1:
                     out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
                 elif fam == FAM_K4_X8:  # columns in whole fours go through ggml's gemm

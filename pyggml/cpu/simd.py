@@ -81,6 +81,78 @@ def lane_chain8(typingctx, S, wd, yd, nb):
     return sig, codegen
 
 
+def _target_has_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 VNNI (vpdpbusd); PYGGML_NO_VNNI=1 says no
+    (tests use it to check the portable path, with a numba cache of their own)."""
+    import os
+
+    import llvmlite.binding as llvm
+    from numba.core import config
+    if os.environ.get("PYGGML_NO_VNNI") == "1":
+        return False
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return "+avx512vnni" in (config.CPU_FEATURES or "")
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512vnni")) and bool(features.get("avx512f"))
+
+
+def _lane_dots(signed_weights: bool):
+    """out[16g:16g+16] = float(sum of 4 consecutive products w[i] * y[i]) for g < n64: 8-bit
+    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact.
+
+    One ``vpdpbusd`` per 64 products where numba targets a CPU with AVX-512 VNNI (the
+    instruction ggml's own kernels use), with ggml's sign trick for signed weights
+    (|w| x sign(w) y); plain vector IR that LLVM lowers anywhere else."""
+    def typer(typingctx, codes, y, out, n64):
+        return types.void(codes, y, out, types.intp), _codegen
+    vnni = _target_has_vnni()
+
+    def _codegen(context, builder, signature, args):
+        i8, i32, i64, f32t = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        v16i, v16f, v64b, v64i = ir.VectorType(i32, 16), ir.VectorType(f32t, 16), ir.VectorType(i8, 64), ir.VectorType(i32, 64)
+        c_ptr, y_ptr, o_ptr = (context.make_array(t)(context, builder, a).data
+                               for t, a in zip(signature.args[:3], args[:3]))
+        n = args[3]
+        pre = builder.basic_block
+        loop = builder.append_basic_block("dots.loop")
+        done = builder.append_basic_block("dots.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        g = builder.phi(i64)
+        g.add_incoming(ir.Constant(i64, 0), pre)
+        at = builder.mul(g, ir.Constant(i64, 64))
+        wb = builder.load(builder.bitcast(builder.gep(c_ptr, [at]), v64b.as_pointer()), align=1)
+        yb = builder.load(builder.bitcast(builder.gep(y_ptr, [at]), v64b.as_pointer()), align=1)
+        zero8 = ir.Constant(v64b, [0] * 64)
+        if vnni:
+            if signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
+                negative = builder.icmp_signed("<", wb, zero8)
+                yb = builder.select(negative, builder.sub(zero8, yb), yb)
+                yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
+                wb = builder.select(negative, builder.sub(zero8, wb), wb)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i, [v16i] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            sums = builder.call(fn, [ir.Constant(v16i, [0] * 16), builder.bitcast(wb, v16i), builder.bitcast(yb, v16i)])
+        else:
+            cv = builder.sext(wb, v64i) if signed_weights else builder.zext(wb, v64i)
+            prod = builder.mul(cv, builder.sext(yb, v64i))
+            parts = [builder.shuffle_vector(prod, ir.Constant(v64i, ir.Undefined),
+                                            ir.Constant(ir.VectorType(i32, 16), list(range(k, 64, 4)))) for k in range(4)]
+            sums = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+        dst = builder.bitcast(builder.gep(o_ptr, [builder.mul(g, ir.Constant(i64, 16))]), v16f.as_pointer())
+        builder.store(builder.sitofp(sums, v16f), dst, align=4)
+        g_next = builder.add(g, ir.Constant(i64, 1))
+        g.add_incoming(g_next, loop)
+        builder.cbranch(builder.icmp_signed("<", g_next, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return intrinsic(typer)
+
+
+lane_dots = _lane_dots(signed_weights=False)
+lane_dots_signed = _lane_dots(signed_weights=True)
+
+
 _jit = njit(cache=True, inline="always")
 
 
