@@ -101,9 +101,8 @@ def _int_q8_0(row, wq, wd, f16):
 
 
 @_jit
-def _int_qk(row, wq, wd, wm, wmin, ls, f16, five):
-    """Q4_K / Q5_K: the unsigned q; each lane's sub-block scale in ls; d, dmin per block; the
-    sub-block mins."""
+def _int_qk(row, wq, wd, wm, wmin, f16, five):
+    """Q4_K / Q5_K: q * scale per 32-element sub-block; d, dmin per block; the sub-block mins."""
     one, zero = f16[15360], f16[0]
     size = 176 if five else 144
     qs = 48 if five else 16
@@ -113,39 +112,38 @@ def _int_qk(row, wq, wd, wm, wmin, ls, f16, five):
         for s in range(8):
             sc, mn = _k4_scale_min(row, p + 4, s)
             wmin[b * 8 + s] = np.float32(mn)
-            for lane in range(b * 64 + s * 8, b * 64 + s * 8 + 8):
-                ls[lane] = np.float32(sc)
             shift = 4 * (s & 1)
             for l in range(32):
                 q = (_u(row, p + qs + (s // 2) * 32 + l) >> shift) & 15
                 if five:
                     q |= ((_u(row, p + 16 + l) >> s) & 1) << 4
-                wq[o + s * 32 + l] = one * np.float32(q) + zero
+                wq[o + s * 32 + l] = one * np.float32(q * sc) + zero
 
 
 @_jit
-def _int_q6_k(row, wq, wd, wsc, ls, f16):
-    """Q6_K: the unsigned 6-bit q; each lane's 16-value scale in ls; the scales kept for the
-    -32 offset, which ggml subtracts per 32 values through the activations' bsums."""
+def _int_q6_k(row, wq, wd, wsc, f16):
+    """Q6_K: the unsigned 6-bit q times its 16-value scale; the scales kept for the -32 offset,
+    which ggml subtracts per 32 values through the activations' bsums."""
     z = _zero(f16)
     for b in range(wq.size // 256):
         p, o = b * 210, b * 256
         wd[b] = _h(row, p + 208, f16)
         for g in range(16):
             wsc[b * 16 + g] = np.float32(np.int8(_u(row, p + 192 + g)))
-            for lane in range(b * 64 + g * 4, b * 64 + g * 4 + 4):
-                ls[lane] = wsc[b * 16 + g]
         for half in range(2):
             ql, qh, oo = p + half * 64, p + 128 + half * 32, o + half * 128
             for plane in range(4):
                 lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
-                for j in range(32):
-                    q = ((_u(row, ql + lo_off + j) >> lo_shift) & 15) | (((_u(row, qh + j) >> (2 * plane)) & 3) << 4)
-                    wq[oo + plane * 32 + j] = np.float32(q | ((z >> j) & 1))
+                for g in range(2):
+                    scale = wsc[b * 16 + half * 8 + plane * 2 + g]
+                    for j in range(16):
+                        l = g * 16 + j
+                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
+                        wq[oo + plane * 32 + l] = np.float32(q | ((z >> j) & 1)) * scale  # exact: |q x scale| < 2**13
 
 
 @_jit
-def unpack(kind, row, wq, wd, wm, wmin, ls, f16):
+def unpack(kind, row, wq, wd, wm, wmin, f16):
     if kind == 0:
         _int_q4(row, wq, wd, wm, f16, 18, False, 8)
     elif kind == 1:
@@ -157,11 +155,27 @@ def unpack(kind, row, wq, wd, wm, wmin, ls, f16):
     elif kind == 4:
         _int_q8_0(row, wq, wd, f16)
     elif kind == 5 or kind == Q4_K_X8:
-        _int_qk(row, wq, wd, wm, wmin, ls, f16, False)
+        _int_qk(row, wq, wd, wm, wmin, f16, False)
     elif kind == 6:
-        _int_qk(row, wq, wd, wm, wmin, ls, f16, True)
+        _int_qk(row, wq, wd, wm, wmin, f16, True)
     else:
-        _int_q6_k(row, wq, wd, wmin, ls, f16)
+        _int_q6_k(row, wq, wd, wmin, f16)
+
+
+@_jit
+def lane_scales(kind, row, wsc, ls):
+    """The sub-block scale of every lane of a K-quant row (Q4_K/Q5_K: from the row; Q6_K: the
+    scales ``unpack`` left in wsc) - to take apart the scaled integers for lane_dots."""
+    if kind == 7:
+        for u in range(ls.size):
+            ls[u] = wsc[u // 4]
+        return
+    size = 176 if kind == 6 else 144
+    for b in range(ls.size // 64):
+        for s in range(8):
+            sc = np.float32(_k4_scale_min(row, b * size + 4, s)[0])
+            for u in range(b * 64 + s * 8, b * 64 + s * 8 + 8):
+                ls[u] = sc
 
 
 # -- the float steps, in ggml's order ---------------------------------------------------------------
@@ -285,11 +299,11 @@ def _chain_k4_x8(S, wd, wm, wmin, yd, ys, per_pair):
 
 
 @_jit
-def _lane_sums(wq, ls, yn, S, n_lanes):
-    """S[u] = ls[u] x the integer sum of the products of lane group u (exact in float32)."""
+def _lane_sums(wq, yn, S, n_lanes):
+    """S[u] = the integer sum of the products of lane group u (exact in float32)."""
     for u in range(n_lanes):
         i = 4 * u
-        S[u] = ls[u] * ((wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3]))
+        S[u] = (wq[i] * yn[i] + wq[i + 1] * yn[i + 1]) + (wq[i + 2] * yn[i + 2] + wq[i + 3] * yn[i + 3])
 
 
 @_jit
@@ -328,10 +342,16 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
         S = np.empty(k64 // 4, dtype=np.float32)
         L = np.empty(k // 32, dtype=np.float32)
         for m in range(c * per, min(m_rows, (c + 1) * per)):
-            unpack(kind, w[m], wq, wd, wm, wmin, ls, f16)
+            unpack(kind, w[m], wq, wd, wm, wmin, f16)
             if batched:
-                for i in range(k):
-                    codes[i] = wq[i]
+                if fam > FAM_Q8_1:  # K-quants: unpack scaled the codes, lane_dots wants them bare
+                    lane_scales(kind, w[m], wmin, ls)
+                    for i in range(k):
+                        scale = ls[i >> 2]
+                        codes[i] = wq[i] / scale if scale != 0 else 0
+                else:
+                    for i in range(k):
+                        codes[i] = wq[i]
             for n in range(n_cols):
                 if batched:
                     if signed:
@@ -341,7 +361,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
                     if fam > FAM_Q8_1:
                         _scale_lanes(S, ls, n_lanes)
                 else:
-                    _lane_sums(wq, ls, yq[n], S, n_lanes)
+                    _lane_sums(wq, yq[n], S, n_lanes)
                 if fam <= FAM_Q8_1:
                     out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
                 elif fam == FAM_K4_X8:  # columns in whole fours go through ggml's gemm
