@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from ..types import Type
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
-from .simd import fma32, lane_chain8, lane_dots, lane_dots_signed
+from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
 f32 = np.float32
 
@@ -313,6 +313,35 @@ def _scale_lanes(S, ls, n_lanes):
         S[u] *= ls[u]
 
 
+@_jit
+def _dots(codes, yb, S, signed):
+    if signed:
+        lane_dots_signed(codes, yb, S, codes.size // 64)
+    else:
+        lane_dots(codes, yb, S, codes.size // 64)
+
+
+@_jit
+def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, S, wd, wm, wmin):
+    """Rows m and m + 1 of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column: their two lane
+    chains run side by side (lane_chain8x2), each hiding the other's fma latency."""
+    signed, with_min = SIGNED[kind], FAMILY[kind] == FAM_Q8_1
+    unpack(kind, w[m], codes[0], wd[0], wm[0], wmin, f16)
+    unpack(kind, w[m + 1], codes[1], wd[1], wm[1], wmin, f16)
+    nb = wd.shape[1]
+    for n in range(yb.shape[0]):
+        _dots(codes[0], yb[n], S[0], signed)
+        _dots(codes[1], yb[n], S[1], signed)
+        a, b = lane_chain8x2(S, wd, yd[n], nb)
+        if with_min:
+            sa = sb = f32(0.0)
+            for j in range(nb):
+                sa = fma32(wm[0, j], ys[n, j], sa)
+                sb = fma32(wm[1, j], ys[n, j], sb)
+            a, b = a + sa, b + sb
+        out[n, m], out[n, m + 1] = a, b
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def exact_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
@@ -326,7 +355,9 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     fam, signed = FAMILY[kind], SIGNED[kind]
     k64 = (k + 63) // 64 * 64  # lane_dots takes 64 bytes at a time: zero padding
     batched = n_cols >= INT8_MIN_COLS
-    yb = np.zeros((n_cols if batched else 0, k64), dtype=np.int8)
+    # the legacy types' integers fit a byte as unpacked: those always take lane_dots
+    as_bytes = batched or fam <= FAM_Q8_1
+    yb = np.zeros((n_cols if as_bytes else 0, k64), dtype=np.int8)
     for n in prange(yb.shape[0]):
         for i in range(k):
             yb[n, i] = np.int8(yq[n, i])
@@ -341,23 +372,27 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
         wmin = np.zeros(k // 16, dtype=np.float32)
         S = np.empty(k64 // 4, dtype=np.float32)
         L = np.empty(k // 32, dtype=np.float32)
-        for m in range(c * per, min(m_rows, (c + 1) * per)):
-            unpack(kind, w[m], wq, wd, wm, wmin, f16)
-            if batched:
-                if fam > FAM_Q8_1:  # K-quants: unpack scaled the codes, lane_dots wants them bare
+        codes2 = np.zeros((2, k64), dtype=np.int8)
+        S2 = np.empty((2, k64 // 4), dtype=np.float32)
+        wd2 = np.empty((2, wd.size), dtype=np.float32)
+        wm2 = np.zeros((2, wd.size), dtype=np.float32)
+        start, end = c * per, min(m_rows, (c + 1) * per)
+        pairs = (end - start) // 2 if fam <= FAM_Q8_1 else 0
+        for p in range(pairs):
+            _legacy_row_pair(kind, w, start + 2 * p, yb, yd, ys, out, f16, codes2, S2, wd2, wm2, wmin)
+        for m in range(start + 2 * pairs, end):
+            if fam <= FAM_Q8_1:
+                unpack(kind, w[m], codes, wd, wm, wmin, f16)  # straight into bytes
+            else:
+                unpack(kind, w[m], wq, wd, wm, wmin, f16)
+                if batched:  # K-quants: unpack scaled the codes, lane_dots wants them bare
                     lane_scales(kind, w[m], wmin, ls)
                     for i in range(k):
                         scale = ls[i >> 2]
                         codes[i] = wq[i] / scale if scale != 0 else 0
-                else:
-                    for i in range(k):
-                        codes[i] = wq[i]
             for n in range(n_cols):
-                if batched:
-                    if signed:
-                        lane_dots_signed(codes, yb[n], S, k64 // 64)
-                    else:
-                        lane_dots(codes, yb[n], S, k64 // 64)
+                if as_bytes:
+                    _dots(codes, yb[n], S, signed)
                     if fam > FAM_Q8_1:
                         _scale_lanes(S, ls, n_lanes)
                 else:
