@@ -7,7 +7,10 @@ of an activation, and through a model's layers that flips near-tied argmaxes: so
 does the same operations in the same order, and its results equal llama.cpp's bit for bit
 (tests/test_models.py checks this against llama.cpp's outputs).
 
-These helpers are numba functions, inlined into the kernels that use them.
+These helpers are numba functions inlined into the kernels that use them; the vector loops
+(``lane_chain8``, ``lane_chain8x2``, ``lane_dots``) are written as LLVM IR intrinsics, because
+numba does not vectorize their shape by itself.  Integer products are exact however they are
+computed, so ``lane_dots`` may use ``vpdpbusd``; every float step keeps ggml's order.
 """
 from __future__ import annotations
 
