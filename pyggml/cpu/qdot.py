@@ -11,12 +11,12 @@ integer dot products per block, then accumulates in float32.  For a single colum
 
 For batches llama.cpp takes other kernels, with other float steps: repacked Q4_K
 (``gemv``/``gemm_q4_K_8x8_q8_K``) and, from 8 columns, its tiled K-quant matmul; the chains
-below reproduce each.  The integer sums are exact, so we compute them in float32 (every
-4-value sum stays below 2**24) or int64, in whatever order vectorizes best; only the float
-steps keep ggml's order.  Weights are unpacked one row at a time into exact integers (times
-the sub-block scale for K-quants) and used at once for every column; with several columns
-both sides are first laid out in "lane planes" (``_planes``) so that the 4-value sums are
-plain vector arithmetic.
+below reproduce each.  The integer sums are exact, so we compute them however is fastest:
+8-bit dot products (``simd.lane_dots``, ``vpdpbusd`` where there is AVX-512 VNNI) for batches
+and for the byte-sized types, float32 (every 4-value sum stays below 2**24) for single columns
+of K-quants, int32/int64 for block sums; only the float steps keep ggml's order.  Weights are
+unpacked one row at a time (as bytes, or as exact integers times the sub-block scale for
+K-quants) and used at once for every column.
 
 ``EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
