@@ -5,14 +5,14 @@ that is 8 s and ~750 MB before a single weight is read.  This reader walks the s
 format (the value type numbers come from the ``gguf`` package) once, in well under a second.
 Arrays stay compact while the model is loaded: numbers as numpy arrays, strings (a vocabulary
 of 262k pieces) as one block of bytes decoded piece by piece on access (``StringArray``) -
-as Python lists they held ~25 MB for Gemma 3 for as long as the file was open.  Every read is bounds-checked: a truncated or corrupt header is a ``ValueError``
-saying where, never a crash.
+as Python lists they held ~25 MB for Gemma 3 for as long as the file was open.  Every read is
+bounds-checked: a truncated or corrupt header is a ``ValueError`` saying where, never a crash.
 """
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

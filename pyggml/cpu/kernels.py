@@ -79,34 +79,11 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
 
 
-_GELU_TABLE: list[np.ndarray] = []
-
-
-def _gelu_table() -> np.ndarray:
-    if not _GELU_TABLE:
-        _GELU_TABLE.append(nn.gelu_table())
-    return _GELU_TABLE[0]
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    out = np.empty(x.shape, dtype=f32)
-    nn.silu(_rows(x), out.reshape(-1, x.shape[-1]))
+def _by_rows(kernel: Callable, *inputs: np.ndarray, params: tuple = ()) -> np.ndarray:
+    """A numba row kernel of nn.py (``kernel(*rows, *params, out)``) over arrays of any shape."""
+    out = np.empty(inputs[0].shape, dtype=f32)
+    kernel(*(_rows(x) for x in inputs), *params, out.reshape(-1, inputs[0].shape[-1]))
     return out
-
-
-def _gelu(x: np.ndarray) -> np.ndarray:
-    out = np.empty(x.shape, dtype=f32)
-    nn.gelu(_rows(x), out.reshape(-1, x.shape[-1]), _gelu_table())
-    return out
-
-
-def _gated(kernel: Callable, *extra: Callable[[], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """act(a) * b by a numba row kernel of nn.py (the activation and the product in one pass)."""
-    def glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        out = np.empty(a.shape, dtype=f32)
-        kernel(_rows(a), _rows(b), out.reshape(-1, a.shape[-1]), *(e() for e in extra))
-        return out
-    return glu
 
 
 # SiLU and GELU with ggml's rounding (nn.py); the others as numpy computes them
@@ -116,17 +93,17 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.TANH: np.tanh,
     UnaryOp.RELU: lambda x: np.maximum(x, f32(0)),
     UnaryOp.SIGMOID: lambda x: f32(1) / (f32(1) + np.exp(-x)),
-    UnaryOp.GELU: _gelu,
+    UnaryOp.GELU: lambda x: _by_rows(nn.gelu, x),
     UnaryOp.GELU_QUICK: lambda x: x / (f32(1) + np.exp(f32(-1.702) * x)),
-    UnaryOp.SILU: _silu,
+    UnaryOp.SILU: lambda x: _by_rows(nn.silu, x),
     UnaryOp.EXP: np.exp,
     UnaryOp.GELU_ERF: _gelu_erf,
 }
 
 GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     GluOp.REGLU: lambda a, b: np.maximum(a, f32(0)) * b,
-    GluOp.SWIGLU: _gated(nn.swiglu),
-    GluOp.GEGLU: _gated(nn.geglu, _gelu_table),
+    GluOp.SWIGLU: lambda a, b: _by_rows(nn.swiglu, a, b),  # the activation and the product in one pass
+    GluOp.GEGLU: lambda a, b: _by_rows(nn.geglu, a, b),
 }
 
 
@@ -147,10 +124,7 @@ def k_glu(node: Tensor) -> None:
 
 
 def k_rms_norm(node: Tensor) -> None:
-    x = values(node.src[0])
-    res = np.empty(x.shape, dtype=f32)
-    nn.rms_norm(_rows(x), node.get_op_params_f32(0), res.reshape(-1, x.shape[-1]))
-    tensor_view(node)[...] = res
+    tensor_view(node)[...] = _by_rows(nn.rms_norm, values(node.src[0]), params=(node.get_op_params_f32(0),))
 
 
 def k_norm(node: Tensor) -> None:

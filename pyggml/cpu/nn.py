@@ -17,6 +17,7 @@ that the results equal llama.cpp's bit for bit:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -97,8 +98,10 @@ def swiglu(a, g, out):
             out[r, i] = v / (f32(1.0) + f32(math.exp(-v))) * g[r, i]
 
 
+@functools.cache
 def gelu_table() -> np.ndarray:
-    """ggml_table_gelu_f16: GELU (tanh form, float32) of every half, rounded to a half."""
+    """ggml_table_gelu_f16: GELU (tanh form, float32) of every half, rounded to a half
+    (built once per process, as ggml does at start-up)."""
     x = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
     return _gelu_table(x)
 
@@ -144,13 +147,13 @@ def _gelu_rows(a, g, out, table, gated):
             out[r, i] = y * g[r, i] if gated else y
 
 
-def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray, table: np.ndarray) -> None:
+def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_geglu_f32 (rows of a, g and out are contiguous float32)."""
-    _gelu_rows(a, g, out, table, True)
+    _gelu_rows(a, g, out, gelu_table(), True)
 
 
-def gelu(a: np.ndarray, out: np.ndarray, table: np.ndarray) -> None:
-    _gelu_rows(a, a, out, table, False)
+def gelu(a: np.ndarray, out: np.ndarray) -> None:
+    _gelu_rows(a, a, out, gelu_table(), False)
 
 
 # -- RoPE --------------------------------------------------------------------------------------------
@@ -284,12 +287,5 @@ def attention(q, k, v, mask, scale, softcap, out):
                 for j in range(dv):
                     acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
         for j in range(dv):
-            out[t, h, j] = _reduce16_col(acc, j)
+            out[t, h, j] = reduce16(acc[:, j], 0)
 
-
-@_jit
-def _reduce16_col(acc, j):
-    t0, t1, t2, t3 = acc[8, j] + acc[0, j], acc[9, j] + acc[1, j], acc[10, j] + acc[2, j], acc[11, j] + acc[3, j]
-    t4, t5, t6, t7 = acc[12, j] + acc[4, j], acc[13, j] + acc[5, j], acc[14, j] + acc[6, j], acc[15, j] + acc[7, j]
-    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
-    return (u0 + u2) + (u1 + u3)

@@ -58,35 +58,23 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 # table so that the compiler cannot fold them away.
 
 @_jit
-def _int_q4(row, wq, wd, wm, f16, size, has_min, offset):
+def _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset):
+    """Q4_0/Q4_1 (four bits in nibbles) and Q5_0/Q5_1 (a fifth from the 32-bit qh): q - offset;
+    d (and m) per block.  Without a fifth bit the opaque zero is OR-ed in its place."""
     z = _zero(f16)
     one, zero = f16[15360], f16[0]
-    qs = 4 if has_min else 2
+    qs = (4 if has_min else 2) + (4 if five else 0)
+    shift = 4 if five else 0
     for b in range(wq.size // 32):
         p, o = b * size, b * 32
         wd[b] = _h(row, p, f16)
         if has_min:
             wm[b] = _h(row, p + 2, f16)
+        hi = _qh32(row, p + qs - 4) if five else z
         for j in range(16):
             q = _u(row, p + qs + j)
-            wq[o + j] = one * np.float32(((q & 15) | ((z >> j) & 1)) - offset) + zero
-            wq[o + 16 + j] = one * np.float32(((q >> 4) | ((z >> (j + 16)) & 1)) - offset) + zero
-
-
-@_jit
-def _int_q5(row, wq, wd, wm, f16, size, has_min, offset):
-    one, zero = f16[15360], f16[0]
-    qs = 8 if has_min else 6
-    for b in range(wq.size // 32):
-        p, o = b * size, b * 32
-        wd[b] = _h(row, p, f16)
-        if has_min:
-            wm[b] = _h(row, p + 2, f16)
-        qh = _qh32(row, qs - 4 + p)
-        for j in range(16):
-            q = _u(row, p + qs + j)
-            wq[o + j] = one * np.float32(((q & 15) | (((qh >> j) & 1) << 4)) - offset) + zero
-            wq[o + 16 + j] = one * np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - offset) + zero
+            wq[o + j] = one * np.float32(((q & 15) | (((hi >> j) & 1) << shift)) - offset) + zero
+            wq[o + 16 + j] = one * np.float32(((q >> 4) | (((hi >> (j + 16)) & 1) << shift)) - offset) + zero
 
 
 @_jit
@@ -145,13 +133,13 @@ def _int_q6_k(row, wq, wd, wsc, f16):
 @_jit
 def unpack(kind, row, wq, wd, wm, wmin, f16):
     if kind == 0:
-        _int_q4(row, wq, wd, wm, f16, 18, False, 8)
+        _int_nibbles(row, wq, wd, wm, f16, 18, False, False, 8)
     elif kind == 1:
-        _int_q4(row, wq, wd, wm, f16, 20, True, 0)
+        _int_nibbles(row, wq, wd, wm, f16, 20, True, False, 0)
     elif kind == 2:
-        _int_q5(row, wq, wd, wm, f16, 22, False, 16)
+        _int_nibbles(row, wq, wd, wm, f16, 22, False, True, 16)
     elif kind == 3:
-        _int_q5(row, wq, wd, wm, f16, 24, True, 0)
+        _int_nibbles(row, wq, wd, wm, f16, 24, True, True, 0)
     elif kind == 4:
         _int_q8_0(row, wq, wd, f16)
     elif kind == 5 or kind == Q4_K_X8:

@@ -38,6 +38,50 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
+def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
+    """IR of ``len(s_rows)`` independent 8-lane chains over the same activation scales:
+    ``acc_r[0:8] = fma(wd_r[b] * yd[b], S_r[8b:8b+8], acc_r)`` for b < nb; each then ``hsum8``."""
+    f32t, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    v8 = ir.VectorType(f32t, 8)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
+    zero = ir.Constant(v8, [0.0] * 8)
+    pre = builder.basic_block
+    loop = builder.append_basic_block("lanes.loop")
+    done = builder.append_basic_block("lanes.done")
+    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    b = builder.phi(i64)
+    accs = [builder.phi(v8) for _ in s_rows]  # phis first in the block
+    b.add_incoming(ir.Constant(i64, 0), pre)
+    for acc in accs:
+        acc.add_incoming(zero, pre)
+    y = builder.load(builder.gep(yd_ptr, [b]))
+    nexts = []
+    for s_ptr, wd_ptr, acc in zip(s_rows, wd_rows, accs):
+        scale = builder.fmul(builder.load(builder.gep(wd_ptr, [b])), y)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), scale, ir.Constant(i32, 0)),
+                                       ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
+                             align=4)
+        nexts.append(builder.call(fma, [splat, lanes, acc]))
+    b_next = builder.add(b, ir.Constant(i64, 1))
+    b.add_incoming(b_next, loop)
+    for acc, nacc in zip(accs, nexts):
+        acc.add_incoming(nacc, loop)
+    builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+    builder.position_at_end(done)
+    results = [builder.phi(v8) for _ in nexts]
+    for res, nacc in zip(results, nexts):
+        res.add_incoming(zero, pre)
+        res.add_incoming(nacc, loop)
+    sums = []
+    for res in results:
+        e = [builder.extract_element(res, ir.Constant(i32, i)) for i in range(8)]
+        sums.append(builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),  # hsum8's order
+                                 builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7]))))
+    return sums
+
+
 @intrinsic
 def lane_chain8(typingctx, S, wd, yd, nb):
     """The 8-lane accumulation of ggml's quantized dot products, as one vector loop:
@@ -48,39 +92,9 @@ def lane_chain8(typingctx, S, wd, yd, nb):
     sig = types.float32(S, wd, yd, types.intp)
 
     def codegen(context, builder, signature, args):
-        f32t, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-        v8 = ir.VectorType(f32t, 8)
         s_ptr, wd_ptr, yd_ptr = (context.make_array(t)(context, builder, a).data
                                  for t, a in zip(signature.args[:3], args[:3]))
-        nb = args[3]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
-        zero = ir.Constant(v8, [0.0] * 8)
-        pre = builder.basic_block
-        loop = builder.append_basic_block("lanes.loop")
-        done = builder.append_basic_block("lanes.done")
-        builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        b, acc = builder.phi(i64), builder.phi(v8)
-        b.add_incoming(ir.Constant(i64, 0), pre)
-        acc.add_incoming(zero, pre)
-        scale = builder.fmul(builder.load(builder.gep(wd_ptr, [b])), builder.load(builder.gep(yd_ptr, [b])))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), scale, ir.Constant(i32, 0)),
-                                       ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-        lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
-                             align=4)
-        nacc = builder.call(fma, [splat, lanes, acc])
-        b_next = builder.add(b, ir.Constant(i64, 1))
-        b.add_incoming(b_next, loop)
-        acc.add_incoming(nacc, loop)
-        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
-        builder.position_at_end(done)
-        res = builder.phi(v8)
-        res.add_incoming(zero, pre)
-        res.add_incoming(nacc, loop)
-        e = [builder.extract_element(res, ir.Constant(i32, i)) for i in range(8)]
-        # hsum8's order
-        return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
-                            builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
+        return _lane_chains(context, builder, [s_ptr], [wd_ptr], yd_ptr, args[3])[0]
     return sig, codegen
 
 
@@ -91,50 +105,12 @@ def lane_chain8x2(typingctx, S, wd, yd, nb):
     sig = types.UniTuple(types.float32, 2)(S, wd, yd, types.intp)
 
     def codegen(context, builder, signature, args):
-        f32t, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-        v8 = ir.VectorType(f32t, 8)
         s_arr = context.make_array(signature.args[0])(context, builder, args[0])
         wd_arr = context.make_array(signature.args[1])(context, builder, args[1])
         yd_ptr = context.make_array(signature.args[2])(context, builder, args[2]).data
         s_rows = [s_arr.data, builder.gep(s_arr.data, [builder.extract_value(s_arr.shape, 1)])]
         wd_rows = [wd_arr.data, builder.gep(wd_arr.data, [builder.extract_value(wd_arr.shape, 1)])]
-        nb = args[3]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
-        zero = ir.Constant(v8, [0.0] * 8)
-        pre = builder.basic_block
-        loop = builder.append_basic_block("lanes2.loop")
-        done = builder.append_basic_block("lanes2.done")
-        builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        b.add_incoming(ir.Constant(i64, 0), pre)
-        accs = [builder.phi(v8) for _ in range(2)]  # phis first in the block
-        for acc in accs:
-            acc.add_incoming(zero, pre)
-        y = builder.load(builder.gep(yd_ptr, [b]))
-        nexts = []
-        for r, acc in enumerate(accs):
-            scale = builder.fmul(builder.load(builder.gep(wd_rows[r], [b])), y)
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), scale, ir.Constant(i32, 0)),
-                                           ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-            lanes = builder.load(builder.bitcast(builder.gep(s_rows[r], [builder.mul(b, ir.Constant(i64, 8))]),
-                                                 v8.as_pointer()), align=4)
-            nexts.append(builder.call(fma, [splat, lanes, acc]))
-        b_next = builder.add(b, ir.Constant(i64, 1))
-        b.add_incoming(b_next, loop)
-        for acc, nacc in zip(accs, nexts):
-            acc.add_incoming(nacc, loop)
-        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
-        builder.position_at_end(done)
-        results = [builder.phi(v8) for _ in nexts]
-        for res, nacc in zip(results, nexts):
-            res.add_incoming(zero, pre)
-            res.add_incoming(nacc, loop)
-        sums = []
-        for res in results:
-            e = [builder.extract_element(res, ir.Constant(i32, i)) for i in range(8)]
-            sums.append(builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
-                                     builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7]))))
+        sums = _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, args[3])
         return context.make_tuple(builder, signature.return_type, sums)
     return sig, codegen
 
