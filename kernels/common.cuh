@@ -62,10 +62,31 @@ HD float half_to_float(u16 h) {
 #endif
 }
 
-static __device__ __forceinline__ u16 float_to_half(float f) {
+HD u16 float_to_half(float f) {
+#ifdef __CUDA_ARCH__
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else  // host builds (tests, the CPU emulator of the kernels): round to nearest even by hand
+    union { float f; u32 u; } v;
+    v.f = f;
+    const u32 sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (u16)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));  // inf, nan
+    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // 65520 and up round to infinity
+    u32 m, shift;
+    if (a >= 0x38800000u) {  // a normal half: rebias the exponent, keep 10 of 23 mantissa bits
+        m = a - 0x38000000u;
+        shift = 13;
+    } else {  // a subnormal half (or zero): the value in units of 2^-24
+        m = (a & 0x7fffffu) | 0x800000u;
+        shift = 126 - (a >> 23);
+        if (shift > 24) return (u16)sign;
+    }
+    u32 h = m >> shift;
+    const u32 rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1))) ++h;  // a carry into the exponent is still right
+    return (u16)(sign | h);
+#endif
 }
 
 HD float load_f16(const u8 *p) {

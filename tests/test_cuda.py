@@ -1,12 +1,14 @@
 """The CUDA backend against the CPU backend, op by op and weight type by weight type, and on
 the real models (normalized mean squared error thresholds, like ggml's test-backend-ops).
 
-These need CuPy (``pip install -e .[cuda]``) and a GPU; elsewhere they skip and say so.
+These need CuPy (``pip install -e .[cuda]``) and a GPU; elsewhere they skip and say so, and
+tests/test_cuda_emulated.py runs them on the CUDA emulator instead (tests/cuda/).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from pyggml.models import Context
 
 import pyggml as pg
 from pyggml import ops
@@ -123,15 +125,27 @@ def test_flash_attention_over_an_f16_cache():
              "v": f32(kv_heads, n_kv, d).astype(np.float16), "m": mask}, limit=1e-5)
 
 
+def test_out_of_memory_names_the_device_the_request_and_the_free_memory():
+    _, total = GPUS[0].get_memory()
+    with pytest.raises(MemoryError, match=r"CUDA0: out of memory allocating [\d.]+ MiB \([\d.]+ MiB free of"):
+        GPUS[0].get_buffer_type().alloc_buffer(total + (1 << 30))
+
+
 @pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
 def test_real_model_logits_match_the_cpu(alias):
+    """The GPU's logits may differ from the CPU's as much as the CPU's own differ between batch
+    sizes (llama.cpp's CPU kernels, which the CPU backend reproduces, round differently for one
+    token than for twelve; both round activations to 8 bits, as the GPU does to q8_1): the
+    limit is a small multiple of that spread, measured here, and greedy tokens must agree."""
     cpu_model = shared_model(alias)
     ids = cpu_model.tokenize("The capital of France is Paris. The capital of Italy is")
     want = cpu_model.logits(ids)
+    one_by_one = Context(cpu_model.model, n_ctx=64)
+    cpu_spread = nmse(np.stack([one_by_one.decode([t])[-1] for t in ids]), want)
     with pg.Model(alias, n_ctx=256, ngl="all", progress=False) as gpu_model:
         assert gpu_model.model.layer_device(0).get_name() == "CUDA0"
         got = gpu_model.logits(ids)
         greedy = list(gpu_model.generate(ids, max_tokens=8, temperature=0))
-    assert nmse(got, want) < 1e-3
+    assert nmse(got, want) < 3 * cpu_spread, (nmse(got, want), cpu_spread)
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
     assert greedy[:4] == list(cpu_model.generate(ids, max_tokens=4, temperature=0))

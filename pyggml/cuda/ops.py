@@ -145,7 +145,7 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
                attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
                freq_factors: np.ndarray | None, xp=np) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every rotation angle, [n_tokens, n_dims/2] (ggml's rope_yarn), computed
-    in float64 on the GPU (``xp`` = cupy; numpy in tests/test_cuda_ops_on_cpu.py).  The CPU
+    in float64 on the GPU (``xp`` = cupy).  The CPU
     backend reproduces ggml's float32 steps instead (pyggml/cpu/nn.py)."""
     i = xp.arange(n_dims // 2, dtype=xp.float64)
     theta_extrap = pos.astype(xp.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)

@@ -1,0 +1,271 @@
+"""A stand-in for the ``cupy`` package on machines without a GPU: numpy arrays in "device"
+memory, and ``RawModule`` kernels run by the CUDA emulator (tests/cuda/emulator.py).
+
+Put ``tests/cuda/fake`` first on ``PYTHONPATH`` and pyggml's CUDA backend runs unmodified
+(``pyggml.devices()`` lists one emulated GPU, "CUDA0"); tests/test_cuda_emulated.py runs the
+GPU tests so.  It covers the part of CuPy that pyggml and bench/gpu.py use, and keeps CuPy's
+rules where breaking them would pass here and fail on a GPU:
+
+- a kernel takes device arrays only (a numpy array is a TypeError, as in CuPy), and
+  arguments of another size than the kernel's parameters are refused (the emulator);
+- device arrays do not mix with numpy arrays in arithmetic (TypeError, as in CuPy);
+- every allocation ends at a guard page (``cuda.alloc``, ``empty`` ...): a kernel that reads
+  or writes past it raises instead of reading garbage;
+- allocations count against a fixed memory size (``PYGGML_FAKE_GPU_MEMORY``, bytes; 16 GiB by
+  default), and running out raises ``cuda.memory.OutOfMemoryError``.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import numpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from tests.cuda import emulator
+
+__version__ = "0.0+emulated"
+PAGE = mmap.PAGESIZE
+TOTAL_MEMORY = int(os.environ.get("PYGGML_FAKE_GPU_MEMORY", str(16 << 30)))
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_allocated = 0
+
+for _name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+              "uint64", "bool_", "dtype", "newaxis", "pi", "inf", "nan"):
+    globals()[_name] = getattr(numpy, _name)
+
+
+class _Memory:
+    """One allocation: ``size`` bytes, 256-byte aligned, ending where a PROT_NONE page starts."""
+
+    def __init__(self, size: int) -> None:
+        global _allocated
+        rounded = -(-(size or 1) // 256) * 256  # (max, min, sum, abs are CuPy's here)
+        if _allocated + rounded > TOTAL_MEMORY:
+            raise cuda.memory.OutOfMemoryError(size, TOTAL_MEMORY - _allocated)
+        span = -(-rounded // PAGE) * PAGE
+        self.map = mmap.mmap(-1, span + PAGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        if _libc.mprotect(base + span, PAGE, 0) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed")
+        self.start, self.size, self.rounded = span - rounded, size, rounded
+        self.ptr = base + self.start
+        _allocated += rounded
+
+    def __del__(self) -> None:
+        global _allocated
+        if _allocated is not None:  # None at interpreter exit
+            _allocated -= getattr(self, "rounded", 0)
+
+
+class MemoryPointer:
+    def __init__(self, mem: _Memory, offset: int = 0) -> None:
+        self.mem, self.offset = mem, offset
+
+    def __add__(self, n: int) -> MemoryPointer:
+        return MemoryPointer(self.mem, self.offset + int(n))
+
+    @property
+    def ptr(self) -> int:
+        return self.mem.ptr + self.offset
+
+
+def _plain(x) -> bool:
+    return isinstance(x, numpy.ndarray) and not isinstance(x, ndarray) and x.ndim > 0
+
+
+class ndarray(numpy.ndarray):  # CuPy's name
+    """A device array: a numpy array over emulated device memory."""
+
+    def __new__(cls, shape, dtype=float, memptr: MemoryPointer | None = None, strides=None, order="C"):
+        if memptr is None:
+            n = int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize
+            memptr = MemoryPointer(_Memory(n))
+        buf = memoryview(memptr.mem.map)[memptr.mem.start:memptr.mem.start + memptr.mem.size]
+        arr = numpy.ndarray.__new__(cls, shape, dtype, buffer=buf, offset=memptr.offset, strides=strides,
+                                    order=order)
+        arr._memptr = memptr  # keeps the allocation alive
+        return arr
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(_plain(x) for x in (*inputs, *kwargs.get("out", ()))):
+            raise TypeError(f"Unsupported type {numpy.ndarray} (a numpy array mixed with CuPy arrays in {ufunc.__name__})")
+        args = [x.view(numpy.ndarray) if isinstance(x, ndarray) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(x.view(numpy.ndarray) if isinstance(x, ndarray) else x for x in kwargs["out"])
+        result = getattr(ufunc, method)(*args, **kwargs)
+        return _wrap(result)
+
+    def get(self) -> numpy.ndarray:
+        return numpy.array(self.view(numpy.ndarray))
+
+    def set(self, arr) -> None:
+        if isinstance(arr, ndarray):
+            raise TypeError("set() takes a numpy array")
+        self.view(numpy.ndarray)[...] = numpy.asarray(arr).reshape(self.shape)
+
+
+def _device_copy(x) -> ndarray:
+    x = numpy.asarray(x)
+    out = ndarray(x.shape, x.dtype)
+    out.view(numpy.ndarray)[...] = x
+    return out
+
+
+def _wrap(result):
+    """numpy's result as device arrays (copied into guarded device memory when new)."""
+    if isinstance(result, tuple):
+        return tuple(_wrap(r) for r in result)
+    if isinstance(result, ndarray) or not isinstance(result, numpy.ndarray):
+        return result
+    return _device_copy(result)
+
+
+def _device_function(name: str):
+    fn = getattr(numpy, name)
+
+    def call(*args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            seq = a if isinstance(a, (list, tuple)) else (a,)
+            if any(_plain(x) for x in seq):
+                raise TypeError(f"Unsupported type {numpy.ndarray} passed to cupy.{name}")
+        return _wrap(fn(*args, **kwargs))
+    call.__name__ = name
+    return call
+
+
+for _name in ("matmul", "tile", "concatenate", "stack", "where", "clip", "mean", "sum", "max", "min", "argmax",
+              "exp", "tanh", "sqrt", "reciprocal", "abs", "maximum", "minimum", "cos", "sin", "log", "add",
+              "subtract", "multiply", "divide", "negative", "square", "arange", "full", "ones", "zeros_like",
+              "ones_like", "isfinite", "allclose", "array_equal", "float_power", "power", "floor", "ceil"):
+    globals()[_name] = _device_function(_name)
+
+
+def empty(shape, dtype=float, order="C") -> ndarray:
+    return ndarray(shape if isinstance(shape, tuple) else (shape,), dtype)
+
+
+def zeros(shape, dtype=float, order="C") -> ndarray:
+    out = empty(shape, dtype)
+    out.view(numpy.ndarray)[...] = 0
+    return out
+
+
+def empty_like(a, dtype=None) -> ndarray:
+    return empty(a.shape, dtype or a.dtype)
+
+
+def asarray(a, dtype=None) -> ndarray:
+    if isinstance(a, ndarray) and (dtype is None or numpy.dtype(dtype) == a.dtype):
+        return a
+    return _device_copy(numpy.asarray(a.view(numpy.ndarray) if isinstance(a, ndarray) else a, dtype=dtype))
+
+
+array = asarray
+
+
+def ascontiguousarray(a, dtype=None) -> ndarray:
+    if not isinstance(a, ndarray):
+        raise TypeError(f"Unsupported type {type(a)} passed to cupy.ascontiguousarray")
+    if a.flags.c_contiguous and (dtype is None or numpy.dtype(dtype) == a.dtype):
+        return a
+    return _device_copy(numpy.ascontiguousarray(a.view(numpy.ndarray), dtype=dtype))
+
+
+def asnumpy(a) -> numpy.ndarray:
+    return a.get() if isinstance(a, ndarray) else numpy.asarray(a)
+
+
+class RawModule:
+    """Kernels from CUDA source text, compiled (once per text) for the emulator.  ``options``
+    are read for ``-I`` include directories, as NVRTC reads them."""
+
+    def __init__(self, code: str, options=(), name_expressions=None, **_) -> None:
+        self.code, self.options, self._module = code, tuple(options), None
+
+    def compile(self, *_) -> None:
+        if self._module is None:
+            includes = [o[2:] for o in self.options if o.startswith("-I")]
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp) / "source.cu"
+                src.write_text(self.code)
+                try:
+                    self._module = emulator.Module(str(src), include_dirs=includes, device_array=ndarray)
+                except emulator.BuildError as e:
+                    log = re.sub(r"source\.cu:(\d+):\d+:", r"source.cu(\1):", str(e))  # NVRTC's "file(line):"
+                    raise cuda.compiler.CompileException(log) from None
+
+    def get_function(self, name: str):
+        self.compile()
+        return self._module.get_function(name)
+
+
+# -- cupy.cuda ---------------------------------------------------------------------------------
+
+class _OutOfMemoryError(MemoryError):
+    def __init__(self, size: int, free: int) -> None:
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {TOTAL_MEMORY - free:,} bytes).")
+
+
+class _CompileException(Exception):
+    pass
+
+
+class _CUDARuntimeError(RuntimeError):
+    pass
+
+
+class Device:
+    def __init__(self, index: int = 0) -> None:
+        if not 0 <= int(index) < 1:
+            raise _CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+        self.id = int(index)
+
+    def __enter__(self) -> Device:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Event:
+    """Host time stands in for GPU time: launches finish before they return here."""
+
+    def record(self, stream=None) -> None:
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _elapsed_ms(start: Event, stop: Event) -> float:
+    return (stop.t - start.t) * 1000
+
+
+def _properties(index: int) -> dict:
+    Device(index)
+    return {"name": b"pyggml CUDA emulator", "totalGlobalMem": TOTAL_MEMORY, "major": 9, "minor": 0}
+
+
+cuda = types.SimpleNamespace(
+    alloc=lambda size: MemoryPointer(_Memory(size)),
+    Device=Device,
+    Event=Event,
+    get_elapsed_time=_elapsed_ms,
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=_properties,
+                                  memGetInfo=lambda: (TOTAL_MEMORY - _allocated, TOTAL_MEMORY),
+                                  CUDARuntimeError=_CUDARuntimeError),
+    memory=types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError, MemoryPointer=MemoryPointer),
+    compiler=types.SimpleNamespace(CompileException=_CompileException),
+)
