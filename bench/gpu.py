@@ -4,6 +4,8 @@ end-to-end prompt / generation speed of llama-shaped models this script writes i
     python bench/gpu.py                       # kernels + models of ~1B and ~8B parameters
     python bench/gpu.py --sizes 1b --no-kernels
     python bench/gpu.py --device CPU --sizes tiny   # checks the model writer and loader without a GPU
+    PYTHONPATH=tests/cuda/fake python bench/gpu.py --sizes tiny --kernel-shapes 64x512 --iters 2 --copy-mib 8
+                                                    # the whole script on the CUDA emulator (figures meaningless)
 
 No model can be carried to the GPU machine, so the models are written here with the gguf
 package: random weights in Q4_K (attention, FFN), Q6_K (output head) and Q8_0 (embedding),
@@ -29,7 +31,7 @@ SIZES = {  # n_embd, n_layer, n_ff, n_head, n_head_kv, n_vocab
     "1b": (2048, 16, 8192, 32, 8, 32000),
     "8b": (4096, 32, 14336, 32, 8, 128256),
 }
-KERNEL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (rows M, columns K)
+KERNEL_SHAPES = "4096x4096,14336x4096,4096x14336"  # rows M x columns K
 KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -44,9 +46,9 @@ def random_blocks(qtype: pg.Type, rows: int, cols: int, rng: np.random.Generator
 
 # -- kernels ---------------------------------------------------------------------------------------
 
-def copy_bandwidth(cp) -> float:
+def copy_bandwidth(cp, mib: int = 1024) -> float:
     """Device-to-device copy GB/s (bytes read + written), the ceiling for a streaming kernel."""
-    a = cp.zeros(1 << 30, dtype=cp.uint8)
+    a = cp.zeros(mib << 20, dtype=cp.uint8)
     b = cp.empty_like(a)
     b[...] = a
     start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -59,13 +61,13 @@ def copy_bandwidth(cp) -> float:
     return 2 * a.nbytes / seconds / 1e9
 
 
-def bench_kernels(cp, bandwidth: float) -> list[tuple]:
+def bench_kernels(cp, bandwidth: float, shapes: list[tuple[int, int]], n: int = 50) -> list[tuple]:
     from pyggml.cuda.ops import mul_mat_vec_q
     rng = np.random.default_rng(0)
     rows = []
     for name in KERNEL_TYPES:
         qtype = pg.Type[name]
-        for m, k in KERNEL_SHAPES:
+        for m, k in shapes:
             w = cp.asarray(random_blocks(qtype, m, k, rng))
             x = cp.asarray(rng.standard_normal((1, k), dtype=np.float32))
             out = cp.empty((1, m), dtype=cp.float32)
@@ -73,7 +75,6 @@ def bench_kernels(cp, bandwidth: float) -> list[tuple]:
                 mul_mat_vec_q(w, qtype, x, out)
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
-            n = 50
             for _ in range(n):
                 mul_mat_vec_q(w, qtype, x, out)
             stop.record()
@@ -162,6 +163,9 @@ def main() -> None:
     ap.add_argument("--device", default="CUDA0")
     ap.add_argument("--sizes", default="1b,8b", help=f"comma-separated: {', '.join(SIZES)}")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--kernel-shapes", default=KERNEL_SHAPES, help="matrix-vector shapes, MxK,...")
+    ap.add_argument("--iters", type=int, default=50, help="timed launches per kernel shape")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temporary directory)")
@@ -169,10 +173,12 @@ def main() -> None:
 
     if args.device.upper().startswith("CUDA") and not args.no_kernels:
         import cupy as cp
-        bandwidth = copy_bandwidth(cp)
-        print(f"device copy bandwidth: {bandwidth:.0f} GB/s ({cp.cuda.runtime.getDeviceProperties(0)['name']})")
+        bandwidth = copy_bandwidth(cp, args.copy_mib)
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.kernel_shapes.split(",")]
+        from pyggml.cuda import cuda_devices
+        print(f"device copy bandwidth: {bandwidth:.0f} GB/s ({cuda_devices()[0].get_description()})")
         print(f"{'type':<6}{'M':>7}{'K':>7}{'us':>9}{'GB/s':>9}{'of copy':>9}")
-        for name, m, k, us, gbs, frac in bench_kernels(cp, bandwidth):
+        for name, m, k, us, gbs, frac in bench_kernels(cp, bandwidth, shapes, args.iters):
             print(f"{name:<6}{m:>7}{k:>7}{us:>9.1f}{gbs:>9.0f}{frac:>9.0%}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in filter(None, args.sizes.split(",")):

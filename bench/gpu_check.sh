@@ -5,17 +5,29 @@
 # pyzmq, lz4) comes from .gpu-deps/, made beforehand by bench/gpu_deps.sh and carried along.
 # pyggml itself is installed from this tree (--no-deps, no build isolation: offline).
 # Budget: under 8 minutes on an H200 (the 8B model is skipped with QUICK=1).
+# Knobs for a rehearsal on the CUDA emulator (tests/test_bench.py does one): SIZES (models,
+# default 1b,8b), TEST_SELECT (pytest -k), BENCH_ARGS (more bench/gpu.py options).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYGGML_PYTHON:-python3}"
-[ -d .gpu-deps/site ] && export PYTHONPATH="$PWD/.gpu-deps/site${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || echo "gpu_check: pip install -e . failed; trying the tree as it is" >&2
+# .gpu-deps holds compiled wheels for one Python version (bench/gpu_deps.sh records it)
+py_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ -d .gpu-deps/site ]; then
+  if [ "$(cat .gpu-deps/python-version 2>/dev/null || echo 3.12)" = "$py_version" ]; then
+    export PYTHONPATH="$PWD/.gpu-deps/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: .gpu-deps is for Python $(cat .gpu-deps/python-version 2>/dev/null || echo 3.12), $PY is $py_version: not used" >&2
+  fi
+fi
+if ! "$PY" -c "import pathlib, sys, pyggml; sys.exit(pathlib.Path(pyggml.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || echo "gpu_check: pip install -e . failed; trying the tree as it is" >&2
+fi
 out="${OUT:-/tmp}/gpu_check"
 mkdir -p "$out"
 
 echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not available"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
 if ! "$PY" -c "import cupy, numpy, gguf, zmq, lz4, click, numba, pyggml.models; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
   echo "gpu_check: $PY cannot import CuPy, pyggml or its dependencies (run bench/gpu_deps.sh here and carry .gpu-deps)" >&2
   exit 2
@@ -24,6 +36,7 @@ fi
 echo "== GPU tests (models are tested only where ~/.cache/pyggml holds them: no downloads here)"
 select="not real_model"
 ls ~/.cache/pyggml/models/*.gguf >/dev/null 2>&1 && select=""
+select="${TEST_SELECT-$select}"
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_kernels.py ${select:+-k "$select"} \
   2>&1 | tee "$out/tests.txt" | tail -25
 tests_rc=${PIPESTATUS[0]}
@@ -31,7 +44,9 @@ tests_rc=${PIPESTATUS[0]}
 echo "== bench/gpu.py"
 sizes="1b,8b"
 [ "${QUICK:-0}" = "1" ] && sizes="1b"
-timeout 330 "$PY" bench/gpu.py --sizes "$sizes" --dir "${TMPDIR:-/tmp}" 2>&1 | tee "$out/bench.txt"
+sizes="${SIZES:-$sizes}"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+timeout 330 "$PY" bench/gpu.py --sizes "$sizes" --dir "${TMPDIR:-/tmp}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== summary"

@@ -14,4 +14,5 @@ for w in .gpu-deps/wheels/*.whl; do
   python3 -m zipfile -e "$w" .gpu-deps/site
 done
 rm -rf .gpu-deps/wheels
+echo "$PY_VERSION" > .gpu-deps/python-version
 du -sh .gpu-deps

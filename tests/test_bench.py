@@ -1,19 +1,25 @@
 """The benchmark scripts still run (they print figures; here only that they work end to end).
 
 bench/gpu.py and bench/gpu_check.sh run on a lent GPU machine, where minutes are scarce:
-their model writer and loader are exercised here on the CPU, and the shell script is parsed.
+their model writer and loader are exercised here on the CPU, and the whole of gpu_check.sh is
+rehearsed on the CUDA emulator (tests/cuda/; small shapes, figures meaningless).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from .cuda import emulator
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 def test_gpu_bench_model_writer_and_loader_on_the_cpu():
@@ -26,6 +32,22 @@ def test_gpu_check_script_parses():
     for script in ("bench/gpu_check.sh", "bench/gpu_deps.sh"):
         r = run("bash", "-n", script)
         assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(not emulator.available, reason="no C++ compiler for the CUDA emulator")
+def test_gpu_check_rehearsed_on_the_emulated_gpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYGGML_NO_CUDA"}
+    env.update(PYGGML_PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(tmp_path), SIZES="tiny",
+               TEST_SELECT="not real_model", BENCH_ARGS="--kernel-shapes 64x512 --iters 2 --copy-mib 8 --prompt 40 --gen 4",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "cuda" / "fake"), env.get("PYTHONPATH")])))
+    r = run("bash", "bench/gpu_check.sh", timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    summary = r.stdout[r.stdout.index("== summary"):]
+    assert "passed" in summary and "failed" not in summary, summary
+    assert "device copy bandwidth" in summary and "(pyggml CUDA emulator)" in summary
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        assert f"{name} " in summary and "of copy bandwidth" in summary, summary
+    assert "llama tiny" in summary and "on CUDA0" in summary and "tests exit 0, bench exit 0" in summary
 
 
 def test_rpc_bench_runs():

@@ -100,16 +100,23 @@ class ndarray(numpy.ndarray):  # CuPy's name
         args = [x.view(numpy.ndarray) if isinstance(x, ndarray) else x for x in inputs]
         if "out" in kwargs:
             kwargs["out"] = tuple(x.view(numpy.ndarray) if isinstance(x, ndarray) else x for x in kwargs["out"])
-        result = getattr(ufunc, method)(*args, **kwargs)
+        with numpy.errstate(all="ignore"):  # a GPU does not warn about overflow or NaN
+            result = getattr(ufunc, method)(*args, **kwargs)
         return _wrap(result)
 
     def get(self) -> numpy.ndarray:
         return numpy.array(self.view(numpy.ndarray))
 
-    def set(self, arr) -> None:
-        if isinstance(arr, ndarray):
-            raise TypeError("set() takes a numpy array")
-        self.view(numpy.ndarray)[...] = numpy.asarray(arr).reshape(self.shape)
+    def set(self, arr) -> None:  # as strict as CuPy's
+        if not isinstance(arr, numpy.ndarray) or isinstance(arr, ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not self.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        self.view(numpy.ndarray)[...] = arr
 
 
 def _device_copy(x) -> ndarray:
@@ -136,7 +143,8 @@ def _device_function(name: str):
             seq = a if isinstance(a, (list, tuple)) else (a,)
             if any(_plain(x) for x in seq):
                 raise TypeError(f"Unsupported type {numpy.ndarray} passed to cupy.{name}")
-        return _wrap(fn(*args, **kwargs))
+        with numpy.errstate(all="ignore"):
+            return _wrap(fn(*args, **kwargs))
     call.__name__ = name
     return call
 
