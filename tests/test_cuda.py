@@ -6,6 +6,8 @@ tests/test_cuda_emulated.py runs them on the CUDA emulator instead (tests/cuda/)
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from pyggml.models import Context
@@ -15,6 +17,7 @@ from pyggml import ops
 from pyggml.cuda import cuda_devices
 
 from .conftest import shared_model
+from .rpc_helpers import ServerProcess
 from .test_cuda_kernels import WEIGHT_TYPES, random_weights
 
 GPUS = cuda_devices()
@@ -131,21 +134,52 @@ def test_out_of_memory_names_the_device_the_request_and_the_free_memory():
         GPUS[0].get_buffer_type().alloc_buffer(total + (1 << 30))
 
 
-@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
-def test_real_model_logits_match_the_cpu(alias):
-    """The GPU's logits may differ from the CPU's as much as the CPU's own differ between batch
-    sizes (llama.cpp's CPU kernels, which the CPU backend reproduces, round differently for one
-    token than for twelve; both round activations to 8 bits, as the GPU does to q8_1): the
-    limit is a small multiple of that spread, measured here, and greedy tokens must agree."""
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+@functools.cache
+def cpu_reference(alias: str) -> tuple[list[int], np.ndarray, float]:
+    """The prompt's tokens, the CPU's logits, and the CPU's own spread: the NMSE between its
+    logits for the whole prompt and for the same tokens one at a time (llama.cpp's CPU kernels,
+    which the CPU backend reproduces, round differently for one token than for twelve; both
+    round activations to 8 bits, as the GPU does to q8_1)."""
     cpu_model = shared_model(alias)
-    ids = cpu_model.tokenize("The capital of France is Paris. The capital of Italy is")
+    ids = cpu_model.tokenize(PROMPT)
     want = cpu_model.logits(ids)
     one_by_one = Context(cpu_model.model, n_ctx=64)
-    cpu_spread = nmse(np.stack([one_by_one.decode([t])[-1] for t in ids]), want)
-    with pg.Model(alias, n_ctx=256, ngl="all", progress=False) as gpu_model:
-        assert gpu_model.model.layer_device(0).get_name() == "CUDA0"
-        got = gpu_model.logits(ids)
-        greedy = list(gpu_model.generate(ids, max_tokens=8, temperature=0))
-    assert nmse(got, want) < 3 * cpu_spread, (nmse(got, want), cpu_spread)
+    spread = nmse(np.stack([one_by_one.decode([t])[-1] for t in ids]), want)
+    one_by_one.free()
+    return ids, want, spread
+
+
+def assert_close_to_the_cpu(alias: str, got: np.ndarray) -> None:
+    """The GPU may differ from the CPU by a small multiple of the CPU's own spread."""
+    _, want, spread = cpu_reference(alias)
+    assert nmse(got, want) < 3 * spread, (nmse(got, want), spread)
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
-    assert greedy[:4] == list(cpu_model.generate(ids, max_tokens=4, temperature=0))
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_real_model_logits_match_the_cpu(alias):
+    ids, _, _ = cpu_reference(alias)
+    with pg.Model(alias, n_ctx=256, ngl="all", progress=False) as gpu_model:
+        got = gpu_model.logits(ids)
+        sched = gpu_model.context.sched  # -ngl all: every op of the graph ran on the GPU, none fell back
+        assert [sched.backends[s.backend_id].get_name() for s in sched.splits] == ["CUDA0"]
+        greedy = list(gpu_model.generate(ids, max_tokens=8, temperature=0))
+    assert_close_to_the_cpu(alias, got)
+    assert greedy[:4] == list(shared_model(alias).generate(ids, max_tokens=4, temperature=0))
+
+
+def test_real_model_through_an_rpc_server_that_lends_the_gpu():
+    """pyggml-rpc-server --device CUDA0 in a process of its own; the client runs SmolLM2 on it."""
+    ids, _, _ = cpu_reference("smollm2")
+    server = ServerProcess("--device", "CUDA0")
+    try:
+        assert "CUDA0" in server.banner[1], server.banner
+        with pg.Model("smollm2", n_ctx=256, rpc=server.endpoint, ngl="0:all", progress=False) as remote:
+            assert remote.model.layer_device(0).get_name() == f"RPC[{server.endpoint}]"
+            got = remote.logits(ids)
+    finally:
+        server.stop()
+    assert_close_to_the_cpu("smollm2", got)
