@@ -10,8 +10,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-// the format decoders run on the host too: a test compiles them into a host library and checks
-// them against pyggml's CPU formats, which no GPU is needed for
+// host and device: the CUDA emulator (tests/cuda/) builds the kernels as host C++
 #define HD static __host__ __device__ __forceinline__
 
 #define WARP_SIZE 32
@@ -34,8 +33,6 @@ static __device__ __forceinline__ float warp_reduce_max(float x) {
     return x;
 }
 
-// little-endian loads from byte addresses without alignment assumptions (blocks are 18, 20,
-// 22 ... bytes long, so their fields are only 2-byte aligned)
 HD float half_to_float(u16 h) {
 #ifdef __CUDA_ARCH__
     float f;
@@ -89,12 +86,25 @@ HD u16 float_to_half(float f) {
 #endif
 }
 
-HD float load_f16(const u8 *p) {
-    return half_to_float((u16)p[0] | ((u16)p[1] << 8));
+// Loads of little-endian fields.  Blocks are 18, 20, 22 ... bytes long, so a field is only
+// known to be 2-byte aligned: 32-bit values are read as two 16-bit halves (a misaligned load
+// is a fatal error on a GPU; the emulator's builds trap on one, PYGGML_CHECK_ALIGNMENT).
+HD u16 load_u16(const u8 *p) {
+#if !defined(__CUDA_ARCH__) && defined(PYGGML_CHECK_ALIGNMENT)
+    if ((unsigned long long)p & 1) __builtin_trap();
+#endif
+    return *(const u16 *)p;
 }
 
-HD u32 load_u32(const u8 *p) {
-    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+HD float load_f16(const u8 *p) { return half_to_float(load_u16(p)); }
+
+HD u32 load_u32(const u8 *p) { return (u32)load_u16(p) | ((u32)load_u16(p + 2) << 16); }
+
+HD int load_i32_aligned(const u8 *p) {  // a field known to be 4-byte aligned (q8_1 quants)
+#if !defined(__CUDA_ARCH__) && defined(PYGGML_CHECK_ALIGNMENT)
+    if ((unsigned long long)p & 3) __builtin_trap();
+#endif
+    return *(const int *)p;
 }
 
 // four signed bytes packed into an int, for __dp4a
@@ -113,80 +123,80 @@ HD void scale_min_k4(int j, const u8 *q, int &sc, int &mn) {
     }
 }
 
-// One group of 32 weights as 8 ints of 4 signed bytes each, with the affine map back to
-// values: value_i = a * w_i + b.  Every weight type provides load_group_<type>(row, g, w, a, b)
-// for group g of a row, so the matrix-vector product and dequantization share one definition
-// of each format.
+// The weight formats.  A group is 32 weights (a block of the legacy quants, a sub-block of the
+// k-quants) seen as 8 ints of 4 signed bytes, int k holding elements 4k..4k+3.  A group is read
+// in 4 parts: part p is ints p and p + 4 (elements 4p..4p+3 and 16+4p..16+4p+3), so that four
+// lanes share a group and their loads of its bytes are adjacent.  Every format provides
+//     load_part_<type>(row, g, p, lo, hi, a_lo, a_hi, b)
+// for part p of group g of a row: the two ints, and the affine maps back to values,
+// value = a_lo * w + b for the bytes of lo and a_hi * w + b for those of hi (the two scales
+// differ only for Q6_K, whose scales change every 16 elements).  The matrix-vector product and
+// dequantization share these, so each format is defined once.
+
+#define PART_ARGS const u8 *row, i64 g, int p, int &lo, int &hi, float &a_lo, float &a_hi, float &b
+
+HD int nibbles_minus(u32 v, int shift, int zero) {  // bytes ((v >> shift) & 15) - zero
+    return pack_i8x4(((v >> shift) & 15) - zero, ((v >> (shift + 8)) & 15) - zero, ((v >> (shift + 16)) & 15) - zero,
+                     ((v >> (shift + 24)) & 15) - zero);
+}
 
 // Q4_0: {f16 d; u8 qs[16]}; element i < 16 is qs[i] & 15, element i + 16 is qs[i] >> 4; value d * (q - 8)
-HD void load_group_q4_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q4_0(PART_ARGS) {
     const u8 *blk = row + g * 18;
-    a = load_f16(blk);
+    const u32 v = load_u32(blk + 2 + 4 * p);
+    lo = nibbles_minus(v, 0, 8);
+    hi = nibbles_minus(v, 4, 8);
+    a_lo = a_hi = load_f16(blk);
     b = 0.0f;
-    const u8 *qs = blk + 2;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 v = load_u32(qs + 4 * k);
-        w[k] = pack_i8x4((v & 15) - 8, ((v >> 8) & 15) - 8, ((v >> 16) & 15) - 8, ((v >> 24) & 15) - 8);
-        w[k + 4] = pack_i8x4(((v >> 4) & 15) - 8, ((v >> 12) & 15) - 8, ((v >> 20) & 15) - 8, ((v >> 28) & 15) - 8);
-    }
 }
 
 // Q4_1: {f16 d; f16 m; u8 qs[16]}; value d * q + m
-HD void load_group_q4_1(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q4_1(PART_ARGS) {
     const u8 *blk = row + g * 20;
-    a = load_f16(blk);
+    const u32 v = load_u32(blk + 4 + 4 * p);
+    lo = (int)(v & 0x0F0F0F0Fu);
+    hi = (int)((v >> 4) & 0x0F0F0F0Fu);
+    a_lo = a_hi = load_f16(blk);
     b = load_f16(blk + 2);
-    const u8 *qs = blk + 4;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 v = load_u32(qs + 4 * k);
-        w[k] = (int)(v & 0x0F0F0F0Fu);
-        w[k + 4] = (int)((v >> 4) & 0x0F0F0F0Fu);
-    }
 }
 
-// the 32 five-bit values of a Q5 block (low nibbles in qs, fifth bits in qh), minus `zero`
-HD void unpack_q5(const u8 *qs, u32 qh, int zero, int *w) {
+// part p of a Q5 block's 32 five-bit values (low nibbles in qs, fifth bits in qh), minus `zero`
+HD void unpack_q5_part(const u8 *qs, u32 qh, int p, int zero, int &lo, int &hi) {
+    const u32 v = load_u32(qs + 4 * p);
+    int l[4], h[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        int lo[4], hi[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = 4 * k + j;
-            lo[j] = ((qs[i] & 15) | (((qh >> i) & 1) << 4)) - zero;
-            hi[j] = ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - zero;
-        }
-        w[k] = pack_i8x4(lo[0], lo[1], lo[2], lo[3]);
-        w[k + 4] = pack_i8x4(hi[0], hi[1], hi[2], hi[3]);
+    for (int j = 0; j < 4; ++j) {
+        const int i = 4 * p + j;
+        l[j] = (((v >> (8 * j)) & 15) | (((qh >> i) & 1) << 4)) - zero;
+        h[j] = (((v >> (8 * j + 4)) & 15) | (((qh >> (i + 16)) & 1) << 4)) - zero;
     }
+    lo = pack_i8x4(l[0], l[1], l[2], l[3]);
+    hi = pack_i8x4(h[0], h[1], h[2], h[3]);
 }
 
 // Q5_0: {f16 d; u32 qh; u8 qs[16]}; bit i of qh is the fifth bit of element i; value d * (q - 16)
-HD void load_group_q5_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q5_0(PART_ARGS) {
     const u8 *blk = row + g * 22;
-    a = load_f16(blk);
+    unpack_q5_part(blk + 6, load_u32(blk + 2), p, 16, lo, hi);
+    a_lo = a_hi = load_f16(blk);
     b = 0.0f;
-    unpack_q5(blk + 6, load_u32(blk + 2), 16, w);
 }
 
 // Q5_1: {f16 d; f16 m; u32 qh; u8 qs[16]}; value d * q + m
-HD void load_group_q5_1(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q5_1(PART_ARGS) {
     const u8 *blk = row + g * 24;
-    a = load_f16(blk);
+    unpack_q5_part(blk + 8, load_u32(blk + 4), p, 0, lo, hi);
+    a_lo = a_hi = load_f16(blk);
     b = load_f16(blk + 2);
-    unpack_q5(blk + 8, load_u32(blk + 4), 0, w);
 }
 
 // Q8_0: {f16 d; i8 qs[32]}; value d * q
-HD void load_group_q8_0(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q8_0(PART_ARGS) {
     const u8 *blk = row + g * 34;
-    a = load_f16(blk);
+    lo = (int)load_u32(blk + 2 + 4 * p);
+    hi = (int)load_u32(blk + 18 + 4 * p);
+    a_lo = a_hi = load_f16(blk);
     b = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        w[k] = (int)load_u32(blk + 2 + 4 * k);
-    }
 }
 
 // the affine map of sub-block s of a Q4_K / Q5_K super-block: value d*sc*q - dmin*mn
@@ -199,62 +209,57 @@ HD void k4_affine(const u8 *blk, int s, float &a, float &b) {
 
 // Q4_K: {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}; sub-block s (32 elements) takes the low
 // nibbles of qs[32*(s/2) ...] for even s, the high ones for odd s
-HD void load_group_q4_k(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD void load_part_q4_k(PART_ARGS) {
     const u8 *blk = row + (g / 8) * 144;
-    const int s = (int)(g % 8);
-    k4_affine(blk, s, a, b);
+    const int s = (int)(g % 8), shift = 4 * (s & 1);
     const u8 *qs = blk + 16 + (s / 2) * 32;
-    const int shift = 4 * (s & 1);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        w[k] = (int)((load_u32(qs + 4 * k) >> shift) & 0x0F0F0F0Fu);
-    }
+    lo = (int)((load_u32(qs + 4 * p) >> shift) & 0x0F0F0F0Fu);
+    hi = (int)((load_u32(qs + 16 + 4 * p) >> shift) & 0x0F0F0F0Fu);
+    k4_affine(blk, s, a_lo, b);
+    a_hi = a_lo;
 }
 
 // Q5_K: {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}; as Q4_K plus bit s of qh[l]
-HD void load_group_q5_k(const u8 *row, i64 g, int *w, float &a, float &b) {
+HD int q5_k_bytes(u32 qs, u32 qh, int shift, int s) {
+    return pack_i8x4(((qs >> shift) & 15) | (((qh >> s) & 1) << 4), ((qs >> (shift + 8)) & 15) | (((qh >> (s + 8)) & 1) << 4),
+                     ((qs >> (shift + 16)) & 15) | (((qh >> (s + 16)) & 1) << 4),
+                     ((qs >> (shift + 24)) & 15) | (((qh >> (s + 24)) & 1) << 4));
+}
+
+HD void load_part_q5_k(PART_ARGS) {
     const u8 *blk = row + (g / 8) * 176;
-    const int s = (int)(g % 8);
-    k4_affine(blk, s, a, b);
-    const u8 *qh = blk + 16;
-    const u8 *qs = blk + 48 + (s / 2) * 32;
-    const int shift = 4 * (s & 1);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        int v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int l = 4 * k + j;
-            v[j] = ((qs[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4);
-        }
-        w[k] = pack_i8x4(v[0], v[1], v[2], v[3]);
-    }
+    const int s = (int)(g % 8), shift = 4 * (s & 1);
+    const u8 *qh = blk + 16, *qs = blk + 48 + (s / 2) * 32;
+    lo = q5_k_bytes(load_u32(qs + 4 * p), load_u32(qh + 4 * p), shift, s);
+    hi = q5_k_bytes(load_u32(qs + 16 + 4 * p), load_u32(qh + 16 + 4 * p), shift, s);
+    k4_affine(blk, s, a_lo, b);
+    a_hi = a_lo;
 }
 
 // Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}; a super-block is two halves of 128;
-// plane p (32 elements) of half h: low nibble of ql[64h + 32(p%2) + l] (high nibble for p >= 2),
-// two bits (2p) of qh[32h + l], scale scales[8h + 2p + l/16]; value d * sc * (q - 32).
-// Scales change every 16 elements, so there is no single affine map per group: w holds q - 32,
-// d the super-block scale, and sc2 the scales of the group's two halves.
-HD void load_group_q6_k(const u8 *row, i64 g, int *w, float &d, int *sc2) {
-    const u8 *blk = row + (g / 8) * 210;
-    const int s = (int)(g % 8);
-    const int h = s / 4, p = s % 4;
-    const u8 *ql = blk + 64 * h + 32 * (p % 2);
-    const u8 *qh = blk + 128 + 32 * h;
-    const i8 *scales = (const i8 *)(blk + 192 + 8 * h + 2 * p);
-    const int shift = 4 * (p / 2);
-    d = load_f16(blk + 208);
-    sc2[0] = scales[0];
-    sc2[1] = scales[1];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        int v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int l = 4 * k + j;
-            v[j] = (((ql[l] >> shift) & 15) | (((qh[l] >> (2 * p)) & 3) << 4)) - 32;
-        }
-        w[k] = pack_i8x4(v[0], v[1], v[2], v[3]);
-    }
+// plane n (32 elements) of half h: low nibble of ql[64h + 32(n%2) + l] (high nibble for n >= 2),
+// two bits (2n) of qh[32h + l], scale scales[8h + 2n + l/16]; value d * sc * (q - 32)
+HD int q6_k_bytes(u32 ql, u32 qh, int shift, int n) {
+    return pack_i8x4((((ql >> shift) & 15) | (((qh >> (2 * n)) & 3) << 4)) - 32,
+                     (((ql >> (shift + 8)) & 15) | (((qh >> (2 * n + 8)) & 3) << 4)) - 32,
+                     (((ql >> (shift + 16)) & 15) | (((qh >> (2 * n + 16)) & 3) << 4)) - 32,
+                     (((ql >> (shift + 24)) & 15) | (((qh >> (2 * n + 24)) & 3) << 4)) - 32);
 }
+
+HD void load_part_q6_k(PART_ARGS) {
+    const u8 *blk = row + (g / 8) * 210;
+    const int s = (int)(g % 8), h = s / 4, n = s % 4, shift = 4 * (n / 2);
+    const u8 *ql = blk + 64 * h + 32 * (n % 2), *qh = blk + 128 + 32 * h;
+    lo = q6_k_bytes(load_u32(ql + 4 * p), load_u32(qh + 4 * p), shift, n);
+    hi = q6_k_bytes(load_u32(ql + 16 + 4 * p), load_u32(qh + 16 + 4 * p), shift, n);
+    const i8 *scales = (const i8 *)(blk + 192 + 8 * h + 2 * n);
+    const float d = load_f16(blk + 208);
+    a_lo = d * (float)scales[0];
+    a_hi = d * (float)scales[1];
+    b = 0.0f;
+}
+
+// the weight types, for kernels instantiated once per type: X(name, loader)
+#define FOR_EACH_WEIGHT_TYPE(X)                                                                   \
+    X(q4_0, load_part_q4_0) X(q4_1, load_part_q4_1) X(q5_0, load_part_q5_0) X(q5_1, load_part_q5_1)  \
+    X(q8_0, load_part_q8_0) X(q4_k, load_part_q4_k) X(q5_k, load_part_q5_k) X(q6_k, load_part_q6_k)

@@ -47,6 +47,12 @@ def test_lanes_split_between_a_barrier_and_a_shuffle_deadlock(selftest):
         selftest.get_function("barrier_against_shuffle")((1,), (32,), (np.zeros(32, np.float32),))
 
 
+def test_a_misaligned_load_is_reported(selftest):
+    x = np.zeros(16, np.uint8)
+    with pytest.raises(emulator.LaunchError, match="misaligned load"):
+        selftest.get_function("misaligned_load")((1,), (1,), (x, np.zeros(1, np.float32)))
+
+
 def test_launch_arguments_are_checked_against_the_kernel(selftest):
     fn, out = selftest.get_function("takes_i64"), np.zeros(1, np.float32)
     with pytest.raises(TypeError, match="int32 .4 bytes. passed for a 8-byte integer"):

@@ -57,8 +57,10 @@ def dequantize(rows, qtype: Type, ncols: int, dtype):
     groups = ncols // 32
     suffix = "f16" if dtype == np.float16 else "f32"
     fn = function("dequantize.cu", f"dequantize_{QUANT_KERNELS[qtype]}_{suffix}")
-    total = groups * n
-    fn(((total + 255) // 256,), (256,), (rows, out, np.int64(groups), np.int64(n), np.int64(rows.strides[0]),
+    threads = groups * n * 4  # one per part of a group (kernels/dequantize.cu)
+    if threads == 0:
+        return out
+    fn(((threads + 255) // 256,), (256,), (rows, out, np.int64(groups), np.int64(n), np.int64(rows.strides[0]),
                                          np.int64(ncols)))
     return out
 

@@ -327,8 +327,10 @@ using std::fmin;
 namespace emu {
 inline sigjmp_buf fault_jump;
 inline void *fault_address = nullptr;
-inline void on_fault(int, siginfo_t *info, void *) {
+inline int fault_signal = 0;
+inline void on_fault(int sig, siginfo_t *info, void *) {
     fault_address = info->si_addr;
+    fault_signal = sig;
     siglongjmp(fault_jump, 1);
 }
 }  // namespace emu
@@ -354,12 +356,13 @@ extern "C" int emu_launch(int i, const unsigned *grid, const unsigned *block, vo
     l.stacks.resize(threads * emu::STACK_BYTES);                                                   \
     emu::Launch *saved = emu::L;                                                                   \
     emu::L = &l;                                                                                   \
-    struct sigaction act{}, old_segv{}, old_bus{};                                                 \
+    struct sigaction act{}, old_segv{}, old_bus{}, old_ill{};                                      \
     act.sa_sigaction = emu::on_fault;                                                              \
     act.sa_flags = SA_SIGINFO | SA_ONSTACK;                                                        \
     sigemptyset(&act.sa_mask);                                                                     \
     sigaction(SIGSEGV, &act, &old_segv);                                                           \
     sigaction(SIGBUS, &act, &old_bus);                                                             \
+    sigaction(SIGILL, &act, &old_ill);                                                             \
     volatile bool ok = false;                                                                      \
     if (sigsetjmp(emu::fault_jump, 1) == 0) {                                                      \
         ok = true;                                                                                 \
@@ -370,12 +373,16 @@ extern "C" int emu_launch(int i, const unsigned *grid, const unsigned *block, vo
                     ok = emu::run_block(l);                                                        \
                 }                                                                                  \
     } else {                                                                                       \
-        char buf[96];                                                                              \
-        std::snprintf(buf, sizeof buf, "memory fault at address %p in ", emu::fault_address);      \
+        char buf[128];                                                                             \
+        if (emu::fault_signal == SIGILL)                                                           \
+            std::snprintf(buf, sizeof buf, "misaligned load (a trap in kernels/common.cuh) in ");  \
+        else                                                                                       \
+            std::snprintf(buf, sizeof buf, "memory fault at address %p in ", emu::fault_address);  \
         l.error = buf + emu::lane_name(l, (size_t)(l.cur - l.fibers.data()));                     \
     }                                                                                              \
     sigaction(SIGSEGV, &old_segv, nullptr);                                                        \
     sigaction(SIGBUS, &old_bus, nullptr);                                                          \
+    sigaction(SIGILL, &old_ill, nullptr);                                                          \
     emu::L = saved;                                                                                \
     if (!l.error.empty()) {                                                                        \
         std::snprintf(err, (size_t)err_size, "%s", l.error.c_str());                              \

@@ -43,6 +43,11 @@ extern "C" __global__ void read_past_end(const float *x, float *out, int n) {
     out[0] = x[n];
 }
 
+// a 32-bit load from an odd address
+extern "C" __global__ void misaligned_load(const u8 *x, float *out) {
+    out[0] = (float)load_u32(x + 1);
+}
+
 // a 64-bit count: a launch that passes 32 bits is wrong
 extern "C" __global__ void takes_i64(float *out, i64 n) {
     out[0] = (float)n;

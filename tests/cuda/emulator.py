@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE.parents[1] / "kernels"
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 CACHE = Path(os.environ.get("PYGGML_CACHE", Path.home() / ".cache" / "pyggml")) / "cuda-emulator"
-FLAGS = ["-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-w", "-U_FORTIFY_SOURCE"]
+# PYGGML_CHECK_ALIGNMENT: kernels/common.cuh traps on a misaligned load, which a GPU refuses
+FLAGS = ["-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-w", "-U_FORTIFY_SOURCE", "-DPYGGML_CHECK_ALIGNMENT"]
 MAX_THREADS, MAX_BLOCK, MAX_GRID = 1024, (1024, 1024, 64), (2**31 - 1, 65535, 65535)
 
 
