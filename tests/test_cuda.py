@@ -21,7 +21,8 @@ from .rpc_helpers import ServerProcess
 from .test_cuda_kernels import WEIGHT_TYPES, random_weights
 
 GPUS = cuda_devices()
-pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA GPU here (or CuPy not installed: pip install -e .[cuda])")
+pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA GPU here (or CuPy not installed: pip install -e .[cuda]); "
+                                "tests/test_cuda_emulated.py runs these on the CUDA emulator")
 
 T = pg.Type
 

@@ -7,7 +7,9 @@
 // What it checks that a GPU would not report: a shuffle whose mask names a lane that has
 // exited or does not exist, lanes that disagree on a mask, lanes split between a barrier and a
 // shuffle (a deadlock; threads that have exited count as arrived at a barrier, as on Volta and
-// later), launch configurations CUDA refuses, and (tests/cuda/emulator.py) launch
+// later), launch configurations CUDA refuses, misaligned loads (kernels/common.cuh traps on
+// them in these builds), reads or writes past an allocation (tests/cuda/fake/cupy.py ends each
+// one at a guard page; the fault is reported, not fatal), and (tests/cuda/emulator.py) launch
 // arguments whose size or kind differ from the kernel's parameters.
 //
 // Performance is not a goal: it runs the kernels' own arithmetic, in the kernels' own order.
