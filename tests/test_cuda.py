@@ -7,6 +7,7 @@ tests/test_cuda_emulated.py runs them on the CUDA emulator instead (tests/cuda/)
 from __future__ import annotations
 
 import functools
+import shutil
 
 import numpy as np
 import pytest
@@ -133,6 +134,16 @@ def test_out_of_memory_names_the_device_the_request_and_the_free_memory():
     _, total = GPUS[0].get_memory()
     with pytest.raises(MemoryError, match=r"CUDA0: out of memory allocating [\d.]+ MiB \([\d.]+ MiB free of"):
         GPUS[0].get_buffer_type().alloc_buffer(total + (1 << 30))
+
+
+def test_a_kernel_that_fails_to_compile_names_its_file_and_line(tmp_path, monkeypatch):
+    from pyggml.cuda import runtime
+    shutil.copy(runtime.KERNEL_DIR / "common.cuh", tmp_path)
+    (tmp_path / "broken_kernel.cu").write_text(
+        '#include "common.cuh"\n\nextern "C" __global__ void k(float *y) { y[0] = undefined_name; }\n')
+    monkeypatch.setattr(runtime, "KERNEL_DIR", tmp_path)
+    with pytest.raises(runtime.KernelCompileError, match=r"CUDA kernel kernels/broken_kernel\.cu:3 failed to compile"):
+        runtime.module("broken_kernel.cu")
 
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
