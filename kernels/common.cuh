@@ -16,6 +16,7 @@ typedef long long i64;
 #define WARP_SIZE 32
 #define QK 32          // elements per group: the block of the legacy quants, a sub-block of the k-quants
 #define QK_K 256       // elements per k-quant super-block
+#define NEG_INFINITY __int_as_float(0xff800000)
 
 static __device__ __forceinline__ float warp_reduce_sum(float x) {
 #pragma unroll
@@ -84,6 +85,46 @@ HD u16 float_to_half(float f) {
     if (rem > half || (rem == half && (h & 1))) ++h;  // a carry into the exponent is still right
     return (u16)(sign | h);
 #endif
+}
+
+// a value stored as F32, or as F16 bits
+static __device__ __forceinline__ void store(float *y, float v) { *y = v; }
+static __device__ __forceinline__ void store(u16 *y, float v) { *y = float_to_half(v); }
+
+// a sum or maximum over a thread block (blockDim.x a multiple of 32); every thread gets it
+static __device__ __forceinline__ float block_reduce(float x, bool is_max) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    x = is_max ? warp_reduce_max(x) : warp_reduce_sum(x);
+    __syncthreads();  // the previous call's readers are done with `partial`
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    const float none = is_max ? NEG_INFINITY : 0.0f;
+    x = lane < (int)(blockDim.x / WARP_SIZE) ? partial[lane] : none;
+    return is_max ? warp_reduce_max(x) : warp_reduce_sum(x);
+}
+
+static __device__ __forceinline__ float block_reduce_sum(float x) { return block_reduce(x, false); }
+static __device__ __forceinline__ float block_reduce_max(float x) { return block_reduce(x, true); }
+
+// The end of a softmax over row[0..n) by a thread block whose threads wrote the scores at
+// j = threadIdx.x, threadIdx.x + blockDim.x, ... and kept their maximum: exp(s - max) / sum, in place.
+static __device__ __forceinline__ void block_softmax_finish(float *row, int n, float local_max) {
+    const float mx = block_reduce_max(local_max);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const float e = expf(row[j] - mx);
+        row[j] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / block_reduce_sum(sum);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] *= inv;
+}
+
+// The ops' kernels see a tensor as rows of ne0 contiguous elements; row r of ne1 x ne2 x ne3
+// rows starts at i1*s1 + i2*s2 + i3*s3 elements (any strides: views work as they are).
+HD i64 row_start(i64 r, i64 ne1, i64 ne2, i64 s1, i64 s2, i64 s3) {
+    return (r % ne1) * s1 + (r / ne1 % ne2) * s2 + (r / (ne1 * ne2)) * s3;
 }
 
 // Loads of little-endian fields.  Blocks are 18, 20, 22 ... bytes long, so a field is only

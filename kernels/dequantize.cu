@@ -3,9 +3,6 @@
 // its 32 weights), with the same part loaders as the matrix-vector product (common.cuh).
 #include "common.cuh"
 
-static __device__ __forceinline__ void store(float *y, float v) { *y = v; }
-static __device__ __forceinline__ void store(u16 *y, float v) { *y = float_to_half(v); }  // F16 bits
-
 static __device__ __forceinline__ int byte_of(int word, int j) { return (int)(i8)((word >> (8 * j)) & 0xff); }
 
 // rows: rows of `groups` groups, row_bytes apart in W; y: rows of 32 * groups values, y_stride apart

@@ -50,6 +50,15 @@ def test_gpu_check_rehearsed_on_the_emulated_gpu(tmp_path):
     assert "llama tiny" in summary and "on CUDA0" in summary and "tests exit 0, bench exit 0" in summary
 
 
+@pytest.mark.skipif(not emulator.available, reason="no C++ compiler for the CUDA emulator")
+def test_gpu_launch_count_bench_runs():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "cuda" / "fake"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    r = run(sys.executable, "bench/gpu_launches.py", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "device operations per decoded token" in r.stdout and "MUL_MAT" in r.stdout
+
+
 def test_rpc_bench_runs():
     r = run(sys.executable, "bench/rpc.py", "--tokens", "4", "--rounds", "1", "--ctx", "64")
     assert r.returncode == 0, r.stderr

@@ -108,6 +108,45 @@ def test_rope(mode):
             {"x": f32(5, 4, 64), "pos": np.array([0, 1, 7, 100, 513], np.int32)})
 
 
+@pytest.mark.parametrize("case", ["norm", "reglu", "swiglu_gate_swapped", "softmax_mask_over_heads", "softmax_strided",
+                                  "rope_freq_factors_yarn", "rms_norm_strided"])
+def test_fused_kernels_on_their_other_paths(case):
+    """The paths of the fused kernels (norm, glu, softmax, rope) that the models above do not take."""
+    x, g = f32(3, 5, 64), f32(3, 5, 64)
+    build = {
+        "norm": lambda leaf: ops.norm(leaf("x", T.F32, (64, 5, 3)), 1e-5),
+        "reglu": lambda leaf: ops.glu(leaf("x", T.F32, (64, 5, 3)), None, pg.GluOp.REGLU),
+        "swiglu_gate_swapped": lambda leaf: ops.glu(leaf("x", T.F32, (64, 5, 3)), leaf("g", T.F32, (64, 5, 3)),
+                                                    pg.GluOp.SWIGLU, swapped=True),
+        "softmax_mask_over_heads": lambda leaf: ops.soft_max_ext(leaf("x", T.F32, (64, 5, 3)),
+                                                                 leaf("m", T.F32, (64, 8)), 0.7),
+        "softmax_strided": lambda leaf: ops.soft_max_ext(ops.permute(leaf("x", T.F32, (64, 5, 3)), 0, 2, 1, 3)),
+        "rope_freq_factors_yarn": lambda leaf: ops.rope_ext(
+            leaf("x", T.F32, (64, 5, 3)), leaf("pos", T.I32, (3,)), leaf("ff", T.F32, (16,)), 32, pg.RopeMode.NEOX,
+            n_ctx_orig=4096, freq_base=500000.0, freq_scale=0.25, ext_factor=1.0, attn_factor=1.0),
+        "rms_norm_strided": lambda leaf: ops.rms_norm(ops.permute(leaf("x", T.F32, (64, 5, 3)), 0, 2, 1, 3), 1e-6),
+    }[case]
+    compare(build, {"x": x, "g": g, "m": f32(8, 64), "pos": np.array([0, 17, 4000], np.int32),
+                    "ff": rng.uniform(1.0, 8.0, 16).astype(np.float32)})
+
+
+def test_flash_attention_with_softcap_and_one_token():
+    n_kv, d, heads, kv_heads = 40, 256, 4, 1
+    compare(lambda leaf: ops.flash_attn_ext(leaf("q", T.F32, (d, 1, heads)), leaf("k", T.F16, (d, n_kv, kv_heads)),
+                                            leaf("v", T.F16, (d, n_kv, kv_heads)), None, d ** -0.5, logit_softcap=30.0),
+            {"q": f32(heads, 1, d), "k": f32(kv_heads, n_kv, d).astype(np.float16),
+             "v": f32(kv_heads, n_kv, d).astype(np.float16)}, limit=1e-5)
+
+
+def test_set_rows_into_f32_and_an_index_out_of_range():
+    compare(lambda leaf: ops.set_rows(leaf("cache", T.F32, (64, 8)), leaf("x", T.F32, (64, 2)), leaf("i", T.I32, (2,))),
+            {"cache": np.zeros((8, 64), np.float32), "x": f32(2, 64), "i": np.array([7, 0], np.int32)})
+    with pytest.raises(IndexError, match="SET_ROWS: index out of range"):
+        run_on(GPUS[0], lambda leaf: ops.set_rows(leaf("cache", T.F16, (64, 8)), leaf("x", T.F32, (64, 2)),
+                                                  leaf("i", T.I32, (2,))),
+               {"cache": np.zeros((8, 64), np.float16), "x": f32(2, 64), "i": np.array([3, 8], np.int32)})
+
+
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_K, T.Q8_0, T.Q6_K])
 def test_get_rows(qtype):
     table = random_weights(qtype, 16, 256) if qtype.is_quantized else f32(16, 256).astype(qtype.np_dtype)

@@ -153,7 +153,7 @@ class CUDABackend(Backend):
         return self.device
 
     def graph_compute(self, graph: Graph) -> None:
-        from .ops import OP_TABLE
+        from .ops import OP_TABLE, check_errors
         cp = _cp()
         with cp.cuda.Device(self.device.index):
             for node in graph.nodes:
@@ -163,6 +163,7 @@ class CUDABackend(Backend):
                 if kernel is None:
                     raise NotImplementedError(f"CUDA backend: op {node.op.name} is not implemented")
                 kernel(node)
+            check_errors()  # what the kernels flagged (an index out of range), once per graph
 
     def synchronize(self) -> None:
         _cp().cuda.Device(self.device.index).synchronize()

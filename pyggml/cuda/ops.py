@@ -1,10 +1,13 @@
-"""The CUDA backend's op table: CuPy array code, and our kernels for quantized weights.
+"""The CUDA backend's op table: our kernels (``kernels/``) and short CuPy expressions.
 
-Matrix products with quantized weights run the kernels in ``kernels/``: for a few columns
-(decoding), activations are quantized to q8_1 on the GPU and multiplied by the integer
-matrix-vector kernel, which reads every weight byte once; for more columns (a prompt),
-the weights are dequantized to F16 and cuBLAS multiplies on the tensor cores.  The other
-ops are short CuPy expressions with the CPU backend's semantics (``pyggml/cpu/kernels.py``).
+Matrix products with quantized weights run our kernels: for a few columns (decoding),
+activations are quantized to q8_1 on the GPU and multiplied by the integer matrix-vector
+kernel, which reads every weight byte once; for more columns (a prompt), the weights are
+dequantized to F16 and cuBLAS multiplies on the tensor cores.  The ops a decode step runs
+in every layer (RMS norm, RoPE, softmax, GLU, attention over the F16 cache, the cache
+update) are one kernel launch each (attention: two), since on a GPU the launches, not the
+arithmetic, are what such small ops cost.  The rest are CuPy expressions.  All have the CPU
+backend's semantics (``pyggml/cpu/kernels.py``).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..ops import GluOp, Op, RopeMode, UnaryOp
+from ..ops import Op, RopeMode, UnaryOp
 from ..tensor import Tensor
 from ..types import Type
 from .device import tensor_rows, tensor_view
@@ -34,9 +37,12 @@ def _cp():
 
 
 def supports(node: Tensor) -> bool:
-    """Types the kernels handle: plain F32/F16 everywhere, quantized weights where listed."""
+    """Types the kernels handle: plain F32/F16 everywhere, quantized weights where listed;
+    attention heads of at most ATTN_MAX_D.  (The RPC server asks with bare probes, no sources.)"""
     readable = (*PLAIN, Type.I32, *QUANT_KERNELS)
-    return all(s is None or s.type in readable for s in node.src) and node.type in (*PLAIN, Type.I32)
+    if not (all(s is None or s.type in readable for s in node.src) and node.type in (*PLAIN, Type.I32)):
+        return False
+    return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
 
 
 def values(t: Tensor):
@@ -103,7 +109,6 @@ UNARY: dict[int, Callable] = {
     UnaryOp.SILU: _silu,
     UnaryOp.EXP: lambda x: _cp().exp(x),
 }
-GLU_ACT = {GluOp.REGLU: UNARY[UnaryOp.RELU], GluOp.GEGLU: _gelu_tanh, GluOp.SWIGLU: _silu}
 
 
 def k_unary(node: Tensor) -> None:
@@ -113,92 +118,159 @@ def k_unary(node: Tensor) -> None:
     tensor_view(node)[...] = fn(values(node.src[0]))
 
 
-def k_glu(node: Tensor) -> None:
-    a = values(node.src[0])
-    if node.src[1] is None:
-        half = a.shape[-1] // 2
-        a, b = a[..., :half], a[..., half:]
+# -- fused ops: one kernel each (kernels/norm.cu, softmax.cu, rope.cu, glu.cu, attention.cu, rows.cu) --------
+# Their inputs are rows of contiguous elements with any row strides (views work as they are);
+# they write F32 (into a temporary first when the output is F16).
+
+def _rows(a) -> tuple:
+    """Element strides of the rows of a 4-D array [ne3, ne2, ne1, ne0]: (s1, s2, s3)."""
+    return tuple(np.int64(a.strides[i] // a.itemsize) for i in (2, 1, 0))
+
+
+def _dense_rows(a):
+    return a if a.strides[3] == a.itemsize else _cp().ascontiguousarray(a)
+
+
+def _threads(n: int) -> int:
+    """Threads of a block that loops over n elements of a row: whole warps, at most 256."""
+    return min(256, 32 * max(1, -(-n // 32)))
+
+
+def _grid(n: int, block: int = 256) -> tuple[int]:
+    return (-(-n // block),)
+
+
+def _into_f32(node: Tensor, launch: Callable) -> None:
+    """launch(y) with y the node's output as float32 (a temporary, copied back, when it is F16)."""
+    y = tensor_view(node)
+    if y.size == 0:
+        return
+    if y.dtype == np.float32:
+        launch(y)
     else:
-        b = values(node.src[1])
-    if node.op_params[1]:
-        a, b = b, a
-    tensor_view(node)[...] = GLU_ACT[GluOp(int(node.op_params[0]))](a) * b
+        tmp = _cp().empty(y.shape, dtype=np.float32)
+        launch(tmp)
+        y[...] = tmp
 
 
-def k_rms_norm(node: Tensor) -> None:
-    cp = _cp()
-    x = values(node.src[0])
-    mean_sq = cp.mean(x * x, axis=-1, keepdims=True)
-    tensor_view(node)[...] = x * cp.reciprocal(cp.sqrt(mean_sq + np.float32(node.get_op_params_f32(0))))
+def _norm(kernel: str) -> Kernel:
+    def k_norm(node: Tensor) -> None:
+        x = _dense_rows(values(node.src[0]))
+        ne3, ne2, ne1, ne0 = x.shape
+        _into_f32(node, lambda y: function("norm.cu", kernel)((ne1 * ne2 * ne3,), (_threads(ne0),), (
+            x, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
+            np.float32(node.get_op_params_f32(0)))))
+    return k_norm
 
 
-def k_norm(node: Tensor) -> None:
-    cp = _cp()
-    x = values(node.src[0])
-    c = x - x.mean(axis=-1, keepdims=True)
-    tensor_view(node)[...] = c / cp.sqrt((c * c).mean(axis=-1, keepdims=True) + np.float32(node.get_op_params_f32(0)))
+def k_soft_max(node: Tensor) -> None:
+    a, mask = node.src[0], node.src[1]
+    x = _dense_rows(values(a))
+    ne3, ne2, ne1, ne0 = x.shape
+    m = _dense_rows(values(mask)) if mask is not None else None
+    mask_args = (*_rows(m), np.int64(m.shape[1]), np.int64(m.shape[0])) if m is not None else (np.int64(0),) * 5
+    _into_f32(node, lambda y: function("softmax.cu", "soft_max_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
+        x, m, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *mask_args, *_rows(y),
+        np.float32(node.get_op_params_f32(0)))))
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
 
-def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
-               attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
-               freq_factors: np.ndarray | None, xp=np) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every rotation angle, [n_tokens, n_dims/2] (ggml's rope_yarn), computed
-    in float64 on the GPU (``xp`` = cupy).  The CPU
-    backend reproduces ggml's float32 steps instead (pyggml/cpu/nn.py)."""
-    i = xp.arange(n_dims // 2, dtype=xp.float64)
-    theta_extrap = pos.astype(xp.float64)[:, None] * freq_base ** (-2.0 * i / n_dims)
-    if freq_factors is not None:
-        theta_extrap = theta_extrap / freq_factors[: n_dims // 2].astype(xp.float64)
-    theta = freq_scale * theta_extrap
-    mscale = attn_factor
-    if ext_factor != 0.0:
-        low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base)))
-        high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base)))
-        ramp = 1 - xp.clip((i - low) / max(0.001, high - low), 0, 1)
-        mix = ramp * ext_factor
-        theta = theta * (1 - mix) + theta_extrap * mix
-        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
-    return (xp.cos(theta) * mscale).astype(xp.float32), (xp.sin(theta) * mscale).astype(xp.float32)
-
-
-def _softmax_rows(x):
-    cp = _cp()
-    x = cp.exp(x - x.max(axis=-1, keepdims=True))
-    return x / x.sum(axis=-1, keepdims=True)
-
-
-def k_soft_max(node: Tensor) -> None:
-    a, mask = node.src[0], node.src[1]
-    x = values(a) * np.float32(node.get_op_params_f32(0))
-    if mask is not None:
-        x = x + _tile(values(mask)[:, :, :a.ne[1], :], x.shape)
-    tensor_view(node)[...] = _softmax_rows(x)
-
-
 def k_rope(node: Tensor) -> None:
-    cp = _cp()
     a, pos, ff = node.src[0], node.src[1], node.src[2]
     p = node.op_params
     n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
     fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
-    # the CPU's formula, on the GPU (no copy of the positions to the host)
-    cos, sin = rope_cache(tensor_view(pos).reshape(-1), n_dims, fb, fs, ef, af, bf, bs, n_ctx_orig,
-                          tensor_view(ff).reshape(-1) if ff is not None else None, xp=cp)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    x = values(a)
-    out = tensor_view(node)
-    if mode == RopeMode.NEOX:
-        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
-        out[..., : n_dims // 2], out[..., n_dims // 2: n_dims] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    low = high = 0.0
+    if ef != 0.0:  # YaRN: the dimensions between which extrapolation turns into interpolation
+        low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, bf, fb)))
+        high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, bs, fb)))
+    x = _dense_rows(values(a))
+    ne3, ne2, ne1, ne0 = x.shape
+    positions = _cp().ascontiguousarray(tensor_view(pos).reshape(-1))
+    factors = _cp().ascontiguousarray(values(ff).reshape(-1)) if ff is not None else None
+    _into_f32(node, lambda y: function("rope.cu", "rope_f32")(_grid(ne1 * ne2 * ne3 * (ne0 // 2)), (256,), (
+        x, y, positions, factors, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
+        *_rows(x), *_rows(y), np.int32(n_dims), np.int32(mode == RopeMode.NEOX), np.float32(fb), np.float32(fs),
+        np.float32(ef), np.float32(af), np.float32(low), np.float32(high))))
+
+
+def k_glu(node: Tensor) -> None:
+    a = _dense_rows(values(node.src[0]))
+    if node.src[1] is None:
+        half = a.shape[-1] // 2
+        a, b = a[..., :half], a[..., half:]
     else:
-        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    if n_dims < a.ne[0]:
-        out[..., n_dims:] = x[..., n_dims:]
+        b = _dense_rows(values(node.src[1]))
+    if node.op_params[1]:
+        a, b = b, a
+    ne3, ne2, ne1, ne0 = a.shape
+    _into_f32(node, lambda y: function("glu.cu", "glu_f32")(_grid(y.size), (256,), (
+        a, b, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3), *_rows(a), *_rows(b),
+        *_rows(y), np.int32(node.op_params[0]))))
+
+
+ATTN_MAX_D = 512  # kernels/attention.cu
+
+
+def k_flash_attn_ext(node: Tensor) -> None:
+    cp = _cp()
+    q, k, v, mask = node.src[:4]
+    scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
+    if q.ne[0] > ATTN_MAX_D:
+        raise NotImplementedError(f"CUDA backend: attention heads of {q.ne[0]} > {ATTN_MAX_D}")
+    f16 = [tensor_view(t) if t.type == Type.F16 else values(t).astype(cp.float16) for t in (k, v)]
+    qv, kv, vv = _dense_rows(values(q)), _dense_rows(f16[0]), _dense_rows(f16[1])
+    ne3, n_head, n_tokens, d = qv.shape
+    n_kv, group = kv.shape[2], n_head // kv.shape[1]
+    m = _dense_rows(values(mask))[0, 0] if mask is not None else None
+    rows = ne3 * n_head * n_tokens
+    if rows == 0 or n_kv == 0:
+        return
+    probs = cp.empty((rows, n_kv), dtype=cp.float32)
+    shape = (np.int32(n_kv), np.int32(n_tokens), np.int32(n_head), np.int32(group))
+    function("attention.cu", "attn_probs")((rows,), (128,), (
+        qv, kv, m, probs, np.int32(d), *shape, *_rows(qv), *_rows(kv),
+        np.int64(m.strides[0] // 4) if m is not None else np.int64(0), np.float32(scale), np.float32(softcap)))
+    # out: [ne3, n_tokens, n_head, dv]
+    _into_f32(node, lambda out: function("attention.cu", "attn_output")((rows,), (_threads(vv.shape[3]),), (
+        probs, vv, out, np.int32(vv.shape[3]), *shape, *_rows(vv), *_rows(out))))
+
+
+def _index_errors():
+    """One int per device that rows.cu sets for an index out of range (read by check_errors)."""
+    cp = _cp()
+    dev = cp.cuda.Device().id
+    if dev not in _ERROR_FLAGS:
+        _ERROR_FLAGS[dev] = cp.zeros(1, dtype=cp.int32)
+    return _ERROR_FLAGS[dev]
+
+
+_ERROR_FLAGS: dict[int, object] = {}
+
+
+def check_errors() -> None:
+    """Raise what the kernels flagged during the graph (one read per graph, not per op)."""
+    flag = _ERROR_FLAGS.get(_cp().cuda.Device().id)
+    if flag is not None and int(flag.get()[0]):
+        flag.fill(0)
+        raise IndexError("SET_ROWS: index out of range (those rows were not written)")
+
+
+def k_set_rows(node: Tensor) -> None:
+    src, idx, dst = node.src[0], node.src[1], node.src[2]
+    x, ids, y = _dense_rows(values(src)), tensor_view(idx), tensor_view(node)
+    ne3, ne2, ne1, ne0 = x.shape
+    is1, is2, is3 = (np.int64(ids.strides[i] // 4) for i in (3, 2, 1))
+    kernel = "set_rows_f16" if node.type == Type.F16 else "set_rows_f32"
+    if x.size:
+        function("rows.cu", kernel)(_grid(x.size), (256,), (
+            x, ids, y, _index_errors(), np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
+            *_rows(x), is1, is2, is3, np.int64(src.ne[2] // idx.ne[1]), np.int64(src.ne[3] // idx.ne[2]),
+            *_rows(y), np.int64(dst.ne[1])))
+
 
 
 def mul_mat_vec_q(w, qtype: Type, x, out) -> None:
@@ -248,26 +320,6 @@ def k_mul_mat(node: Tensor) -> None:
                     oi[...] = cp.matmul(xi, wa.T)
 
 
-def k_flash_attn_ext(node: Tensor) -> None:
-    cp = _cp()
-    q, k, v, mask = node.src[:4]
-    scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
-    n_tokens, n_head, n_head_kv = q.ne[1], q.ne[2], k.ne[2]
-    group = n_head // n_head_kv
-    out = tensor_view(node)  # [ne3, n_tokens, n_head, dv]
-    qv, kv, vv = values(q), values(k), values(v)
-    for i3 in range(q.ne[3]):
-        qs = qv[i3].reshape(n_head_kv, group * n_tokens, q.ne[0])
-        s = cp.matmul(qs, kv[i3].swapaxes(-1, -2))
-        s = cp.tanh(s * np.float32(scale / softcap)) * np.float32(softcap) if softcap else s * np.float32(scale)
-        s = s.reshape(n_head_kv, group, n_tokens, -1)
-        if mask is not None:
-            s = s + values(mask)[0, 0, :n_tokens]
-        prob = _softmax_rows(s).reshape(n_head_kv, group * n_tokens, -1)
-        o = cp.matmul(prob, vv[i3])
-        out[i3] = o.reshape(n_head, n_tokens, -1).swapaxes(0, 1)
-
-
 def _check_indices(ids, limit: int, op: str) -> None:
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
         raise IndexError(f"{op}: index out of range [0, {limit})")
@@ -286,18 +338,6 @@ def k_get_rows(node: Tensor) -> None:
                 out[i2, i1] = dequantize(picked, a.type, a.ne[0], np.float32)
             else:
                 out[i2, i1] = values(a)[i2, i1][sel]
-
-
-def k_set_rows(node: Tensor) -> None:
-    src, idx, dst = node.src[0], node.src[1], node.src[2]
-    ids = tensor_view(idx).astype(np.int64)
-    _check_indices(ids, dst.ne[1], "SET_ROWS")
-    x = values(src)
-    r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
-    out = tensor_view(node)
-    for i3 in range(src.ne[3]):
-        for i2 in range(src.ne[2]):
-            out[i3, i2][ids[0, i3 // r3, i2 // r2]] = x[i3, i2].astype(out.dtype)
 
 
 def k_cpy(node: Tensor) -> None:
@@ -324,8 +364,8 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.SCALE: k_scale,
     Op.UNARY: k_unary,
     Op.GLU: k_glu,
-    Op.RMS_NORM: k_rms_norm,
-    Op.NORM: k_norm,
+    Op.RMS_NORM: _norm("rms_norm_f32"),
+    Op.NORM: _norm("norm_f32"),
     Op.SOFT_MAX: k_soft_max,
     Op.ROPE: k_rope,
     Op.MUL_MAT: k_mul_mat,

@@ -316,6 +316,7 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <class T> inline T __ldg(const T *p) { return *p; }
 template <class T> inline T atomicAdd(T *p, T v) { const T old = *p; *p = old + v; return old; }  // blocks run in turn
 template <class T> inline T atomicMax(T *p, T v) { const T old = *p; *p = old > v ? old : v; return old; }

@@ -70,16 +70,19 @@ def build(source: Path, include_dirs: list[Path]) -> Path:
 
 
 def _argument(value, size: int, kind: str, where: str, device_array: type):
-    """The bytes CuPy would pass for ``value`` (an array: its data pointer; a numpy scalar: its
-    bytes; a Python int / float: 8 bytes, as CuPy passes them), checked against the parameter."""
+    """The bytes CuPy would pass for ``value`` (an array: its data pointer; None: NULL; a numpy
+    scalar: its bytes; a Python int / float: 8 bytes, as CuPy passes them), checked against the
+    parameter."""
     if isinstance(value, np.ndarray):
         if not isinstance(value, device_array):
             raise TypeError(f"{where}: Unsupported type {type(value)} (host memory passed to a kernel)")
         if kind != "p":
             raise TypeError(f"{where}: an array passed for a parameter that is a number")
         return ctypes.c_void_p(value.ctypes.data)
-    if value is None:
-        raise TypeError(f"{where}: None passed")
+    if value is None:  # CuPy passes None as a NULL pointer
+        if kind != "p":
+            raise TypeError(f"{where}: None passed for a parameter that is a number")
+        return ctypes.c_void_p(None)
     scalar = value if isinstance(value, np.generic) else \
         np.int64(value) if isinstance(value, (int, np.integer)) else np.float64(value)
     if kind == "p":

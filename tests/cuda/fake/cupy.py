@@ -36,6 +36,13 @@ TOTAL_MEMORY = int(os.environ.get("PYGGML_FAKE_GPU_MEMORY", str(16 << 30)))
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _allocated = 0
+launches = 0  # device operations so far (ufuncs, copies, casts, our kernels): what a GPU would launch
+_nested = 0   # inside a counted operation: what numpy does for it is not counted again
+
+
+def _count() -> None:
+    global launches
+    launches += _nested == 0
 
 for _name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
               "uint64", "bool_", "dtype", "newaxis", "pi", "inf", "nan"):
@@ -95,6 +102,7 @@ class ndarray(numpy.ndarray):  # CuPy's name
         return arr
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _count()
         if any(_plain(x) for x in (*inputs, *kwargs.get("out", ()))):
             raise TypeError(f"Unsupported type {numpy.ndarray} (a numpy array mixed with CuPy arrays in {ufunc.__name__})")
         args = [x.view(numpy.ndarray) if isinstance(x, ndarray) else x for x in inputs]
@@ -103,6 +111,16 @@ class ndarray(numpy.ndarray):  # CuPy's name
         with numpy.errstate(all="ignore"):  # a GPU does not warn about overflow or NaN
             result = getattr(ufunc, method)(*args, **kwargs)
         return _wrap(result)
+
+    def __setitem__(self, key, value) -> None:  # a copy kernel on a GPU
+        _count()
+        if _plain(value):
+            raise TypeError(f"Unsupported type {numpy.ndarray} assigned into a CuPy array")
+        super().__setitem__(key, value.view(numpy.ndarray) if isinstance(value, ndarray) else value)
+
+    def astype(self, dtype, *args, **kwargs):
+        _count()
+        return super().astype(dtype, *args, **kwargs)
 
     def get(self) -> numpy.ndarray:
         return numpy.array(self.view(numpy.ndarray))
@@ -139,12 +157,18 @@ def _device_function(name: str):
     fn = getattr(numpy, name)
 
     def call(*args, **kwargs):
+        global _nested
         for a in (*args, *kwargs.values()):
             seq = a if isinstance(a, (list, tuple)) else (a,)
             if any(_plain(x) for x in seq):
                 raise TypeError(f"Unsupported type {numpy.ndarray} passed to cupy.{name}")
-        with numpy.errstate(all="ignore"):
-            return _wrap(fn(*args, **kwargs))
+        _count()
+        _nested += 1
+        try:
+            with numpy.errstate(all="ignore"):
+                return _wrap(fn(*args, **kwargs))
+        finally:
+            _nested -= 1
     call.__name__ = name
     return call
 
@@ -212,7 +236,12 @@ class RawModule:
 
     def get_function(self, name: str):
         self.compile()
-        return self._module.get_function(name)
+        kernel = self._module.get_function(name)
+
+        def launch(*args, **kwargs):
+            _count()
+            return kernel(*args, **kwargs)
+        return launch
 
 
 # -- cupy.cuda ---------------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""Device operations (kernel launches) per decoded token of the CUDA backend, op by op.
+
+On a GPU, small ops cost their launch (and CuPy's Python around it), not their arithmetic, so
+this count bounds decode speed as much as the weights' bandwidth does.  It is counted on the
+CUDA emulator's CuPy stand-in, which counts every device operation CuPy would launch:
+
+    PYTHONPATH=tests/cuda/fake python bench/gpu_launches.py [--model smollm2]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyggml as pg  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    args = ap.parse_args()
+    import cupy
+    if not hasattr(cupy, "launches"):
+        sys.exit("gpu_launches: needs the emulator's CuPy stand-in: PYTHONPATH=tests/cuda/fake")
+    from pyggml.cuda import ops as cuda_ops
+    launches, calls = collections.Counter(), collections.Counter()
+    for op, fn in list(cuda_ops.OP_TABLE.items()):
+        def counted(node, fn=fn, op=op):
+            before = cupy.launches
+            fn(node)
+            launches[op.name] += cupy.launches - before
+            calls[op.name] += 1
+        cuda_ops.OP_TABLE[op] = counted
+    with pg.Model(args.model, n_ctx=256, ngl="all", progress=False) as m:
+        ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
+        m.context.decode(ids)
+        launches.clear()
+        calls.clear()
+        m.context.decode([ids[-1]])
+        n_layer = m.model.hp.n_layer
+    total = sum(launches.values())
+    print(f"{args.model}: {total} device operations per decoded token ({total / n_layer:.1f} per layer, "
+          f"{n_layer} layers)")
+    for name, n in launches.most_common():
+        print(f"  {name:<16}{n:>6} in {calls[name]:>4} ops ({n / calls[name]:.1f} each)")
+
+
+if __name__ == "__main__":
+    main()
