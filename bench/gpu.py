@@ -131,7 +131,37 @@ def write_llama(path: Path, size: str) -> None:
     w.close()
 
 
-def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int) -> tuple[float, float, float, int]:
+def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
+    """Where a decode step's time goes on the GPU: each op kind's milliseconds per token, with
+    the device synchronized around every op (so launches and Python count where they happen;
+    the total is above the unprofiled step).  Returns (op, ms per token, ops per token)."""
+    import cupy as cp
+
+    from pyggml.cuda import ops as cuda_ops
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    original = dict(cuda_ops.OP_TABLE)
+
+    def timed(op, fn):
+        def run(node):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            fn(node)
+            cp.cuda.Device().synchronize()
+            seconds[op.name] = seconds.get(op.name, 0.0) + time.perf_counter() - t0
+            counts[op.name] = counts.get(op.name, 0) + 1
+        return run
+    cuda_ops.OP_TABLE.update({op: timed(op, fn) for op, fn in original.items()})
+    try:
+        for _ in range(n):
+            token = int(ctx.decode([token])[-1].argmax())
+    finally:
+        cuda_ops.OP_TABLE.update(original)
+    return sorted(((k, v * 1000 / n, counts[k] // n) for k, v in seconds.items()), key=lambda r: -r[1])
+
+
+def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int,
+                profile: bool = False) -> tuple[float, float, float, int, list]:
     from pyggml.models import Context, load_model
     from pyggml.models.loader import default_devices
     devices = default_devices()
@@ -153,9 +183,10 @@ def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int) -> tupl
     for _ in range(n_gen):
         token = int(ctx.decode([token])[-1].argmax())
     tg = n_gen / (time.perf_counter() - t0)
+    rows = profile_decode(ctx, token) if profile and device_name.upper().startswith("CUDA") else []
     nbytes = model.weights_nbytes()
     model.free()
-    return load, pp, tg, nbytes
+    return load, pp, tg, nbytes, rows
 
 
 def main() -> None:
@@ -166,6 +197,7 @@ def main() -> None:
     ap.add_argument("--kernel-shapes", default=KERNEL_SHAPES, help="matrix-vector shapes, MxK,...")
     ap.add_argument("--iters", type=int, default=50, help="timed launches per kernel shape")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
+    ap.add_argument("--profile", action="store_true", help="also time a decode step op by op")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temporary directory)")
@@ -186,10 +218,14 @@ def main() -> None:
             t0 = time.perf_counter()
             write_llama(path, size)
             written = time.perf_counter() - t0
-            load, pp, tg, nbytes = bench_model(path, args.device, args.prompt, args.gen)
+            load, pp, tg, nbytes, profile = bench_model(path, args.device, args.prompt, args.gen, args.profile)
             print(f"llama {size} ({nbytes / 2**30:.2f} GiB of weights) on {args.device}: written in {written:.1f} s, "
                   f"loaded in {load:.1f} s; prompt {pp:.1f} tokens/s ({args.prompt} tokens), "
                   f"generation {tg:.1f} tokens/s")
+            if profile:
+                print(f"  decode profile ({sum(r[1] for r in profile):.2f} ms per token with a sync around every op):")
+                for name, ms, count in profile:
+                    print(f"    {name:<16}{ms:>8.3f} ms  {count:>5} ops")
             path.unlink()
 
 

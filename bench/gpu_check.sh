@@ -46,13 +46,13 @@ sizes="1b,8b"
 [ "${QUICK:-0}" = "1" ] && sizes="1b"
 sizes="${SIZES:-$sizes}"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-timeout 330 "$PY" bench/gpu.py --sizes "$sizes" --dir "${TMPDIR:-/tmp}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt"
+timeout 330 "$PY" bench/gpu.py --sizes "$sizes" --dir "${TMPDIR:-/tmp}" --profile ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== summary"
 grep -E "passed|failed|error" "$out/tests.txt" | tail -1
 grep -E "copy bandwidth" "$out/bench.txt"
 awk '$1 ~ /^Q/ && NF == 6 {split($6, p, "%"); s[$1] += p[1]; n[$1]++} END {for (t in s) printf "  %-5s mean %.0f%% of copy bandwidth\n", t, s[t] / n[t]}' "$out/bench.txt" | sort
-grep -E "^llama" "$out/bench.txt"
+grep -E "^llama|^  decode profile|^    [A-Z_]+ " "$out/bench.txt"
 echo "tests exit $tests_rc, bench exit $bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

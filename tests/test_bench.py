@@ -48,6 +48,7 @@ def test_gpu_check_rehearsed_on_the_emulated_gpu(tmp_path):
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         assert f"{name} " in summary and "of copy bandwidth" in summary, summary
     assert "llama tiny" in summary and "on CUDA0" in summary and "tests exit 0, bench exit 0" in summary
+    assert "decode profile" in summary and "MUL_MAT" in summary
 
 
 @pytest.mark.skipif(not emulator.available, reason="no C++ compiler for the CUDA emulator")
