@@ -142,21 +142,24 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
     counts: dict[str, int] = {}
     original = dict(cuda_ops.OP_TABLE)
 
-    def timed(op, fn):
-        def run(node):
+    def timed(name, fn):
+        def run(*args):
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
-            fn(node)
+            fn(*args)
             cp.cuda.Device().synchronize()
-            seconds[op.name] = seconds.get(op.name, 0.0) + time.perf_counter() - t0
-            counts[op.name] = counts.get(op.name, 0) + 1
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+            counts[name] = counts.get(name, 0) + 1
         return run
-    cuda_ops.OP_TABLE.update({op: timed(op, fn) for op, fn in original.items()})
+    fused = cuda_ops.k_rms_norm
+    cuda_ops.OP_TABLE.update({op: timed(op.name, fn) for op, fn in original.items()})
+    cuda_ops.k_rms_norm = timed("RMS_NORM+MUL", fused)  # the fused pairs (ops.fusions)
     try:
         for _ in range(n):
             token = int(ctx.decode([token])[-1].argmax())
     finally:
         cuda_ops.OP_TABLE.update(original)
+        cuda_ops.k_rms_norm = fused
     return sorted(((k, v * 1000 / n, counts[k] // n) for k, v in seconds.items()), key=lambda r: -r[1])
 
 

@@ -27,21 +27,26 @@ def main() -> None:
         sys.exit("gpu_launches: needs the emulator's CuPy stand-in: PYTHONPATH=tests/cuda/fake")
     from pyggml.cuda import ops as cuda_ops
     launches, calls = collections.Counter(), collections.Counter()
-    for op, fn in list(cuda_ops.OP_TABLE.items()):
-        def counted(node, fn=fn, op=op):
+
+    def counted(name, fn):
+        def run(*args):
             before = cupy.launches
-            fn(node)
-            launches[op.name] += cupy.launches - before
-            calls[op.name] += 1
-        cuda_ops.OP_TABLE[op] = counted
+            fn(*args)
+            launches[name] += cupy.launches - before
+            calls[name] += 1
+        return run
+    for op, fn in list(cuda_ops.OP_TABLE.items()):
+        cuda_ops.OP_TABLE[op] = counted(op.name, fn)
+    cuda_ops.k_rms_norm = counted("RMS_NORM+MUL", cuda_ops.k_rms_norm)  # the fused pairs (ops.fusions)
     with pg.Model(args.model, n_ctx=256, ngl="all", progress=False) as m:
         ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
         m.context.decode(ids)
         launches.clear()
         calls.clear()
+        before = cupy.launches
         m.context.decode([ids[-1]])
+        total = cupy.launches - before
         n_layer = m.model.hp.n_layer
-    total = sum(launches.values())
     print(f"{args.model}: {total} device operations per decoded token ({total / n_layer:.1f} per layer, "
           f"{n_layer} layers)")
     for name, n in launches.most_common():

@@ -132,6 +132,9 @@ class Scheduler:
                     node.src[j] = copy
             split.graph = Graph()
             split.graph.nodes = list(split.nodes)
+        read_across = frozenset(id(s) for split in self.splits for s, _ in split.copies)
+        for split in self.splits:
+            split.graph.read_across = read_across
 
     def alloc_graph(self, graph: Graph) -> None:
         """Assign, split and allocate ``graph`` (done once per graph, reused afterwards)."""

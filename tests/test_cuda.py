@@ -79,6 +79,30 @@ def test_mul_mat_every_weight_type(name, n):
             {"w": w, "x": f32(n, k)}, limit=5e-4)
 
 
+@pytest.mark.parametrize("second_reader", [False, True])
+def test_rms_norm_times_its_weight(second_reader):
+    """Fused into one kernel (pyggml.cuda.ops.fusions) unless the norm has another reader."""
+    def build(leaf):
+        n = ops.rms_norm(leaf("x", T.F32, (64, 5)), 1e-6)
+        out = ops.mul(n, leaf("w", T.F32, (64,)))
+        return ops.add(out, n) if second_reader else out
+    compare(build, {"x": f32(5, 64), "w": f32(64)})
+
+
+def test_products_of_one_input_share_its_quantization_and_no_other():
+    """q/k/v-like products of one input reuse its q8_1 blocks within the graph; a product of
+    another input of the same shape must not."""
+    k, m = 256, 64
+    ws = {f"w{i}": random_weights(T.Q4_K, m, k, seed=i) for i in range(3)}
+
+    def build(leaf):
+        x, y = leaf("x", T.F32, (k, 2)), leaf("y", T.F32, (k, 2))
+        w = [leaf(f"w{i}", T.Q4_K, (k, m)) for i in range(3)]
+        return ops.add(ops.add(ops.mul_mat(w[0], x), ops.scale(ops.mul_mat(w[1], x), 2.0, 0.0)),
+                       ops.scale(ops.mul_mat(w[2], y), -3.0, 0.0))
+    compare(build, {"x": f32(2, k), "y": f32(2, k), **ws}, limit=5e-4)
+
+
 @pytest.mark.parametrize("case", ["add", "mul", "scale", "rms_norm", "softmax", "silu", "gelu", "tanh", "swiglu",
                                   "geglu", "cpy_f16", "concat", "argmax"])
 def test_elementwise_and_reductions(case):

@@ -153,11 +153,20 @@ class CUDABackend(Backend):
         return self.device
 
     def graph_compute(self, graph: Graph) -> None:
-        from .ops import OP_TABLE, check_errors
+        from .ops import OP_TABLE, begin_graph, check_errors, fusions, k_rms_norm
         cp = _cp()
+        plan = graph.backend_cache.get("cuda_fusions")
+        if plan is None:
+            plan = graph.backend_cache["cuda_fusions"] = fusions(graph)
+        done: set[int] = set()  # MUL nodes already computed with their RMS norm
         with cp.cuda.Device(self.device.index):
+            begin_graph()
             for node in graph.nodes:
-                if node.op in VIEW_OPS:
+                if node.op in VIEW_OPS or id(node) in done:
+                    continue
+                if id(node) in plan:
+                    k_rms_norm(node, plan[id(node)])
+                    done.add(id(plan[id(node)]))
                     continue
                 kernel = OP_TABLE.get(node.op)
                 if kernel is None:

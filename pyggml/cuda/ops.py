@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..ops import Op, RopeMode, UnaryOp
-from ..tensor import Tensor
+from ..ops import VIEW_OPS, Op, RopeMode, UnaryOp
+from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .device import tensor_rows, tensor_view
 from .runtime import function
@@ -153,14 +153,46 @@ def _into_f32(node: Tensor, launch: Callable) -> None:
         y[...] = tmp
 
 
-def _norm(kernel: str) -> Kernel:
-    def k_norm(node: Tensor) -> None:
-        x = _dense_rows(values(node.src[0]))
-        ne3, ne2, ne1, ne0 = x.shape
-        _into_f32(node, lambda y: function("norm.cu", kernel)((ne1 * ne2 * ne3,), (_threads(ne0),), (
-            x, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
-            np.float32(node.get_op_params_f32(0)))))
-    return k_norm
+def k_rms_norm(node: Tensor, mul: Tensor | None = None) -> None:
+    """RMS_NORM; with ``mul``, also the MUL by a weight vector that reads it (see fusions())."""
+    x = _dense_rows(values(node.src[0]))
+    w = _cp().ascontiguousarray(tensor_view(mul.src[1]).reshape(-1)) if mul is not None else None
+    ne3, ne2, ne1, ne0 = x.shape
+    _into_f32(mul or node, lambda y: function("norm.cu", "rms_norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
+        x, w, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
+        np.float32(node.get_op_params_f32(0)))))
+
+
+def k_norm(node: Tensor) -> None:
+    x = _dense_rows(values(node.src[0]))
+    ne3, ne2, ne1, ne0 = x.shape
+    _into_f32(node, lambda y: function("norm.cu", "norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
+        x, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
+        np.float32(node.get_op_params_f32(0)))))
+
+
+def fusions(graph) -> dict[int, Tensor]:
+    """{id(RMS_NORM node): the MUL node computed with it} for a graph: an RMS norm whose only
+    reader is the next op, a MUL by an F32 weight vector (every norm with a weight, as
+    models/blocks.py builds it), runs as one kernel.  Only for graphs whose scheduler said which
+    tensors other splits read (Graph.read_across), and never for a tensor marked as an output."""
+    if graph.read_across is None:
+        return {}
+    readers: dict[int, int] = {}
+    for n in graph.nodes:
+        for s in (*n.src, n.view_src):
+            if s is not None:
+                readers[id(s)] = readers.get(id(s), 0) + 1
+    ops = [n for n in graph.nodes if n.op not in VIEW_OPS]
+    plan = {}
+    for norm, mul in zip(ops, ops[1:]):
+        if norm.op != Op.RMS_NORM or mul.op != Op.MUL or mul.src[0] is not norm or readers.get(id(norm)) != 1:
+            continue
+        w = mul.src[1]
+        if (w.type == Type.F32 and w.ne == (norm.ne[0], 1, 1, 1) and w.nb[0] == 4 and norm.type == Type.F32
+                and not norm.flags & TensorFlag.OUTPUT and id(norm) not in graph.read_across):
+            plan[id(norm)] = mul
+    return plan
 
 
 def k_soft_max(node: Tensor) -> None:
@@ -273,17 +305,41 @@ def k_set_rows(node: Tensor) -> None:
 
 
 
-def mul_mat_vec_q(w, qtype: Type, x, out) -> None:
+_Q8_1: dict[tuple, object] = {}  # activations quantized in the current graph, by (source tensor, slice)
+
+
+def begin_graph() -> None:
+    """Forget the last graph's quantized activations (CUDABackend.graph_compute calls this)."""
+    _Q8_1.clear()
+
+
+def quantize_q8_1(x, key: tuple | None = None):
+    """x [N, K] float32 as q8_1 blocks, uint8 [N, K/32*36].  With a key, once per graph: the
+    q, k and v products (gate and up) of a layer read the same activations.  A source's bytes
+    cannot change while products that read it are still to run (the graph allocator reuses
+    them only after its last reader), so the key is the source tensor and the slice."""
+    if key is not None and key in _Q8_1:
+        return _Q8_1[key]
+    cp = _cp()
+    n, k = x.shape
+    if x.strides[1] != 4:
+        x = cp.ascontiguousarray(x)
+    groups = k // 32
+    xq = cp.empty((n, groups * 36), dtype=cp.uint8)
+    function("quantize.cu", "quantize_q8_1")(((groups * n + 7) // 8,), (256,), (
+        x, xq, np.int64(k), np.int64(x.strides[0] // 4), np.int64(groups * 36), np.int64(n)))
+    if key is not None:
+        _Q8_1[key] = xq
+    return xq
+
+
+def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     """out [N, M] = x [N, K] (float32) times weight rows w (uint8 [M, row_bytes]), N <= 8."""
     cp = _cp()
     n, k = x.shape
     m = w.shape[0]
     groups = k // 32
-    xq = cp.empty((n, groups * 36), dtype=cp.uint8)
-    x = cp.ascontiguousarray(x)
-    warps = groups * n
-    function("quantize.cu", "quantize_q8_1")(((warps + 7) // 8,), (256,),
-                                             (x, xq, np.int64(k), np.int64(k), np.int64(groups * 36), np.int64(n)))
+    xq = quantize_q8_1(x, key)
     dst = out if out.flags.c_contiguous else cp.empty((n, m), dtype=cp.float32)
     function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}")(
         ((m + 3) // 4,), (32, 4), (w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n),
@@ -306,7 +362,8 @@ def k_mul_mat(node: Tensor) -> None:
             if quantized and xi.shape[0] <= MMVQ_MAX_BATCH:
                 w = rows[i3 // r3, i2 // r2]
                 for start in range(0, xi.shape[0], MMVQ_MAX_COLS):
-                    mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS])
+                    mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS],
+                                  key=(id(b), i3, i2, start))
             elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS
                 w, xh = rows[i3 // r3, i2 // r2], xi.astype(cp.float16)
                 for start in range(0, w.shape[0], GEMM_TILE_ROWS):
@@ -364,8 +421,8 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.SCALE: k_scale,
     Op.UNARY: k_unary,
     Op.GLU: k_glu,
-    Op.RMS_NORM: _norm("rms_norm_f32"),
-    Op.NORM: _norm("norm_f32"),
+    Op.RMS_NORM: k_rms_norm,
+    Op.NORM: k_norm,
     Op.SOFT_MAX: k_soft_max,
     Op.ROPE: k_rope,
     Op.MUL_MAT: k_mul_mat,
