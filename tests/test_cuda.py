@@ -89,6 +89,18 @@ def test_rms_norm_times_its_weight(second_reader):
     compare(build, {"x": f32(5, 64), "w": f32(64)})
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "softmax", "swiglu"])
+def test_fused_ops_into_an_f16_result(op):
+    """A graph from another client (over RPC) may ask for an F16 result: computed in F32, stored as F16."""
+    def build(leaf):
+        x = leaf("x", T.F32, (64, 5))
+        t = {"rms_norm": lambda: ops.rms_norm(x, 1e-6), "softmax": lambda: ops.soft_max_ext(x, None, 0.5),
+             "swiglu": lambda: ops.swiglu(x)}[op]()
+        t.type, t.nb = T.F16, pg.new_tensor(T.F16, t.ne).nb
+        return t
+    compare(build, {"x": f32(5, 64)}, limit=1e-5)
+
+
 def test_products_of_one_input_share_its_quantization_and_no_other():
     """q/k/v-like products of one input reuse its q8_1 blocks within the graph; a product of
     another input of the same shape must not."""
