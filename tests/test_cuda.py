@@ -264,11 +264,12 @@ def test_real_model_logits_match_the_cpu(alias):
 
 
 def test_real_model_through_an_rpc_server_that_lends_the_gpu():
-    """pyggml-rpc-server --device CUDA0 in a process of its own; the client runs SmolLM2 on it."""
+    """pyggml-rpc-server --device 0 (GPUs come first: device 0 is CUDA0) in a process of its own;
+    the client runs SmolLM2 on it."""
     ids, _, _ = cpu_reference("smollm2")
-    server = ServerProcess("--device", "CUDA0")
+    server = ServerProcess("--device", "0")
     try:
-        assert "CUDA0" in server.banner[1], server.banner
+        assert "device 0: CUDA0" in server.banner[1], server.banner
         with pg.Model("smollm2", n_ctx=256, rpc=server.endpoint, ngl="0:all", progress=False) as remote:
             assert remote.model.layer_device(0).get_name() == f"RPC[{server.endpoint}]"
             got = remote.logits(ids)

@@ -47,5 +47,7 @@ def compile_error_message(name: str, log: str) -> str:
     return f"CUDA kernel kernels/{file}:{where.group(2)} failed to compile:\n{log}"
 
 
+@cache
 def function(source: str, name: str):
+    """A kernel of ``kernels/<source>``, looked up once (it is launched for every op of every token)."""
     return module(source).get_function(name)
