@@ -140,7 +140,6 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
     from pyggml.cuda import ops as cuda_ops
     seconds: dict[str, float] = {}
     counts: dict[str, int] = {}
-    original = dict(cuda_ops.OP_TABLE)
 
     def timed(name, fn):
         def run(*args):
@@ -151,15 +150,9 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
             counts[name] = counts.get(name, 0) + 1
         return run
-    fused = cuda_ops.k_rms_norm
-    cuda_ops.OP_TABLE.update({op: timed(op.name, fn) for op, fn in original.items()})
-    cuda_ops.k_rms_norm = timed("RMS_NORM+MUL", fused)  # the fused pairs (ops.fusions)
-    try:
+    with cuda_ops.instrumented(timed):
         for _ in range(n):
             token = int(ctx.decode([token])[-1].argmax())
-    finally:
-        cuda_ops.OP_TABLE.update(original)
-        cuda_ops.k_rms_norm = fused
     return sorted(((k, v * 1000 / n, counts[k] // n) for k, v in seconds.items()), key=lambda r: -r[1])
 
 

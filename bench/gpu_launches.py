@@ -35,10 +35,7 @@ def main() -> None:
             launches[name] += cupy.launches - before
             calls[name] += 1
         return run
-    for op, fn in list(cuda_ops.OP_TABLE.items()):
-        cuda_ops.OP_TABLE[op] = counted(op.name, fn)
-    cuda_ops.k_rms_norm = counted("RMS_NORM+MUL", cuda_ops.k_rms_norm)  # the fused pairs (ops.fusions)
-    with pg.Model(args.model, n_ctx=256, ngl="all", progress=False) as m:
+    with cuda_ops.instrumented(counted), pg.Model(args.model, n_ctx=256, ngl="all", progress=False) as m:
         ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
         m.context.decode(ids)
         launches.clear()

@@ -38,6 +38,28 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
+def _loop_begin(builder, n, name: str):
+    """Open ``for i in range(n)`` (skipped when n <= 0) as one basic block; returns (i, pre,
+    loop, done) with the builder in the loop body.  More phis may follow i's at once."""
+    i64 = ir.IntType(64)
+    pre = builder.basic_block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), pre)
+    return i, pre, loop, done
+
+
+def _loop_end(builder, i, n, loop, done) -> None:
+    """Close the loop _loop_begin opened; the builder continues after it."""
+    i_next = builder.add(i, ir.Constant(ir.IntType(64), 1))
+    i.add_incoming(i_next, loop)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    builder.position_at_end(done)
+
+
 def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     """IR of ``len(s_rows)`` independent 8-lane chains over the same activation scales:
     ``acc_r[0:8] = fma(wd_r[b] * yd[b], S_r[8b:8b+8], acc_r)`` for b < nb; each then ``hsum8``."""
@@ -45,14 +67,8 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     v8 = ir.VectorType(f32t, 8)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
     zero = ir.Constant(v8, [0.0] * 8)
-    pre = builder.basic_block
-    loop = builder.append_basic_block("lanes.loop")
-    done = builder.append_basic_block("lanes.done")
-    builder.cbranch(builder.icmp_signed(">", nb, ir.Constant(i64, 0)), loop, done)
-    builder.position_at_end(loop)
-    b = builder.phi(i64)
+    b, pre, loop, done = _loop_begin(builder, nb, "lanes")
     accs = [builder.phi(v8) for _ in s_rows]  # phis first in the block
-    b.add_incoming(ir.Constant(i64, 0), pre)
     for acc in accs:
         acc.add_incoming(zero, pre)
     y = builder.load(builder.gep(yd_ptr, [b]))
@@ -64,12 +80,9 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
         lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
                              align=4)
         nexts.append(builder.call(fma, [splat, lanes, acc]))
-    b_next = builder.add(b, ir.Constant(i64, 1))
-    b.add_incoming(b_next, loop)
     for acc, nacc in zip(accs, nexts):
         acc.add_incoming(nacc, loop)
-    builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
-    builder.position_at_end(done)
+    _loop_end(builder, b, nb, loop, done)
     results = [builder.phi(v8) for _ in nexts]
     for res, nacc in zip(results, nexts):
         res.add_incoming(zero, pre)
@@ -147,13 +160,7 @@ def _lane_dots(signed_weights: bool):
         c_ptr, y_ptr, o_ptr = (context.make_array(t)(context, builder, a).data
                                for t, a in zip(signature.args[:3], args[:3]))
         n = args[3]
-        pre = builder.basic_block
-        loop = builder.append_basic_block("dots.loop")
-        done = builder.append_basic_block("dots.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        g = builder.phi(i64)
-        g.add_incoming(ir.Constant(i64, 0), pre)
+        g, _, loop, done = _loop_begin(builder, n, "dots")
         at = builder.mul(g, ir.Constant(i64, 64))
         wb = builder.load(builder.bitcast(builder.gep(c_ptr, [at]), v64b.as_pointer()), align=1)
         yb = builder.load(builder.bitcast(builder.gep(y_ptr, [at]), v64b.as_pointer()), align=1)
@@ -175,10 +182,7 @@ def _lane_dots(signed_weights: bool):
             sums = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
         dst = builder.bitcast(builder.gep(o_ptr, [builder.mul(g, ir.Constant(i64, 16))]), v16f.as_pointer())
         builder.store(builder.sitofp(sums, v16f), dst, align=4)
-        g_next = builder.add(g, ir.Constant(i64, 1))
-        g.add_incoming(g_next, loop)
-        builder.cbranch(builder.icmp_signed("<", g_next, n), loop, done)
-        builder.position_at_end(done)
+        _loop_end(builder, g, n, loop, done)
         return context.get_dummy_value()
     return intrinsic(typer)
 
