@@ -3,6 +3,8 @@ CUDA backend run in CI without a GPU: it must compute what a GPU computes, and r
 mistakes a GPU would hide (tests/cuda/emu_selftest.cu has one kernel for each)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,38 @@ def test_fake_cupy_keeps_cupys_rules(fake_cupy):
     with pytest.raises(cp.cuda.compiler.CompileException, match=r"source\.cu\(2\): error"):
         cp.RawModule(code='#include "common.cuh"\nextern "C" __global__ void k() { undefined_name = 1; }',
                      options=(f"-I{emulator.KERNEL_DIR}",)).compile()
+
+
+def test_cublas_gemm_through_the_fake_reads_what_cublas_reads(fake_cupy, monkeypatch):
+    """pyggml/cuda/blas.py (F16 x F16 -> F32 through cublasGemmEx) on strided views: x with
+    padded rows, every other row of w, a block of the output's columns.  The fake cuBLAS
+    reads device memory by address as cuBLAS does, so wrong leading dimensions or pointers
+    give wrong numbers or an error here, as they would on a GPU."""
+    cp = fake_cupy
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    from pyggml.cuda.blas import gemm_f16_f32
+    rng = np.random.default_rng(0)
+    x = cp.asarray(rng.standard_normal((5, 80)).astype(np.float16))[:, :64]
+    w = cp.asarray(rng.standard_normal((40, 64)).astype(np.float16))[::2]
+    out = cp.zeros((5, 50), np.float32)
+    gemm_f16_f32(x, w, out[:, 10:30])
+    want = x.get().astype(np.float32) @ w.get().astype(np.float32).T
+    np.testing.assert_allclose(out.get()[:, 10:30], want, rtol=1e-5, atol=1e-4)
+    assert not out.get()[:, :10].any() and not out.get()[:, 30:].any()
+    gemm_f16_f32(x, w.T.copy().T, out[:, :20])  # column-major weights: copied dense first
+    np.testing.assert_allclose(out.get()[:, :20], want, rtol=1e-5, atol=1e-4)
+
+    blas, rt = cp.cuda.cublas, cp.cuda.runtime
+    one = np.ones(1, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    a, b, c = cp.zeros((4, 8), np.float16), cp.zeros((2, 8), np.float16), cp.zeros((2, 4), np.float32)
+
+    def gemm(k, lda):
+        blas.gemmEx(handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, 4, 2, k, one.ctypes.data, a.data.ptr, rt.CUDA_R_16F,
+                    lda, b.data.ptr, rt.CUDA_R_16F, 8, one.ctypes.data, c.data.ptr, rt.CUDA_R_32F, 4,
+                    blas.CUBLAS_COMPUTE_32F, blas.CUBLAS_GEMM_DEFAULT)
+    gemm(8, 8)
+    with pytest.raises(blas.CUBLASError, match="leading dimension"):
+        gemm(8, 7)
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="outside every allocation"):
+        gemm(9, 9)  # one more element per row than `a` holds

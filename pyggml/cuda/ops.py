@@ -3,11 +3,11 @@
 Matrix products with quantized weights run our kernels: for a few columns (decoding),
 activations are quantized to q8_1 on the GPU and multiplied by the integer matrix-vector
 kernel, which reads every weight byte once; for more columns (a prompt), the weights are
-dequantized to F16 and cuBLAS multiplies on the tensor cores.  The ops a decode step runs
-in every layer (RMS norm, RoPE, softmax, GLU, attention over the F16 cache, the cache
-update) are one kernel launch each (attention: two), since on a GPU the launches, not the
-arithmetic, are what such small ops cost.  The rest are CuPy expressions.  All have the CPU
-backend's semantics (``pyggml/cpu/kernels.py``).
+dequantized to F16 and cuBLAS multiplies on the tensor cores into an F32 result (blas.py).
+The ops a decode step runs in every layer (RMS norm, RoPE, softmax, GLU, attention over the
+F16 cache, the cache update) are one kernel launch each (attention: two), since on a GPU the
+launches, not the arithmetic, are what such small ops cost. The rest are CuPy expressions.
+All have the CPU backend's semantics (``pyggml/cpu/kernels.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 from ..ops import VIEW_OPS, Op, RopeMode, UnaryOp
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
+from .blas import gemm_f16_f32
 from .device import tensor_rows, tensor_view
 from .runtime import function
 
@@ -380,15 +381,15 @@ def k_mul_mat(node: Tensor) -> None:
                 for start in range(0, xi.shape[0], MMVQ_MAX_COLS):
                     mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS],
                                   key=(id(b), i3, i2, start))
-            elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS
+            elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS, F32 result
                 w, xh = rows[i3 // r3, i2 // r2], xi.astype(cp.float16)
                 for start in range(0, w.shape[0], GEMM_TILE_ROWS):
                     wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
-                    oi[:, start:start + GEMM_TILE_ROWS] = cp.matmul(xh, wf.T).astype(cp.float32)
+                    gemm_f16_f32(xh, wf, oi[:, start:start + GEMM_TILE_ROWS])
             else:
                 wa = tensor_view(a)[i3 // r3, i2 // r2]
                 if a.type == Type.F16:
-                    oi[...] = cp.matmul(xi.astype(cp.float16), wa.T).astype(cp.float32)
+                    gemm_f16_f32(xi.astype(cp.float16), wa, oi)
                 else:
                     oi[...] = cp.matmul(xi, wa.T)
 

@@ -23,6 +23,7 @@ import re
 import sys
 import tempfile
 import types
+import weakref
 from pathlib import Path
 
 import numpy
@@ -36,6 +37,7 @@ TOTAL_MEMORY = int(os.environ.get("PYGGML_FAKE_GPU_MEMORY", str(16 << 30)))
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _allocated = 0
+_live: weakref.WeakSet = weakref.WeakSet()  # allocations not yet freed: what cuBLAS may be pointed at
 launches = 0  # device operations so far (ufuncs, copies, casts, our kernels): what a GPU would launch
 _nested = 0   # inside a counted operation: what numpy does for it is not counted again
 
@@ -65,6 +67,7 @@ class _Memory:
         self.start, self.size, self.rounded = span - rounded, size, rounded
         self.ptr = base + self.start
         _allocated += rounded
+        _live.add(self)
 
     def __del__(self) -> None:
         global _allocated
@@ -101,6 +104,15 @@ class ndarray(numpy.ndarray):  # CuPy's name
         arr._memptr = memptr  # keeps the allocation alive
         return arr
 
+    @property
+    def data(self) -> MemoryPointer:  # CuPy's: the allocation, pointing at this view's first element
+        root = self
+        while getattr(root, "_memptr", None) is None:
+            if root.base is None:
+                raise AssertionError("fake cupy: an array outside emulated device memory (made by numpy itself)")
+            root = root.base
+        return MemoryPointer(root._memptr.mem, self.ctypes.data - root._memptr.mem.ptr)
+
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         _count()
         if any(_plain(x) for x in (*inputs, *kwargs.get("out", ()))):
@@ -120,7 +132,11 @@ class ndarray(numpy.ndarray):  # CuPy's name
 
     def astype(self, dtype, *args, **kwargs):
         _count()
-        return super().astype(dtype, *args, **kwargs)
+        return _device_copy(self.view(numpy.ndarray).astype(dtype, *args, **kwargs))
+
+    def copy(self, order="C"):
+        _count()
+        return _device_copy(self.view(numpy.ndarray).copy(order))
 
     def get(self) -> numpy.ndarray:
         return numpy.array(self.view(numpy.ndarray))
@@ -244,6 +260,82 @@ class RawModule:
         return launch
 
 
+# -- cupy.cuda.cublas: gemmEx, reading and writing device memory by address as cuBLAS does -----
+
+class _CUBLASError(RuntimeError):
+    pass
+
+
+_CUDA_R = {0: numpy.float32, 2: numpy.float16}  # cudaDataType values: CUDA_R_32F, CUDA_R_16F
+_COMPUTE_32F, _COMPUTE_16F = 68, 64
+_HANDLE = 0x5EED
+_pointer_mode = {_HANDLE: 0}  # CUBLAS_POINTER_MODE_HOST, as cublasCreate leaves it
+
+
+def _device_region(ptr: int, nbytes: int, what: str) -> numpy.ndarray:
+    """The bytes [ptr, ptr + nbytes) of one live allocation (a GPU would fault, or read another
+    tensor, anywhere else)."""
+    if not any(m.ptr <= ptr and ptr + nbytes <= m.ptr + m.size for m in list(_live)):
+        raise _CUDARuntimeError(f"cudaErrorIllegalAddress: cuBLAS {what} reads {nbytes} bytes at {ptr:#x}, "
+                                "outside every allocation")
+    return numpy.frombuffer((ctypes.c_char * nbytes).from_address(ptr), numpy.uint8)
+
+
+def _matrix(ptr: int, dtype, rows: int, cols: int, ld: int, what: str) -> numpy.ndarray:
+    """The column-major rows x cols matrix cuBLAS reads at ptr with leading dimension ld."""
+    if ld < 1 or ld < rows:  # (max and min are CuPy's in this module)
+        raise _CUBLASError(f"CUBLAS_STATUS_INVALID_VALUE: {what}'s leading dimension {ld} < {rows} rows")
+    item = numpy.dtype(dtype).itemsize
+    flat = _device_region(ptr, ((cols - 1) * ld + rows) * item, what).view(dtype)
+    return numpy.lib.stride_tricks.as_strided(flat, (rows, cols), (item, ld * item))
+
+
+def _scalar(ptr: int, handle: int) -> float:
+    if _pointer_mode[handle] == 0:
+        return float(ctypes.c_float.from_address(ptr).value)
+    return float(_device_region(ptr, 4, "a scalar").view(numpy.float32)[0])
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc,
+             compute_type, algo) -> None:
+    """C (m x n) = alpha op(A) op(B) + beta C, column-major, as cublasGemmEx; products and sums in
+    float32 (what CUBLAS_COMPUTE_32F promises; a GPU's summation order differs in the last bits)."""
+    if handle not in _pointer_mode:
+        raise _CUBLASError("CUBLAS_STATUS_NOT_INITIALIZED: not a cuBLAS handle")
+    types_ = (_CUDA_R.get(atype), _CUDA_R.get(btype), _CUDA_R.get(ctype))
+    if (compute_type != _COMPUTE_32F or types_[0] != types_[1] or None in types_
+            or (types_[0] == numpy.float32 and types_[2] != numpy.float32)):
+        raise _CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: types {atype}, {btype}, {ctype}, compute {compute_type}")
+    if m < 0 or n < 0 or k < 0 or transa not in (0, 1) or transb not in (0, 1):
+        raise _CUBLASError("CUBLAS_STATUS_INVALID_VALUE: sizes or operations")
+    _count()
+    if m == 0 or n == 0:
+        return
+    c_mat = _matrix(c, types_[2], m, n, ldc, "C")
+    op_a = _matrix(a, types_[0], *((m, k) if transa == 0 else (k, m)), lda, "A") if k else numpy.zeros((m, 0))
+    op_b = _matrix(b, types_[1], *((k, n) if transb == 0 else (n, k)), ldb, "B") if k else numpy.zeros((0, n))
+    op_a, op_b = (op_a if transa == 0 else op_a.T), (op_b if transb == 0 else op_b.T)
+    result = _scalar(alpha, handle) * (op_a.astype(numpy.float32) @ op_b.astype(numpy.float32))
+    beta_value = _scalar(beta, handle)
+    if beta_value != 0:  # with beta 0, cuBLAS does not read C (NaN there stays out)
+        result += beta_value * c_mat.astype(numpy.float32)
+    with numpy.errstate(all="ignore"):
+        c_mat[...] = result.astype(types_[2])
+
+
+def _set_pointer_mode(handle: int, mode: int) -> None:
+    if handle not in _pointer_mode or mode not in (0, 1):
+        raise _CUBLASError("CUBLAS_STATUS_INVALID_VALUE: setPointerMode")
+    _pointer_mode[handle] = mode
+
+
+_cublas = types.SimpleNamespace(
+    gemmEx=_gemm_ex, getPointerMode=lambda handle: _pointer_mode[handle], setPointerMode=_set_pointer_mode,
+    CUBLASError=_CUBLASError, CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_POINTER_MODE_HOST=0,
+    CUBLAS_POINTER_MODE_DEVICE=1, CUBLAS_COMPUTE_16F=_COMPUTE_16F, CUBLAS_COMPUTE_32F=_COMPUTE_32F,
+    CUBLAS_GEMM_DEFAULT=-1)
+
+
 # -- cupy.cuda ---------------------------------------------------------------------------------
 
 class _OutOfMemoryError(MemoryError):
@@ -302,7 +394,9 @@ cuda = types.SimpleNamespace(
     get_elapsed_time=_elapsed_ms,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=_properties,
                                   memGetInfo=lambda: (TOTAL_MEMORY - _allocated, TOTAL_MEMORY),
-                                  CUDARuntimeError=_CUDARuntimeError),
+                                  CUDARuntimeError=_CUDARuntimeError, CUDA_R_32F=0, CUDA_R_16F=2),
+    cublas=_cublas,
+    device=types.SimpleNamespace(get_cublas_handle=lambda: _HANDLE),
     memory=types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError, MemoryPointer=MemoryPointer),
     compiler=types.SimpleNamespace(CompileException=_CompileException),
 )
