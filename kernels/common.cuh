@@ -87,9 +87,17 @@ HD u16 float_to_half(float f) {
 #endif
 }
 
-// a value stored as F32, or as F16 bits
+// a value stored as F32, or as F16 bits, and read back as F32
 static __device__ __forceinline__ void store(float *y, float v) { *y = v; }
 static __device__ __forceinline__ void store(u16 *y, float v) { *y = float_to_half(v); }
+HD float to_f32(float v) { return v; }
+HD float to_f32(u16 h) { return half_to_float(h); }
+
+// What a kernel writes into the graph's error flag (pyggml/cuda/ops.py check_errors names it):
+// indices come from the graph's data (over RPC, from the network), so one out of range is
+// reported, and the row it names is neither read nor written.
+#define ERROR_SET_ROWS_INDEX 1
+#define ERROR_GET_ROWS_INDEX 2
 
 // a sum or maximum over a thread block (blockDim.x a multiple of 32); every thread gets it
 static __device__ __forceinline__ float block_reduce(float x, bool is_max) {

@@ -166,9 +166,10 @@ def test_rope(mode):
 
 
 @pytest.mark.parametrize("case", ["norm", "reglu", "swiglu_gate_swapped", "softmax_mask_over_heads", "softmax_strided",
-                                  "rope_freq_factors_yarn", "rms_norm_strided"])
+                                  "rope_freq_factors_yarn", "rms_norm_strided", "sub_repeating_over_rows",
+                                  "div_of_a_permuted_view", "scale_of_a_permuted_view"])
 def test_fused_kernels_on_their_other_paths(case):
-    """The paths of the fused kernels (norm, glu, softmax, rope) that the models above do not take."""
+    """The paths of the kernels (norm, glu, softmax, rope, element-wise) that the models above do not take."""
     x, g = f32(3, 5, 64), f32(3, 5, 64)
     build = {
         "norm": lambda leaf: ops.norm(leaf("x", T.F32, (64, 5, 3)), 1e-5),
@@ -182,8 +183,14 @@ def test_fused_kernels_on_their_other_paths(case):
             leaf("x", T.F32, (64, 5, 3)), leaf("pos", T.I32, (3,)), leaf("ff", T.F32, (16,)), 32, pg.RopeMode.NEOX,
             n_ctx_orig=4096, freq_base=500000.0, freq_scale=0.25, ext_factor=1.0, attn_factor=1.0),
         "rms_norm_strided": lambda leaf: ops.rms_norm(ops.permute(leaf("x", T.F32, (64, 5, 3)), 0, 2, 1, 3), 1e-6),
+        "sub_repeating_over_rows": lambda leaf: ops.sub(leaf("x", T.F32, (64, 5, 3)), leaf("b", T.F32, (64, 1, 3))),
+        "div_of_a_permuted_view": lambda leaf: ops.div(ops.permute(leaf("x", T.F32, (64, 5, 3)), 0, 2, 1, 3),
+                                                       leaf("d", T.F32, (32, 3, 1))),
+        "scale_of_a_permuted_view": lambda leaf: ops.scale(ops.permute(leaf("x", T.F32, (64, 5, 3)), 1, 0, 2, 3),
+                                                           -2.0, 0.25),
     }[case]
-    compare(build, {"x": x, "g": g, "m": f32(8, 64), "pos": np.array([0, 17, 4000], np.int32),
+    compare(build, {"x": x, "g": g, "b": f32(3, 1, 64), "d": rng.uniform(0.5, 2.0, (1, 3, 32)).astype(np.float32),
+                    "m": f32(8, 64), "pos": np.array([0, 17, 4000], np.int32),
                     "ff": rng.uniform(1.0, 8.0, 16).astype(np.float32)})
 
 
@@ -209,6 +216,20 @@ def test_get_rows(qtype):
     table = random_weights(qtype, 16, 256) if qtype.is_quantized else f32(16, 256).astype(qtype.np_dtype)
     compare(lambda leaf: ops.get_rows(leaf("t", qtype, (256, 16)), leaf("i", T.I32, (3,))),
             {"t": table, "i": np.array([3, 0, 15], np.int32)})
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q8_0])
+def test_get_rows_in_batches_and_an_index_out_of_range(qtype):
+    """Indices [n, ne2, ne3] pick rows of the source's matching [ne2, ne3] slice; one out of range
+    is reported after the graph (the kernel flags it: no host read per op)."""
+    table = random_weights(qtype, 16 * 6, 64) if qtype.is_quantized else f32(16 * 6, 64).astype(qtype.np_dtype)
+
+    def build(leaf):
+        return ops.get_rows(leaf("t", qtype, (64, 16, 3, 2)), leaf("i", T.I32, (4, 3, 2)))
+    compare(build, {"t": table, "i": rng.integers(0, 16, (2, 3, 4)).astype(np.int32)})
+    with pytest.raises(IndexError, match="GET_ROWS: index out of range"):
+        run_on(GPUS[0], build, {"t": table, "i": np.full((2, 3, 4), 16, np.int32)})
+    compare(build, {"t": table, "i": np.zeros((2, 3, 4), np.int32)})  # the flag was cleared
 
 
 def test_set_rows_into_an_f16_cache():

@@ -73,23 +73,31 @@ def dequantize(rows, qtype: Type, ncols: int, dtype):
     return out
 
 
-def _tile(b, shape):
-    if b.shape == shape or all(x in (1, y) for x, y in zip(b.shape, shape)):
-        return b
-    return _cp().tile(b, tuple(y // x for x, y in zip(b.shape, shape)))
+BINARY_OPS = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}  # kernels/binary.cu
 
 
-def _binary(fn_name: str) -> Kernel:
-    def kernel(node: Tensor) -> None:
-        cp = _cp()
-        out = tensor_view(node)
-        getattr(cp, fn_name)(values(node.src[0]), _tile(values(node.src[1]), out.shape), out=out)
-    return kernel
+def _strides(a) -> tuple:
+    """Element strides of a 4-D array [ne3, ne2, ne1, ne0], innermost first: (s0, s1, s2, s3)."""
+    return tuple(np.int64(s // a.itemsize) for s in reversed(a.strides))
+
+
+def _sizes(a) -> tuple:
+    return tuple(np.int64(n) for n in reversed(a.shape))
+
+
+def k_binary(node: Tensor) -> None:
+    """ADD, SUB, MUL, DIV; src1 repeats over src0's shape where it is smaller (ggml_can_repeat)."""
+    x, y = values(node.src[0]), values(node.src[1])
+    _into_f32(node, lambda out: function("binary.cu", "binary_f32")(_grid(out.size), (256,), (
+        x, y, out, np.int32(BINARY_OPS[node.op]), *_sizes(out), *_strides(x), *_sizes(y), *_strides(y),
+        *_strides(out))))
 
 
 def k_scale(node: Tensor) -> None:
-    out = tensor_view(node)
-    out[...] = values(node.src[0]) * np.float32(node.get_op_params_f32(0)) + np.float32(node.get_op_params_f32(1))
+    x = values(node.src[0])
+    _into_f32(node, lambda out: function("binary.cu", "scale_f32")(_grid(out.size), (256,), (
+        x, out, np.float32(node.get_op_params_f32(0)), np.float32(node.get_op_params_f32(1)), *_sizes(out),
+        *_strides(x), *_strides(out))))
 
 
 def _gelu_tanh(x):
@@ -300,12 +308,18 @@ def _index_errors():
 _ERROR_FLAGS: dict[int, object] = {}
 
 
+INDEX_ERRORS = {1: "SET_ROWS: index out of range (those rows were not written)",  # kernels/common.cuh
+                2: "GET_ROWS: index out of range (those rows were not read)"}
+
+
 def check_errors() -> None:
     """Raise what the kernels flagged during the graph (one read per graph, not per op)."""
     flag = _ERROR_FLAGS.get(_cp().cuda.Device().id)
-    if flag is not None and int(flag.get()[0]):
-        flag.fill(0)
-        raise IndexError("SET_ROWS: index out of range (those rows were not written)")
+    if flag is not None:
+        code = int(flag.get()[0])
+        if code:
+            flag.fill(0)
+            raise IndexError(INDEX_ERRORS.get(code, f"a CUDA kernel reported error {code}"))
 
 
 def k_set_rows(node: Tensor) -> None:
@@ -394,24 +408,26 @@ def k_mul_mat(node: Tensor) -> None:
                     oi[...] = cp.matmul(xi, wa.T)
 
 
-def _check_indices(ids, limit: int, op: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        raise IndexError(f"{op}: index out of range [0, {limit})")
-
-
 def k_get_rows(node: Tensor) -> None:
+    """out[i12, i11, i10] = row ids[i12, i11, i10] of src0[i12, i11], as F32 (quantized rows
+    dequantized on the way); an index out of range is flagged for check_errors."""
     a, idx = node.src[0], node.src[1]
-    ids = tensor_view(idx).astype(np.int64)  # [1, i2, i1, n]
-    _check_indices(ids, a.ne[1], "GET_ROWS")
-    out = tensor_view(node)
-    for i2 in range(idx.ne[2]):
-        for i1 in range(idx.ne[1]):
-            sel = ids[0, i2, i1]
-            if a.type in QUANT_KERNELS:
-                picked = tensor_rows(a)[i2, i1][sel]
-                out[i2, i1] = dequantize(picked, a.type, a.ne[0], np.float32)
-            else:
-                out[i2, i1] = values(a)[i2, i1][sel]
+    ids = tensor_view(idx)  # I32 [1, n12, n11, n10]
+    n10, n11, n12 = idx.ne[0], idx.ne[1], idx.ne[2]
+    shape = (np.int64(n10), np.int64(n11), np.int64(n10 * n11 * n12))
+    id_strides = _strides(ids)[:3]
+    if a.type in QUANT_KERNELS:
+        w, groups = tensor_rows(a), a.ne[0] // 32
+        _into_f32(node, lambda out: function("dequantize.cu", f"get_rows_{QUANT_KERNELS[a.type]}")(
+            _grid(groups * n10 * n11 * n12 * 4), (256,), (
+                w, ids, out, _index_errors(), np.int64(groups), *shape, *(np.int64(nb) for nb in a.nb[1:]),
+                *id_strides, *_strides(out)[1:], np.int64(a.ne[1]))))
+        return
+    rows = _dense_rows(tensor_view(a) if a.type == Type.F16 else values(a))
+    kernel = "get_rows_f16" if a.type == Type.F16 else "get_rows_f32"
+    _into_f32(node, lambda out: function("rows.cu", kernel)(_grid(a.ne[0] * n10 * n11 * n12), (256,), (
+        rows, ids, out, _index_errors(), np.int32(a.ne[0]), *shape, *_strides(rows)[1:], *id_strides,
+        *_strides(out)[1:], np.int64(a.ne[1]))))
 
 
 def k_cpy(node: Tensor) -> None:
@@ -431,10 +447,10 @@ def k_argmax(node: Tensor) -> None:
 
 
 OP_TABLE: dict[Op, Kernel] = {
-    Op.ADD: _binary("add"),
-    Op.SUB: _binary("subtract"),
-    Op.MUL: _binary("multiply"),
-    Op.DIV: _binary("divide"),
+    Op.ADD: k_binary,
+    Op.SUB: k_binary,
+    Op.MUL: k_binary,
+    Op.DIV: k_binary,
     Op.SCALE: k_scale,
     Op.UNARY: k_unary,
     Op.GLU: k_glu,
