@@ -10,13 +10,18 @@ end-to-end prompt / generation speed of llama-shaped models this script writes i
 No model can be carried to the GPU machine, so the models are written here with the gguf
 package: random weights in Q4_K (attention, FFN), Q6_K (output head) and Q8_0 (embedding),
 with small finite block scales so that the numbers stay finite.  Speeds are what matter.
+On a GPU, generation is timed three ways (pyggml/cuda/replay.py): every step through the op
+table, from the launches recorded on a step graph's second run, and as the CUDA graph
+captured on its third.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -150,14 +155,34 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
             counts[name] = counts.get(name, 0) + 1
         return run
-    with cuda_ops.instrumented(timed):
+    with cuda_ops.instrumented(timed), replay_mode("op table"):  # (a replay would skip the op table)
         for _ in range(n):
             token = int(ctx.decode([token])[-1].argmax())
     return sorted(((k, v * 1000 / n, counts[k] // n) for k, v in seconds.items()), key=lambda r: -r[1])
 
 
+# How a CUDA decode step runs (pyggml/cuda/replay.py): through the op table every time, from
+# the launches recorded on its second run, or as the CUDA graph captured on its third.
+REPLAY_MODES = {"op table": {"PYGGML_CUDA_REPLAY": "0"}, "launches": {"PYGGML_CUDA_GRAPHS": "0"}, "CUDA graph": {}}
+
+
+@contextmanager
+def replay_mode(mode: str):
+    saved = {k: os.environ.pop(k, None) for k in ("PYGGML_CUDA_REPLAY", "PYGGML_CUDA_GRAPHS")}
+    os.environ.update(REPLAY_MODES[mode])
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
 def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int,
-                profile: bool = False) -> tuple[float, float, float, int, list]:
+                profile: bool = False) -> tuple[float, float, dict[str, float], int, list]:
+    """Load time, prompt tokens/s, generation tokens/s by replay mode (one mode off CUDA), weight
+    bytes, and the decode profile.  Every mode generates from the same position after the prompt."""
     from pyggml.models import Context, load_model
     from pyggml.models.loader import default_devices
     devices = default_devices()
@@ -165,7 +190,9 @@ def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int,
     t0 = time.perf_counter()
     model = load_model(path, ngl=f"{index}:all", devices=devices, progress=False)
     load = time.perf_counter() - t0
-    ctx = Context(model, n_ctx=n_prompt + n_gen + 8)
+    cuda = device_name.upper().startswith("CUDA")
+    modes = list(REPLAY_MODES) if cuda else ["op table"]
+    ctx = Context(model, n_ctx=n_prompt + n_gen + 16)
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, model.hp.n_vocab, size=n_prompt).tolist()
     ctx.decode(prompt)  # warm up: kernels compiled, both graphs built and placed
@@ -174,12 +201,20 @@ def bench_model(path: Path, device_name: str, n_prompt: int, n_gen: int,
     t0 = time.perf_counter()
     logits = ctx.decode(prompt)
     pp = n_prompt / (time.perf_counter() - t0)
-    token = int(logits[-1].argmax())
-    t0 = time.perf_counter()
-    for _ in range(n_gen):
-        token = int(ctx.decode([token])[-1].argmax())
-    tg = n_gen / (time.perf_counter() - t0)
-    rows = profile_decode(ctx, token) if profile and device_name.upper().startswith("CUDA") else []
+    first = int(logits[-1].argmax())
+    tg = {}
+    for mode in modes:
+        with replay_mode(mode):
+            ctx.truncate(n_prompt)
+            token = first
+            for _ in range(3):  # the step's graph: built, recorded, captured (as a user's first tokens)
+                token = int(ctx.decode([token])[-1].argmax())
+            t0 = time.perf_counter()
+            for _ in range(n_gen):
+                token = int(ctx.decode([token])[-1].argmax())
+            tg[mode] = n_gen / (time.perf_counter() - t0)
+    ctx.truncate(n_prompt)
+    rows = profile_decode(ctx, first) if profile and cuda else []
     nbytes = model.weights_nbytes()
     model.free()
     return load, pp, tg, nbytes, rows
@@ -215,9 +250,10 @@ def main() -> None:
             write_llama(path, size)
             written = time.perf_counter() - t0
             load, pp, tg, nbytes, profile = bench_model(path, args.device, args.prompt, args.gen, args.profile)
+            gen = ", ".join(f"{tps:.1f} ({mode})" if len(tg) > 1 else f"{tps:.1f}" for mode, tps in tg.items())
             print(f"llama {size} ({nbytes / 2**30:.2f} GiB of weights) on {args.device}: written in {written:.1f} s, "
                   f"loaded in {load:.1f} s; prompt {pp:.1f} tokens/s ({args.prompt} tokens), "
-                  f"generation {tg:.1f} tokens/s")
+                  f"generation {gen} tokens/s")
             if profile:
                 print(f"  decode profile ({sum(r[1] for r in profile):.2f} ms per token with a sync around every op):")
                 for name, ms, count in profile:

@@ -17,6 +17,7 @@ import pyggml as pg
 from pyggml import ops
 from pyggml.cuda import cuda_devices
 from pyggml.cuda.ops import MMVQ_MAX_BATCH
+from pyggml.ops import VIEW_OPS
 
 from .conftest import shared_model
 from .rpc_helpers import ServerProcess
@@ -34,9 +35,10 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sum((got.astype(np.float64) - want) ** 2) / max(np.sum(want ** 2), 1e-30))
 
 
-def run_on(device, build, data: dict[str, np.ndarray | bytes]) -> np.ndarray:
-    """Build a graph whose sources all live on ``device`` (so that its nodes run there), fill
-    them with ``data`` and return the output's values."""
+def prepare(device, build):
+    """Build a graph whose sources all live on ``device`` (so that its nodes run there); return
+    run(data): fill the sources with ``data``, compute the graph, return the output's values.
+    Each run computes the same graph object, as a decode step does."""
     leaves: dict[str, pg.Tensor] = {}
 
     def leaf(name: str, type, ne):
@@ -45,14 +47,22 @@ def run_on(device, build, data: dict[str, np.ndarray | bytes]) -> np.ndarray:
         return t
     out = build(leaf)
     pg.alloc_tensors(leaves.values(), device.get_buffer_type())
-    for name, t in leaves.items():
-        pg.tensor_set(t, data[name])
     graph = pg.build_forward(out)
     backends = [device.init_backend()] if device.get_type() == pg.DeviceType.CPU else \
         [device.init_backend(), pg.cpu_device().init_backend()]
     sched = pg.Scheduler(backends)
-    sched.graph_compute(graph)
-    return pg.tensor_array(out)
+
+    def run(data: dict[str, np.ndarray | bytes]) -> np.ndarray:
+        for name, t in leaves.items():
+            pg.tensor_set(t, data[name])
+        sched.graph_compute(graph)
+        return pg.tensor_array(out)
+    run.sched = sched
+    return run
+
+
+def run_on(device, build, data: dict[str, np.ndarray | bytes]) -> np.ndarray:
+    return prepare(device, build)(data)
 
 
 def compare(build, data, limit: float = 1e-6) -> None:
@@ -247,6 +257,98 @@ def test_flash_attention_over_an_f16_cache():
              "v": f32(kv_heads, n_kv, d).astype(np.float16), "m": mask}, limit=1e-5)
 
 
+# -- replay: a graph computed again runs its recorded launches (pyggml/cuda/replay.py) --------
+
+def a_decode_step(leaf):
+    """A layer's worth of a decode step: embedding rows, a norm times its weight, two products
+    sharing one quantized input, a residual add; every op one kernel launch."""
+    x = ops.get_rows(leaf("emb", T.Q8_0, (256, 10)), leaf("tok", T.I32, (2,)))
+    h = ops.mul(ops.rms_norm(x, 1e-6), leaf("nw", T.F32, (256,)))
+    q = ops.mul_mat(leaf("wq", T.Q4_K, (256, 128)), h)
+    k = ops.mul_mat(leaf("wk", T.Q6_K, (256, 128)), h)
+    return ops.add(ops.scale(ops.add(q, k), 0.5), ops.view(x, (128, 2), (x.nb[1],)))
+
+
+def decode_step_data(i: int) -> dict[str, np.ndarray]:
+    r = np.random.default_rng(100 + i)  # new activations and tokens each step, the same weights
+    return {"emb": random_weights(T.Q8_0, 10, 256, seed=1), "tok": r.integers(0, 10, 2).astype(np.int32),
+            "nw": np.random.default_rng(2).standard_normal(256).astype(np.float32),
+            "wq": random_weights(T.Q4_K, 128, 256, seed=3), "wk": random_weights(T.Q6_K, 128, 256, seed=4)}
+
+
+def counting_device_operations(run):
+    """run, with run.device_ops[-1] the device operations its GPU graph_compute made (the CUDA
+    emulator's CuPy counts them; a real CuPy does not, and the list stays empty)."""
+    import cupy
+    backend, run.device_ops = run.sched.backends[0], []
+    compute = backend.graph_compute
+
+    def counted(graph):
+        before = getattr(cupy, "launches", None)
+        compute(graph)
+        if before is not None:
+            run.device_ops.append(cupy.launches - before)
+    backend.graph_compute = counted
+    return run
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_a_graph_computed_again_replays_its_launches(graphs, monkeypatch):
+    """Run 2 records the launches, run 3 captures them as a CUDA graph (or, with
+    PYGGML_CUDA_GRAPHS=0, replays them one by one): each run's result is bit-identical to the
+    op table's on the same inputs, which change every run."""
+    monkeypatch.setenv("PYGGML_CUDA_GRAPHS", graphs)
+    gpu = counting_device_operations(prepare(GPUS[0], a_decode_step))
+    monkeypatch.setenv("PYGGML_CUDA_REPLAY", "0")
+    eager = counting_device_operations(prepare(GPUS[0], a_decode_step))
+    cpu = prepare(pg.cpu_device(), a_decode_step)
+    for i in range(5):
+        monkeypatch.setenv("PYGGML_CUDA_REPLAY", "0")
+        want = eager(decode_step_data(i))
+        monkeypatch.setenv("PYGGML_CUDA_REPLAY", "1")
+        got = gpu(decode_step_data(i))
+        assert np.array_equal(got, want), f"run {i + 1}"
+        assert nmse(got, cpu(decode_step_data(i))) < 5e-4
+    cache = gpu.sched.splits[0].graph.backend_cache
+    assert len(cache["cuda_replay"]) == 8  # get_rows, norm+mul, quantize, 2 products, add, scale, add
+    assert bool(cache.get("cuda_graph")) == (graphs == "1")
+    if gpu.device_ops:  # the emulator: the op table launched exactly what was recorded, nothing else
+        assert eager.device_ops == [8] * 5
+        assert gpu.device_ops == [8, 8] + ([1] * 3 if graphs == "1" else [8] * 3)
+
+
+def test_an_index_out_of_range_is_reported_from_a_captured_graph_too():
+    run = prepare(GPUS[0], a_decode_step)
+    for i in range(3):
+        run(decode_step_data(i))
+    assert run.sched.splits[0].graph.backend_cache.get("cuda_graph")
+    with pytest.raises(IndexError, match="GET_ROWS: index out of range"):
+        run({**decode_step_data(3), "tok": np.array([0, 10], np.int32)})
+    run(decode_step_data(4))  # and the flag was cleared
+
+
+def test_a_graph_with_an_op_that_is_not_a_launch_is_never_recorded():
+    run = prepare(GPUS[0], lambda leaf: ops.add(ops.tanh(leaf("a", T.F32, (64, 4))), leaf("b", T.F32, (64, 4))))
+    cpu = prepare(pg.cpu_device(), lambda leaf: ops.add(ops.tanh(leaf("a", T.F32, (64, 4))), leaf("b", T.F32, (64, 4))))
+    for _ in range(4):
+        data = {"a": f32(4, 64), "b": f32(4, 64)}
+        assert nmse(run(data), cpu(data)) < 1e-6
+    cache = run.sched.splits[0].graph.backend_cache
+    assert cache.get("cuda_eager") and "cuda_replay" not in cache
+
+
+def test_a_failed_capture_falls_back_to_replaying_the_launches(monkeypatch):
+    from pyggml.cuda import replay
+
+    def refuse(launches):
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(replay, "capture", refuse)
+    run, cpu = prepare(GPUS[0], a_decode_step), prepare(pg.cpu_device(), a_decode_step)
+    for i in range(4):
+        assert nmse(run(decode_step_data(i)), cpu(decode_step_data(i))) < 5e-4
+    assert run.sched.splits[0].graph.backend_cache["cuda_graph"] is False
+
+
 def test_out_of_memory_names_the_device_the_request_and_the_free_memory():
     _, total = GPUS[0].get_memory()
     with pytest.raises(MemoryError, match=r"CUDA0: out of memory allocating [\d.]+ MiB \([\d.]+ MiB free of"):
@@ -314,6 +416,26 @@ def test_real_model_logits_match_the_cpu(alias):
     assert_close_to_the_cpu(alias, got)
     assert_close_to_the_cpu(alias, got_short)
     assert greedy[:4] == list(shared_model(alias).generate(ids, max_tokens=4, temperature=0))
+
+
+def test_real_model_decode_steps_from_a_captured_graph_match_the_op_table(monkeypatch):
+    """SmolLM2's decode steps, run by the op table (PYGGML_CUDA_REPLAY=0) and then from the
+    recorded launches captured as a CUDA graph: bit-identical logits, step by step."""
+    ids = cpu_reference("smollm2")[0][:SHORT]
+    with pg.Model("smollm2", n_ctx=64, ngl="all", progress=False) as m:
+        def steps() -> tuple[np.ndarray, dict]:
+            m.context.clear()
+            m.context.decode(ids[:4])
+            logits = np.concatenate([m.context.decode([t]) for t in ids[4:]])  # one graph, 8 steps
+            graph = m.context.sched.splits[0].graph
+            return logits, dict(graph.backend_cache), sum(n.op not in VIEW_OPS for n in graph.nodes)
+        monkeypatch.setenv("PYGGML_CUDA_REPLAY", "0")
+        eager, eager_cache, _ = steps()
+        monkeypatch.setenv("PYGGML_CUDA_REPLAY", "1")
+        replayed, cache, n_ops = steps()
+    assert "cuda_replay" not in eager_cache and cache.get("cuda_graph")
+    assert len(cache["cuda_replay"]) >= n_ops - len(cache["cuda_fusions"])  # a launch (or more) per op
+    assert np.array_equal(eager, replayed)
 
 
 def test_real_model_through_an_rpc_server_that_lends_the_gpu():

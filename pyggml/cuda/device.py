@@ -153,26 +153,32 @@ class CUDABackend(Backend):
         return self.device
 
     def graph_compute(self, graph: Graph) -> None:
-        from .ops import OP_TABLE, begin_graph, check_errors, fusions, k_rms_norm
-        cp = _cp()
+        from . import replay
+        from .ops import check_errors
+        with _cp().cuda.Device(self.device.index):
+            replay.compute(graph.backend_cache, lambda: self._run_ops(graph))
+            check_errors()  # what the kernels flagged (an index out of range), once per graph
+
+    @staticmethod
+    def _run_ops(graph: Graph) -> None:
+        """The graph's ops through the op table (replay.py may skip this after two runs)."""
+        from . import ops
         plan = graph.backend_cache.get("cuda_fusions")
         if plan is None:
-            plan = graph.backend_cache["cuda_fusions"] = fusions(graph)
+            plan = graph.backend_cache["cuda_fusions"] = ops.fusions(graph)
         done: set[int] = set()  # MUL nodes already computed with their RMS norm
-        with cp.cuda.Device(self.device.index):
-            begin_graph()
-            for node in graph.nodes:
-                if node.op in VIEW_OPS or id(node) in done:
-                    continue
-                if id(node) in plan:
-                    k_rms_norm(node, plan[id(node)])
-                    done.add(id(plan[id(node)]))
-                    continue
-                kernel = OP_TABLE.get(node.op)
-                if kernel is None:
-                    raise NotImplementedError(f"CUDA backend: op {node.op.name} is not implemented")
-                kernel(node)
-            check_errors()  # what the kernels flagged (an index out of range), once per graph
+        ops.begin_graph()
+        for node in graph.nodes:
+            if node.op in VIEW_OPS or id(node) in done:
+                continue
+            if id(node) in plan:
+                ops.k_rms_norm(node, plan[id(node)])
+                done.add(id(plan[id(node)]))
+                continue
+            kernel = ops.OP_TABLE.get(node.op)
+            if kernel is None:
+                raise NotImplementedError(f"CUDA backend: op {node.op.name} is not implemented")
+            kernel(node)
 
     def synchronize(self) -> None:
         _cp().cuda.Device(self.device.index).synchronize()

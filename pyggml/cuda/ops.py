@@ -22,6 +22,7 @@ from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .blas import gemm_f16_f32
 from .device import tensor_rows, tensor_view
+from .replay import eager
 from .runtime import function
 
 Kernel = Callable[[Tensor], None]
@@ -52,6 +53,7 @@ def values(t: Tensor):
     if t.type == Type.F32:
         return tensor_view(t)
     if t.type in (Type.F16, Type.I32):
+        eager()
         return tensor_view(t).astype(np.float32)
     rows = tensor_rows(t)
     return dequantize(rows.reshape(-1, rows.shape[-1]), t.type, t.ne[0], np.float32).reshape(t.ne[::-1])
@@ -122,6 +124,7 @@ UNARY: dict[int, Callable] = {
 
 
 def k_unary(node: Tensor) -> None:
+    eager()  # CuPy expressions
     fn = UNARY.get(int(node.op_params[0]))
     if fn is None:
         raise NotImplementedError(f"CUDA backend: unary op {int(node.op_params[0])} is not implemented")
@@ -138,7 +141,19 @@ def _rows(a) -> tuple:
 
 
 def _dense_rows(a):
-    return a if a.strides[3] == a.itemsize else _cp().ascontiguousarray(a)
+    """a with contiguous elements in its rows (any row strides): itself, or a dense copy."""
+    if a.strides[3] == a.itemsize:
+        return a
+    eager()
+    return _cp().ascontiguousarray(a)
+
+
+def _flat(a):
+    """a as one contiguous vector: a view, or a dense copy."""
+    if not a.flags.c_contiguous:
+        eager()
+        a = _cp().ascontiguousarray(a)
+    return a.reshape(-1)
 
 
 def _threads(n: int) -> int:
@@ -158,6 +173,7 @@ def _into_f32(node: Tensor, launch: Callable) -> None:
     if y.dtype == np.float32:
         launch(y)
     else:
+        eager()
         tmp = _cp().empty(y.shape, dtype=np.float32)
         launch(tmp)
         y[...] = tmp
@@ -166,7 +182,7 @@ def _into_f32(node: Tensor, launch: Callable) -> None:
 def k_rms_norm(node: Tensor, mul: Tensor | None = None) -> None:
     """RMS_NORM; with ``mul``, also the MUL by a weight vector that reads it (see fusions())."""
     x = _dense_rows(values(node.src[0]))
-    w = _cp().ascontiguousarray(tensor_view(mul.src[1]).reshape(-1)) if mul is not None else None
+    w = _flat(tensor_view(mul.src[1])) if mul is not None else None
     ne3, ne2, ne1, ne0 = x.shape
     _into_f32(mul or node, lambda y: function("norm.cu", "rms_norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
         x, w, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
@@ -246,8 +262,8 @@ def k_rope(node: Tensor) -> None:
         high = min(n_dims - 1.0, math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, bs, fb)))
     x = _dense_rows(values(a))
     ne3, ne2, ne1, ne0 = x.shape
-    positions = _cp().ascontiguousarray(tensor_view(pos).reshape(-1))
-    factors = _cp().ascontiguousarray(values(ff).reshape(-1)) if ff is not None else None
+    positions = _flat(tensor_view(pos))
+    factors = _flat(values(ff)) if ff is not None else None
     _into_f32(node, lambda y: function("rope.cu", "rope_f32")(_grid(ne1 * ne2 * ne3 * (ne0 // 2)), (256,), (
         x, y, positions, factors, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
         *_rows(x), *_rows(y), np.int32(n_dims), np.int32(mode == RopeMode.NEOX), np.float32(fb), np.float32(fs),
@@ -278,6 +294,8 @@ def k_flash_attn_ext(node: Tensor) -> None:
     scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
     if q.ne[0] > ATTN_MAX_D:
         raise NotImplementedError(f"CUDA backend: attention heads of {q.ne[0]} > {ATTN_MAX_D}")
+    if k.type != Type.F16 or v.type != Type.F16:
+        eager()
     f16 = [tensor_view(t) if t.type == Type.F16 else values(t).astype(cp.float16) for t in (k, v)]
     qv, kv, vv = _dense_rows(values(q)), _dense_rows(f16[0]), _dense_rows(f16[1])
     ne3, n_head, n_tokens, d = qv.shape
@@ -354,6 +372,7 @@ def quantize_q8_1(x, key: tuple | None = None):
     cp = _cp()
     n, k = x.shape
     if x.strides[1] != 4:
+        eager()
         x = cp.ascontiguousarray(x)
     groups = k // 32
     xq = cp.empty((n, groups * 36), dtype=cp.uint8)
@@ -376,6 +395,7 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
         ((m + 3) // 4,), (32, 4), (w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n),
                                    np.int64(groups * 36), np.int64(m)))
     if dst is not out:
+        eager()
         out[...] = dst
 
 
@@ -396,11 +416,13 @@ def k_mul_mat(node: Tensor) -> None:
                     mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS],
                                   key=(id(b), i3, i2, start))
             elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS, F32 result
+                eager()  # (a prompt's graph seldom comes back, and its F16 tiles are large)
                 w, xh = rows[i3 // r3, i2 // r2], xi.astype(cp.float16)
                 for start in range(0, w.shape[0], GEMM_TILE_ROWS):
                     wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
                     gemm_f16_f32(xh, wf, oi[:, start:start + GEMM_TILE_ROWS])
             else:
+                eager()
                 wa = tensor_view(a)[i3 // r3, i2 // r2]
                 if a.type == Type.F16:
                     gemm_f16_f32(xi.astype(cp.float16), wa, oi)
@@ -431,6 +453,7 @@ def k_get_rows(node: Tensor) -> None:
 
 
 def k_cpy(node: Tensor) -> None:
+    eager()  # CuPy expressions
     src = node.src[0]
     x = values(src) if src.type != node.type else tensor_view(src)
     out = tensor_view(node)
@@ -438,11 +461,13 @@ def k_cpy(node: Tensor) -> None:
 
 
 def k_concat(node: Tensor) -> None:
+    eager()  # CuPy expressions
     dim = int(node.op_params[0])
     tensor_view(node)[...] = _cp().concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
 def k_argmax(node: Tensor) -> None:
+    eager()  # CuPy expressions
     tensor_view(node)[...] = values(node.src[0])[0, 0].argmax(axis=-1).astype(np.int32)
 
 

@@ -10,6 +10,8 @@ import re
 from functools import cache
 from pathlib import Path
 
+from .replay import Kernel
+
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 if not (KERNEL_DIR / "common.cuh").exists():  # installed (non-editable): kernels ship as pyggml.kernels
     import pyggml.kernels
@@ -48,6 +50,7 @@ def compile_error_message(name: str, log: str) -> str:
 
 
 @cache
-def function(source: str, name: str):
-    """A kernel of ``kernels/<source>``, looked up once (it is launched for every op of every token)."""
-    return module(source).get_function(name)
+def function(source: str, name: str) -> Kernel:
+    """A kernel of ``kernels/<source>``, looked up once (it is launched for every op of every
+    token); launching it also records the launch when a graph is being recorded (replay.py)."""
+    return Kernel(module(source).get_function(name))

@@ -38,13 +38,21 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _allocated = 0
 _live: weakref.WeakSet = weakref.WeakSet()  # allocations not yet freed: what cuBLAS may be pointed at
+run_kernels = True  # False: launches are checked and counted but not run (bench/gpu_launches.py --host-time)
 launches = 0  # device operations so far (ufuncs, copies, casts, our kernels): what a GPU would launch
 _nested = 0   # inside a counted operation: what numpy does for it is not counted again
 
 
 def _count() -> None:
     global launches
+    if _nested == 0 and _capturing():
+        raise _CUDARuntimeError("cudaErrorStreamCaptureUnsupported: a device operation other than a kernel launch "
+                                "while a stream captures (only our kernels' launches may be captured)")
     launches += _nested == 0
+
+
+def _capturing() -> bool:
+    return bool(_streams) and _streams[-1].captured is not None
 
 for _name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
               "uint64", "bool_", "dtype", "newaxis", "pi", "inf", "nan"):
@@ -56,6 +64,8 @@ class _Memory:
 
     def __init__(self, size: int) -> None:
         global _allocated
+        if _capturing():  # legal in CUDA's relaxed mode, but the graph would outlive a temporary
+            raise _CUDARuntimeError("fake cupy: memory allocated while a stream captures")
         rounded = -(-(size or 1) // 256) * 256  # (max, min, sum, abs are CuPy's here)
         if _allocated + rounded > TOTAL_MEMORY:
             raise cuda.memory.OutOfMemoryError(size, TOTAL_MEMORY - _allocated)
@@ -255,8 +265,11 @@ class RawModule:
         kernel = self._module.get_function(name)
 
         def launch(*args, **kwargs):
+            if _capturing():  # recorded into the stream's graph, run when the graph is launched
+                _streams[-1].captured.append((kernel, args, kwargs))
+                return None
             _count()
-            return kernel(*args, **kwargs)
+            return kernel(*args, **kwargs) if run_kernels else None
         return launch
 
 
@@ -367,6 +380,62 @@ class Device:
         pass
 
 
+class Stream:
+    """CuPy's Stream as a context (the current stream), with graph capture: kernel launches on a
+    capturing stream are recorded, not run; any other device operation then is an error."""
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int = 0, priority=None) -> None:
+        self.null, self.captured = null, None
+
+    def __enter__(self) -> Stream:  # noqa: PYI034
+        _streams.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _streams.remove(self)
+
+    def begin_capture(self, mode=None) -> None:
+        if self.null:
+            raise _CUDARuntimeError("cudaErrorStreamCaptureUnsupported: the legacy default stream cannot capture")
+        if not _streams or _streams[-1] is not self:
+            raise _CUDARuntimeError("fake cupy: capture a stream that is current (with stream: ...)")
+        self.captured = []
+
+    def end_capture(self) -> _Graph:
+        if self.captured is None:
+            raise _CUDARuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        graph, self.captured = _Graph(self.captured), None
+        return graph
+
+    def is_capturing(self) -> bool:
+        return self.captured is not None
+
+    def synchronize(self) -> None:
+        if self.captured is not None:
+            raise _CUDARuntimeError("cudaErrorStreamCaptureUnsupported: synchronize while capturing")
+
+
+class _Graph:
+    """A captured graph: one launch runs its kernels in order (one device operation counted)."""
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def launch(self, stream=None) -> None:
+        global _nested
+        _count()
+        _nested += 1
+        try:
+            for kernel, args, kwargs in self.launches:
+                if run_kernels:
+                    kernel(*args, **kwargs)
+        finally:
+            _nested -= 1
+
+
+_streams: list[Stream] = []  # the current stream is the last; none: the legacy default stream
+
+
 class Event:
     """Host time stands in for GPU time: launches finish before they return here."""
 
@@ -391,6 +460,7 @@ cuda = types.SimpleNamespace(
     alloc=lambda size: MemoryPointer(_Memory(size)),
     Device=Device,
     Event=Event,
+    Stream=Stream,
     get_elapsed_time=_elapsed_ms,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=_properties,
                                   memGetInfo=lambda: (TOTAL_MEMORY - _allocated, TOTAL_MEMORY),

@@ -1,0 +1,128 @@
+"""Replaying a graph's kernel launches, and capturing them as a CUDA graph.
+
+A decode step computes the same graph, on the same allocation, for KV_PAD tokens in a row
+(models/context.py): only the bytes of its inputs change.  When every op of the graph is a
+kernel launch (pyggml/cuda/ops.py), the launches' arguments - pointers, sizes, constants -
+are the same each time, so the op table's Python (views, shapes, argument lists) need not
+run again:
+
+1. the second time a graph runs, its launches are recorded (``LaunchList``);
+2. the third time, they are captured into a CUDA graph on a capturing stream
+   (``cupy.cuda.Stream.begin_capture``); from then on one ``Graph.launch`` runs the whole
+   step, and the host's cost per token no longer grows with the number of ops;
+3. where capture fails (an old driver, a CuPy without it), the recorded launches are
+   replayed one by one instead: CuPy's launch is all the Python left per op.
+
+An op that does anything but launch our kernels (a CuPy expression, a copy, cuBLAS) calls
+``eager()``, and its graph always runs through the op table.  Temporaries the ops allocate
+(activations quantized to q8_1, attention probabilities) are referenced by the recorded
+arguments, so they stay allocated - and are reused by every replay - while the graph lives.
+``PYGGML_CUDA_GRAPHS=0`` stops at step 1's replay; ``PYGGML_CUDA_REPLAY=0`` turns both off.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+
+RECORD_ON_RUN = 2  # the first run may be of a graph that never comes back (a prompt): nothing is kept
+
+
+class LaunchList:
+    """Kernel launches in order: (raw kernel, grid, block, args)."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+        self.replayable = True
+
+    def run(self) -> None:
+        for kernel, grid, block, args in self.launches:
+            kernel(grid, block, args)
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+
+_recording: LaunchList | None = None
+
+
+class Kernel:
+    """A compiled kernel (``cupy.RawKernel``): launching it also appends the launch to the list
+    being recorded, if any."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+
+    def __call__(self, grid, block, args) -> None:
+        self.raw(grid, block, args)
+        if _recording is not None:
+            _recording.launches.append((self.raw, grid, block, args))
+
+
+def eager() -> None:
+    """The op running now does more than launch kernels: its graph cannot be replayed."""
+    if _recording is not None:
+        _recording.replayable = False
+
+
+@contextmanager
+def recording(enabled: bool):
+    """Record the launches made inside (yields the LaunchList, or None when not enabled)."""
+    global _recording
+    if not enabled:
+        yield None
+        return
+    _recording = LaunchList()
+    try:
+        yield _recording
+    finally:
+        _recording = None
+
+
+def enabled(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def capture(launches: LaunchList):
+    """The launches as a CUDA graph (cupy.cuda.Graph), captured on a stream of their own; its
+    launches are not run now."""
+    import cupy as cp
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            launches.run()
+        finally:
+            graph = stream.end_capture()
+    return graph
+
+
+def compute(cache: dict, run_ops: Callable[[], None]) -> None:
+    """Run one graph's ops: through ``run_ops`` (the op table), or from what its earlier runs
+    recorded in ``cache`` (the graph's backend_cache)."""
+    cache["cuda_runs"] = runs = cache.get("cuda_runs", 0) + 1
+    plan = cache.get("cuda_replay") if enabled("PYGGML_CUDA_REPLAY") else None
+    if plan is not None:
+        if enabled("PYGGML_CUDA_GRAPHS"):
+            graph = cache.get("cuda_graph")
+            if graph is None:  # the first run after the recording: capture it
+                try:
+                    graph = capture(plan)
+                except Exception:  # noqa: BLE001 - whatever failed, the launches can still run one by one
+                    graph = False
+                cache["cuda_graph"] = graph
+            if graph:
+                graph.launch()
+                return
+        plan.run()
+        return
+    record = runs >= RECORD_ON_RUN and enabled("PYGGML_CUDA_REPLAY") and not cache.get("cuda_eager")
+    with recording(record) as rec:
+        run_ops()
+    if rec is not None:
+        if rec.replayable:
+            cache["cuda_replay"] = rec
+        else:
+            cache["cuda_eager"] = True  # its ops will not change: do not try again
