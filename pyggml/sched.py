@@ -44,7 +44,9 @@ class Scheduler:
         self.user_assigned: dict[int, int] = {}
         self.splits: list[Split] = []
         self._rewired: list[tuple[Tensor, int, Tensor]] = []  # (node, src slot, original source)
-        self._key: tuple[int, int] | None = None
+        # the graph last split and allocated, and its node count: held, not its id - a freed
+        # graph's id can come back for a new graph of the same size
+        self._key: tuple[Graph, int] | None = None
         self.n_copies = 0  # bytes copied between backends in the last graph_compute
 
     # -- assignment ---------------------------------------------------------------------------
@@ -138,8 +140,7 @@ class Scheduler:
 
     def alloc_graph(self, graph: Graph) -> None:
         """Assign, split and allocate ``graph`` (done once per graph, reused afterwards)."""
-        key = (id(graph), graph.n_nodes)
-        if key == self._key:
+        if self._key is not None and self._key[0] is graph and self._key[1] == graph.n_nodes:
             return
         self._unsplit()  # the assignment must see the graph's own sources
         self._assign(graph)
@@ -150,7 +151,7 @@ class Scheduler:
             order.extend(split.nodes)
         inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
-        self._key = key
+        self._key = (graph, graph.n_nodes)
 
     # -- execution ---------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph) -> None:

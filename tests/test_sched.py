@@ -93,3 +93,22 @@ def test_devices_registry_lists_cpu():
     free, total = devs[0].get_memory()
     assert 0 < free <= total
     assert devs[0].get_name() == "CPU" and devs[0].get_description()
+
+
+def test_a_new_graph_is_never_taken_for_the_last_one():
+    """The scheduler reuses its split and allocation while the same graph comes back.  Here each
+    graph is dropped just before the next one of the same size is built, as a chat's graphs
+    for prompts of different lengths can be; the next graph then often gets the freed one's
+    id(), and must still be split and allocated for its own shapes and data."""
+    cpu = CPUDevice()
+    sched = pg.Scheduler([cpu.init_backend()])
+    graph = None
+    for n in range(1, 40):
+        a = pg.new_tensor(Type.F32, (4, n), "a")
+        pg.alloc_tensors([a], cpu.get_buffer_type())
+        pg.tensor_set(a, np.full((n, 4), n, np.float32))
+        out = ops.scale(a, 2.0)
+        graph = None  # the last graph is freed (unless something still holds it) ...
+        graph = pg.build_forward(out)  # ... and its memory may serve this one
+        sched.graph_compute(graph)
+        np.testing.assert_array_equal(pg.tensor_array(out).reshape(n, 4), np.full((n, 4), 2 * n, np.float32))
