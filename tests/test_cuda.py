@@ -345,7 +345,12 @@ def test_a_failed_capture_falls_back_to_replaying_the_launches(monkeypatch):
     monkeypatch.setattr(replay, "capture", refuse)
     run, cpu = prepare(GPUS[0], a_decode_step), prepare(pg.cpu_device(), a_decode_step)
     for i in range(4):
-        assert nmse(run(decode_step_data(i)), cpu(decode_step_data(i))) < 5e-4
+        if i == 2:
+            with pytest.warns(RuntimeWarning, match="capture failed .*capture refused"):
+                got = run(decode_step_data(i))
+        else:
+            got = run(decode_step_data(i))
+        assert nmse(got, cpu(decode_step_data(i))) < 5e-4
     assert run.sched.splits[0].graph.backend_cache["cuda_graph"] is False
 
 

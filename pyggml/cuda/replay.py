@@ -22,6 +22,8 @@ arguments, so they stay allocated - and are reused by every replay - while the g
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -43,7 +45,11 @@ class LaunchList:
         return len(self.launches)
 
 
-_recording: LaunchList | None = None
+class _Recording(threading.local):
+    launches: LaunchList | None = None  # being recorded in this thread (two models may run in two)
+
+
+_state = _Recording()
 
 
 class Kernel:
@@ -57,28 +63,28 @@ class Kernel:
 
     def __call__(self, grid, block, args) -> None:
         self.raw(grid, block, args)
-        if _recording is not None:
-            _recording.launches.append((self.raw, grid, block, args))
+        recording = _state.launches
+        if recording is not None:
+            recording.launches.append((self.raw, grid, block, args))
 
 
 def eager() -> None:
     """The op running now does more than launch kernels: its graph cannot be replayed."""
-    if _recording is not None:
-        _recording.replayable = False
+    if _state.launches is not None:
+        _state.launches.replayable = False
 
 
 @contextmanager
-def recording(enabled: bool):
-    """Record the launches made inside (yields the LaunchList, or None when not enabled)."""
-    global _recording
-    if not enabled:
+def recording(on: bool):
+    """Record the launches made inside this thread (yields the LaunchList; None when not on)."""
+    if not on:
         yield None
         return
-    _recording = LaunchList()
+    _state.launches = LaunchList()
     try:
-        yield _recording
+        yield _state.launches
     finally:
-        _recording = None
+        _state.launches = None
 
 
 def enabled(name: str) -> bool:
@@ -99,6 +105,15 @@ def capture(launches: LaunchList):
     return graph
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def compute(cache: dict, run_ops: Callable[[], None]) -> None:
     """Run one graph's ops: through ``run_ops`` (the op table), or from what its earlier runs
     recorded in ``cache`` (the graph's backend_cache)."""
@@ -110,7 +125,9 @@ def compute(cache: dict, run_ops: Callable[[], None]) -> None:
             if graph is None:  # the first run after the recording: capture it
                 try:
                     graph = capture(plan)
-                except Exception:  # noqa: BLE001 - whatever failed, the launches can still run one by one
+                except Exception as e:  # noqa: BLE001 - whatever failed, the launches can still run one by one
+                    _warn_once(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode steps replay "
+                               "their kernel launches one by one instead")
                     graph = False
                 cache["cuda_graph"] = graph
             if graph:
