@@ -5,37 +5,42 @@
 // as ints of 4 signed bytes multiplied by __dp4a, so the inner loop is integer work, and each
 // group's affine map (value = a * w + b) is applied once per part:
 //     sum_i (a w_i + b) (dx q_i) = a dx sum_i w_i q_i + b s
-// One warp per weight row.  Four lanes share a group of 32 weights (a part each: two of its
-// eight ints, see common.cuh), so a warp takes 8 adjacent groups per step and its loads of
-// their bytes are adjacent too; each weight byte is read once per launch, and a warp
-// reduction sums the lanes.  All columns (tokens, at most MMVQ_MAX_COLS) are done in the same
-// pass over the row.
+// One thread block of four warps per weight row, as llama.cpp's mmvq arranges it: a decode
+// step's matrices have a few thousand rows, and a warp per row (with a long loop over the
+// row) would leave half of the GPU's threads unused and too few loads in flight to stream
+// the weights at full bandwidth.  Four lanes share a group of 32 weights (a part each: two
+// of its eight ints, see common.cuh), so a warp takes 8 adjacent groups per step, the block
+// 32, and their loads are adjacent too; each weight byte is read once per launch.  Shared
+// memory, then one warp's shuffles, sum the lanes.  All columns (tokens, at most
+// MMVQ_MAX_COLS) are done in the same pass over the row.
 #include "common.cuh"
 
 #define MMVQ_MAX_COLS 8
-#define ROWS_PER_BLOCK 4   // warps per thread block
+#define WARPS 4            // warps per thread block, all on one row
 #define PARTS 4            // lanes per group
 #define Q8_1_BYTES 36
 
 // groups: number of 32-element groups per row; row_bytes: stride between weight rows;
 // x: ncols columns of q8_1 blocks, x_stride bytes apart; dst: ncols columns of nrows floats.
-template <void (*load_part)(PART_ARGS)>
+// MAX_COLS: 1 (a decode step; fewer registers, so more warps fit on a multiprocessor) or
+// MMVQ_MAX_COLS (ncols of them computed)
+template <void (*load_part)(PART_ARGS), int MAX_COLS>
 static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, const u8 *__restrict__ x,
                                                    float *__restrict__ dst, int groups, int nrows, i64 row_bytes,
                                                    int ncols, i64 x_stride, i64 dst_stride) {
-    const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
-    if (row >= nrows) return;  // the whole warp: threadIdx.y is the warp
+    const int row = blockIdx.x;
+    if (row >= nrows) return;  // the whole block
     const int part = threadIdx.x % PARTS;
     const u8 *wrow = W + row * row_bytes;
-    float acc[MMVQ_MAX_COLS];
+    float acc[MAX_COLS];
 #pragma unroll
-    for (int c = 0; c < MMVQ_MAX_COLS; ++c) acc[c] = 0.0f;
-    for (int g = threadIdx.x / PARTS; g < groups; g += WARP_SIZE / PARTS) {
+    for (int c = 0; c < MAX_COLS; ++c) acc[c] = 0.0f;
+    for (int g = (threadIdx.y * WARP_SIZE + threadIdx.x) / PARTS; g < groups; g += WARPS * WARP_SIZE / PARTS) {
         int lo, hi;
         float a_lo, a_hi, b;
         load_part(wrow, g, part, lo, hi, a_lo, a_hi, b);
 #pragma unroll
-        for (int c = 0; c < MMVQ_MAX_COLS; ++c) {
+        for (int c = 0; c < MAX_COLS; ++c) {
             if (c < ncols) {
                 const u8 *blk = x + c * x_stride + (i64)g * Q8_1_BYTES;  // 4-byte aligned
                 const float dx = load_f16(blk), sx = load_f16(blk + 2);
@@ -45,10 +50,22 @@ static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, con
             }
         }
     }
+    // warps 1..3 hand their lanes' sums to warp 0 through shared memory, which reduces them all
+    // with one set of shuffles (as llama.cpp's mmvq does)
+    __shared__ float partial[WARPS - 1][MAX_COLS][WARP_SIZE];
+    if (threadIdx.y > 0) {
 #pragma unroll
-    for (int c = 0; c < MMVQ_MAX_COLS; ++c) {
+        for (int c = 0; c < MAX_COLS; ++c) partial[threadIdx.y - 1][c][threadIdx.x] = acc[c];
+    }
+    __syncthreads();
+    if (threadIdx.y > 0) return;
+#pragma unroll
+    for (int c = 0; c < MAX_COLS; ++c) {
         if (c < ncols) {
-            const float v = warp_reduce_sum(acc[c]);
+            float v = acc[c];
+#pragma unroll
+            for (int w = 0; w < WARPS - 1; ++w) v += partial[w][c][threadIdx.x];
+            v = warp_reduce_sum(v);
             if (threadIdx.x == 0) dst[c * dst_stride + row] = v;
         }
     }
@@ -58,7 +75,12 @@ static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, con
     extern "C" __global__ void mul_mat_vec_##TYPE(const u8 *__restrict__ W, const u8 *__restrict__ x,  \
                                                   float *__restrict__ dst, int groups, int nrows,      \
                                                   i64 row_bytes, int ncols, i64 x_stride, i64 dst_stride) { \
-        mul_mat_vec<LOADER>(W, x, dst, groups, nrows, row_bytes, ncols, x_stride, dst_stride);       \
+        mul_mat_vec<LOADER, MMVQ_MAX_COLS>(W, x, dst, groups, nrows, row_bytes, ncols, x_stride, dst_stride); \
+    }                                                                                              \
+    extern "C" __global__ void mul_mat_vec_##TYPE##_1(const u8 *__restrict__ W, const u8 *__restrict__ x, \
+                                                      float *__restrict__ dst, int groups, int nrows,  \
+                                                      i64 row_bytes, int ncols, i64 x_stride, i64 dst_stride) { \
+        mul_mat_vec<LOADER, 1>(W, x, dst, groups, nrows, row_bytes, 1, x_stride, dst_stride);        \
     }
 
 FOR_EACH_WEIGHT_TYPE(DEFINE_MMVQ)

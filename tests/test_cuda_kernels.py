@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
+from pyggml.cuda.ops import mmvq_shape
 from pyggml.quants.layouts import LAYOUTS
 
 from .cuda import emulator
@@ -110,17 +111,18 @@ def test_quantize_q8_1_matches_the_format():
     np.testing.assert_array_equal(quantize(x), q8_1_reference(x))
 
 
-# a warp takes 8 groups per step: one step, several, and (legacy types, whose rows need not be
-# whole 256-element super-blocks) a partial last step
-MMVQ_CASES = [(name, groups) for name in WEIGHT_TYPES for groups in (8, 40, *((18,) if "K" not in name else ()))]
+# a warp takes 8 groups per step, a block (4 warps on one row) 32: some warps idle, a whole step
+# and a partial one, two whole steps and a partial one, and (legacy types, whose rows need not
+# be whole 256-element super-blocks) a warp's partial step
+MMVQ_CASES = [(name, groups) for name in WEIGHT_TYPES for groups in (8, 40, 72, *((18,) if "K" not in name else ()))]
 
 
 @needs_emulator
 @pytest.mark.parametrize("name, groups", MMVQ_CASES)
 def test_mul_mat_vec_kernels(name, groups):
-    """Each row's product with every column count a launch takes (1..8), rows not a multiple of
-    the 4 per block, padded weight rows and output columns: within f32 rounding of the same
-    product computed from the q8_1 activations, and close to the exact product."""
+    """Each row's product with every column count a launch takes (1..8; 1 also by the
+    single-column variant), padded weight rows and output columns: within f32 rounding of
+    the same product computed from the q8_1 activations, and close to the exact product."""
     qtype = pg.Type[name]
     rows, k = 37, groups * 32
     w = padded(random_weights(qtype, rows, k, seed=groups), 10)
@@ -129,11 +131,12 @@ def test_mul_mat_vec_kernels(name, groups):
     xq = quantize(x)
     blocks = xq.view(Q8_1).reshape(8, groups)
     x_seen = (blocks["q"].astype(np.float64) * blocks["d"].astype(np.float64)[..., None]).reshape(8, k)
-    fn = emulator.function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[name]}")
-    for n in range(1, 9):
+    kernel = f"mul_mat_vec_{QUANT_KERNELS[name]}"
+    for n, fn in [(1, emulator.function("mmvq.cu", kernel + "_1"))] + \
+            [(n, emulator.function("mmvq.cu", kernel)) for n in range(1, 9)]:  # one column: its own variant too
         dst = np.full((n, rows + 3), np.nan, np.float32)
-        fn(((rows + 3) // 4,), (32, 4), (w, xq, dst, np.int32(groups), np.int32(rows), np.int64(w.strides[0]),
-                                          np.int32(n), np.int64(xq.strides[0]), np.int64(rows + 3)))
+        fn(*mmvq_shape(rows), (w, xq, dst, np.int32(groups), np.int32(rows), np.int64(w.strides[0]), np.int32(n),
+                                np.int64(xq.strides[0]), np.int64(rows + 3)))
         got = dst[:, :rows]
         scale = np.abs(x_seen[:n]) @ np.abs(values).T  # what rounding errors are relative to
         assert (np.abs(got - x_seen[:n] @ values.T) <= 2e-3 * scale + 1e-6).all(), n

@@ -383,6 +383,11 @@ def quantize_q8_1(x, key: tuple | None = None):
     return xq
 
 
+def mmvq_shape(m: int) -> tuple[tuple[int], tuple[int, int]]:
+    """Grid and block of the kernels/mmvq.cu kernels for m weight rows: four warps per row."""
+    return (m,), (32, 4)
+
+
 def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     """out [N, M] = x [N, K] (float32) times weight rows w (uint8 [M, row_bytes]), N <= 8."""
     cp = _cp()
@@ -391,8 +396,9 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     groups = k // 32
     xq = quantize_q8_1(x, key)
     dst = out if out.flags.c_contiguous else cp.empty((n, m), dtype=cp.float32)
-    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}")(
-        ((m + 3) // 4,), (32, 4), (w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n),
+    single = "_1" if n == 1 else ""  # one column: the variant with fewer registers (kernels/mmvq.cu)
+    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}{single}")(
+        *mmvq_shape(m), (w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n),
                                    np.int64(groups * 36), np.int64(m)))
     if dst is not out:
         eager()

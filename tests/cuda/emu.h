@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -94,7 +95,7 @@ struct Launch {
     dim3 grid{1, 1, 1}, block{1, 1, 1};
     uint3 bid{0, 0, 0};
     std::vector<Fiber> fibers;
-    std::vector<char> stacks;
+    char *stacks = nullptr;  // STACK_BYTES per thread of a block (stack_pool)
     Fiber *cur = nullptr;
     Context sched;
     void (*invoke)(void *fn, void **args) = nullptr;
@@ -105,6 +106,18 @@ struct Launch {
 
 inline thread_local Launch *L = nullptr;
 constexpr size_t STACK_BYTES = 64 * 1024;
+
+// The fibers' stacks, kept from launch to launch and never cleared (a decode step makes hundreds
+// of launches of 128 threads: 8 MB of zeroed stacks each took longer than the kernels)
+inline char *stack_pool(size_t bytes) {
+    static thread_local std::unique_ptr<char[]> pool;
+    static thread_local size_t size = 0;
+    if (size < bytes) {
+        pool.reset(new char[bytes]);
+        size = bytes;
+    }
+    return pool.get();
+}
 
 inline void yield() { switch_to(L->cur->ctx, L->sched); }
 
@@ -208,7 +221,7 @@ inline bool run_block(Launch &l) {
         f.tid = {(unsigned)(i % nx), (unsigned)(i / nx % ny), (unsigned)(i / (nx * ny))};
         f.lane = (int)(i % 32);
         f.state = READY;
-        start_context(f.ctx, l.stacks.data() + i * STACK_BYTES, STACK_BYTES, fiber_main);
+        start_context(f.ctx, l.stacks + i * STACK_BYTES, STACK_BYTES, fiber_main);
     }
     for (;;) {
         bool live = false;
@@ -356,7 +369,7 @@ extern "C" int emu_launch(int i, const unsigned *grid, const unsigned *block, vo
     l.args = args;                                                                                 \
     const size_t threads = (size_t)block[0] * block[1] * block[2];                                 \
     l.fibers.resize(threads);                                                                      \
-    l.stacks.resize(threads * emu::STACK_BYTES);                                                   \
+    l.stacks = emu::stack_pool(threads * emu::STACK_BYTES);                                        \
     emu::Launch *saved = emu::L;                                                                   \
     emu::L = &l;                                                                                   \
     struct sigaction act{}, old_segv{}, old_bus{}, old_ill{};                                      \
