@@ -1,10 +1,13 @@
 // Quantized matrix-vector products: dst[c, r] = sum_k W[r, k] * x[c, k] for a few columns c.
 //
-// The activations x arrive quantized to q8_1 blocks ({f16 d; f16 s = d * sum(q); i8 q[32]},
-// see quantize.cu); the weights are read as stored in the GGUF.  Weights and activations meet
-// as ints of 4 signed bytes multiplied by __dp4a, so the inner loop is integer work, and each
+// The activations x arrive quantized to q8_1 blocks ({f16 d; f16 s; i8 q[32]}, see
+// quantize.cu); the weights are read as stored in the GGUF.  Weights and activations meet as
+// ints of 4 signed bytes multiplied by __dp4a, so the inner loop is integer work, and each
 // group's affine map (value = a * w + b) is applied once per part:
-//     sum_i (a w_i + b) (dx q_i) = a dx sum_i w_i q_i + b s
+//     sum_i (a w_i + b) (dx q_i) = dx (a sum_i w_i q_i + b sum_i q_i)
+// with sum_i q_i taken from the quants too (__dp4a by 0x01010101), not from the block's F16
+// s = d * sum(q), which is the sum of the block's 32 activations: past 65504 (32 of one sign
+// at 2048 are enough; FFN activations reach that) it is inf in F16, and b * inf is NaN.
 // One thread block of four warps per weight row, as llama.cpp's mmvq arranges it: a decode
 // step's matrices have a few thousand rows, and a warp per row (with a long loop over the
 // row) would leave half of the GPU's threads unused and too few loads in flight to stream
@@ -43,10 +46,11 @@ static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, con
         for (int c = 0; c < MAX_COLS; ++c) {
             if (c < ncols) {
                 const u8 *blk = x + c * x_stride + (i64)g * Q8_1_BYTES;  // 4-byte aligned
-                const float dx = load_f16(blk), sx = load_f16(blk + 2);
-                const int dot_lo = __dp4a(lo, load_i32_aligned(blk + 4 + 4 * part), 0);
-                const int dot_hi = __dp4a(hi, load_i32_aligned(blk + 20 + 4 * part), 0);
-                acc[c] += dx * (a_lo * (float)dot_lo + a_hi * (float)dot_hi) + (part == 0 ? b * sx : 0.0f);
+                const float dx = load_f16(blk);
+                const int q_lo = load_i32_aligned(blk + 4 + 4 * part), q_hi = load_i32_aligned(blk + 20 + 4 * part);
+                const int dot_lo = __dp4a(lo, q_lo, 0), dot_hi = __dp4a(hi, q_hi, 0);
+                const int sum_q = __dp4a(0x01010101, q_lo, __dp4a(0x01010101, q_hi, 0));
+                acc[c] += dx * (a_lo * (float)dot_lo + a_hi * (float)dot_hi + b * (float)sum_q);
             }
         }
     }

@@ -57,8 +57,12 @@ def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray]) -> Path:
+def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
+                types: dict[str, str] | None = None) -> Path:
+    """The GGUF file; ``types`` stores the named weights quantized (e.g. {"blk.0.ffn_up.weight": "Q4_K"})."""
     import gguf
+
+    import pyggml as pg
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(512)
@@ -71,7 +75,12 @@ def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray])
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(s.n_vocab)
     for name, value in weights.items():
-        w.add_tensor(name, value)
+        qtype = (types or {}).get(name)
+        if qtype is None:
+            w.add_tensor(name, value)
+        else:
+            w.add_tensor(name, pg.quants.quantize(value, qtype),
+                         raw_dtype=gguf.GGMLQuantizationType(int(pg.Type[qtype])))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

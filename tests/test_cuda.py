@@ -370,6 +370,62 @@ def test_a_kernel_that_fails_to_compile_names_its_file_and_line(tmp_path, monkey
         runtime.module("broken_kernel.cu")
 
 
+# -- whole models on the GPU from model files written here: the real models cannot be carried to
+# a GPU machine (no network there, and too large to bring along), these can be written there
+
+SYNTHETIC_TOKENS = [5, 17, 3, 99, 42, 7, 64, 1, 120, 33, 8, 77]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_synthetic_models_whole_on_the_gpu(arch, tmp_path):
+    """tests/synthetic.py's tiny random models (F32 weights; qwen2's q/k/v biases, qwen3's q/k
+    norms and NEOX RoPE) with every layer on the GPU, against the independent numpy forward
+    pass: the prompt in one batch, then the same tokens as decode steps."""
+    from pyggml.models import load_model
+    from pyggml.models.loader import default_devices
+
+    from .synthetic import Shape, random_weights, reference_logits, write_model
+    s = Shape()
+    weights = random_weights(arch, s, seed=len(arch))
+    model = load_model(write_model(tmp_path / f"{arch}.gguf", arch, s, weights), "all", default_devices(),
+                       progress=False)
+    assert model.layer_device(0).get_name() == "CUDA0"
+    want = reference_logits(arch, s, weights, SYNTHETIC_TOKENS)
+    assert nmse(Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True), want) < 1e-5
+    ctx = Context(model, n_ctx=64)
+    ctx.decode(SYNTHETIC_TOKENS[:5])
+    steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[5:]])
+    assert nmse(steps, want[5:]) < 1e-5
+    model.free()
+
+
+def test_a_quantized_model_whole_on_the_gpu(tmp_path):
+    """A tiny llama with its matrices in Q4_K (FFN down Q6_K, output Q6_K, embedding Q8_0, as
+    llama.cpp's Q4_K_M): the GPU's logits near the CPU's on the same file, for the prompt and
+    for decode steps, which run from a captured CUDA graph from the third step on."""
+    from pyggml.models import load_model
+    from pyggml.models.loader import default_devices
+
+    from .synthetic import Shape, random_weights, write_model
+    s = Shape(n_embd=256, n_ff=512, n_vocab=256)
+    weights = random_weights("llama", s, seed=11)
+    types = {name: "Q6_K" if "ffn_down" in name or name == "output.weight" else
+             "Q8_0" if name == "token_embd.weight" else "Q4_K" for name, v in weights.items() if v.ndim == 2}
+    path = write_model(tmp_path / "llama-q4_k_m.gguf", "llama", s, weights, types)
+    logits = {}
+    for ngl in (None, "all"):
+        model = load_model(path, ngl, default_devices(), progress=False)
+        batch = Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True)
+        ctx = Context(model, n_ctx=64)
+        ctx.decode(SYNTHETIC_TOKENS[:4])
+        steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
+        logits[ngl] = batch, steps, ctx.sched.splits[0].graph.backend_cache
+        model.free()
+    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, cache) = logits[None], logits["all"]
+    assert nmse(gpu_batch, cpu_batch) < 1e-3 and nmse(gpu_steps, cpu_steps) < 1e-3
+    assert cache.get("cuda_graph")
+
+
 # 33 tokens (SmolLM2) / 34 (Gemma 3): more than MMVQ_MAX_BATCH, so the whole prompt runs the
 # prompt path (dequantized F16 tiles, cuBLAS); its first 12 tokens alone run the quantized
 # matrix-vector kernel, in batches of up to 8 columns; generation runs it with one.
@@ -445,7 +501,8 @@ def test_real_model_decode_steps_from_a_captured_graph_match_the_op_table(monkey
 
 def test_real_model_through_an_rpc_server_that_lends_the_gpu():
     """pyggml-rpc-server --device 0 (GPUs come first: device 0 is CUDA0) in a process of its own;
-    the client runs SmolLM2 on it."""
+    the client runs SmolLM2 on it.  Generation sends each decode step as GRAPH_RECOMPUTE, so the
+    server records the step's launches on its second run and launches a CUDA graph from the third."""
     ids, _, _ = cpu_reference("smollm2")
     server = ServerProcess("--device", "0")
     try:
@@ -453,6 +510,11 @@ def test_real_model_through_an_rpc_server_that_lends_the_gpu():
         with pg.Model("smollm2", n_ctx=256, rpc=server.endpoint, ngl="0:all", progress=False) as remote:
             assert remote.model.layer_device(0).get_name() == f"RPC[{server.endpoint}]"
             got = remote.logits(ids)
+            remote.context.clear()
+            greedy = list(remote.generate(ids[:SHORT], max_tokens=5, temperature=0))
     finally:
         server.stop()
     assert_close_to_the_cpu("smollm2", got)
+    cpu = shared_model("smollm2")
+    cpu.context.clear()
+    assert greedy[:4] == list(cpu.generate(ids[:SHORT], max_tokens=4, temperature=0))

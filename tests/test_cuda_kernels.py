@@ -145,6 +145,26 @@ def test_mul_mat_vec_kernels(name, groups):
         assert np.isnan(dst[:, rows:]).all()  # nothing written past the rows
 
 
+@needs_emulator
+@pytest.mark.parametrize("name", WEIGHT_TYPES)
+def test_mul_mat_vec_with_activations_whose_block_sums_overflow_f16(name):
+    """Activations near 20000 (FFN outputs reach such values): a q8_1 block's F16 sum d*sum(q)
+    is inf, so the weights' offset term must come from the quants themselves."""
+    qtype, rows, groups = pg.Type[name], 8, 8
+    w = random_weights(qtype, rows, groups * 32, seed=7)
+    values = pg.quants.dequantize(w, qtype).reshape(rows, -1).astype(np.float64)
+    x = (20000 + 500 * np.random.default_rng(5).standard_normal((1, groups * 32))).astype(np.float32)
+    xq = quantize(x)
+    assert np.isinf(xq.view(Q8_1)["s"].astype(np.float32)).all()  # the case this test is about
+    dst = np.zeros((1, rows), np.float32)
+    emulator.function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[name]}_1")(*mmvq_shape(rows), (
+        w, xq, dst, np.int32(groups), np.int32(rows), np.int64(w.strides[0]), np.int32(1), np.int64(xq.strides[0]),
+        np.int64(rows)))
+    exact = x.astype(np.float64) @ values.T
+    assert np.isfinite(dst).all()
+    assert np.sum((dst - exact) ** 2) / np.sum(exact ** 2) < 5e-4
+
+
 def test_compile_errors_name_the_file_and_line():
     from pyggml.cuda.runtime import compile_error_message
     log = '/tmp/tmpab12/e7c1.cu(57): error: identifier "acc" is undefined\n1 error detected'
