@@ -90,16 +90,18 @@ def test_mul_mat_every_weight_type(name, n):
             {"w": w, "x": f32(n, k)}, limit=5e-4)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
-def test_prompt_products_past_the_f16_range(name, monkeypatch):
+@pytest.mark.parametrize("name, x_scale", [("Q8_0", 5e3), ("Q4_K", 5e3), ("F16", 5e3), ("Q8_0", 2e5), ("Q4_K", 2e5)])
+def test_prompt_products_past_the_f16_range(name, x_scale, monkeypatch):
     """A prompt's products run on cuBLAS with F16 operands (pyggml/cuda/blas.py) and an F32
-    result: sums past F16's 65504 stay finite.  Tiles of 32 weight rows write into column
-    blocks of the output, each a strided view."""
+    result: sums past F16's 65504 stay finite, and so do activations past it (x_scale 2e5:
+    scaled by a power of two before they become F16, the product scaled back).  Tiles of 32
+    weight rows write into column blocks of the output, each a strided view.  (F16 weights
+    take F16 activations on the CPU too: there, activations past 65504 are inf on both.)"""
     from pyggml.cuda import ops as cuda_ops
     monkeypatch.setattr(cuda_ops, "GEMM_TILE_ROWS", 32)
     qtype, m, k, n = T[name], 96, 512, 40
     w = random_weights(qtype, m, k) if qtype.is_quantized else f32(m, k).astype(np.float16)
-    data = {"w": w, "x": 5000 * f32(n, k)}  # still within F16 (|x| < 30000)
+    data = {"w": w, "x": x_scale * f32(n, k)}
 
     def build(leaf):
         return ops.mul_mat(leaf("w", qtype, (k, m)), leaf("x", T.F32, (k, n)))

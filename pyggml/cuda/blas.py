@@ -5,15 +5,29 @@ to F16 and would overflow past 65504 (Gemma's residual stream reaches such value
 llama.cpp's CUDA backend asks cuBLAS for an F32 result with F32 accumulation
 (``cublasGemmEx``, ``CUBLAS_COMPUTE_32F``, tensor cores still used); so do we, through
 CuPy's low-level binding, handled as ``cupy.cublas.gemm`` handles it (CuPy's handle for
-the current device and stream, host pointer mode for alpha and beta, the old mode restored).
+the current device and stream, the pointer mode set for alpha and beta, the old one restored).
+
+The F32 activations must become F16 operands, and past 65504 they would be inf: activations
+whose largest magnitude passes ``F16_SAFE`` are scaled by a power of two first (exact), and
+cuBLAS's alpha scales the product back - both computed on the GPU, so nothing waits for it.
 """
 from __future__ import annotations
 
 import numpy as np
 
-_ONE = np.ones(1, dtype=np.float32)   # alpha and beta live on the host (CUBLAS_POINTER_MODE_HOST)
-_ZERO = np.zeros(1, dtype=np.float32)
-INT_MAX = 2**31 - 1                   # cuBLAS takes sizes and leading dimensions as int
+INT_MAX = 2**31 - 1  # cuBLAS takes sizes and leading dimensions as int
+F16_SAFE = 32768.0   # activations are scaled below this before they become F16 (max 65504)
+_ZEROS: dict[int, object] = {}  # per device: beta = 0 on the GPU (CUBLAS_POINTER_MODE_DEVICE)
+
+
+def to_f16_scaled(x):
+    """x (F32, on the GPU) as F16 x * 2**-k, and 2**k as a one-element F32 device array: k is the
+    least k >= 0 with max|x| * 2**-k <= F16_SAFE (0 for ordinary activations)."""
+    import cupy as cp
+    amax = cp.abs(x).max()
+    # (amax == 0: log2 gives -inf, and the scale stays 1)
+    up = cp.exp2(cp.maximum(cp.ceil(cp.log2(amax / np.float32(F16_SAFE))), np.float32(0))).astype(cp.float32)
+    return (x / up).astype(cp.float16), up.reshape(1)
 
 
 def _leading_dim(a) -> int | None:
@@ -28,9 +42,10 @@ def _leading_dim(a) -> int | None:
     return ld if rest == 0 and ld >= max(cols, 1) else None
 
 
-def gemm_f16_f32(x, w, out) -> None:
-    """``out[N, M] = x[N, K] @ w[M, K].T``: x and w F16 on the GPU, out F32 (written, not added to).
-    Rows may be strided (views of wider buffers); other layouts are copied dense first."""
+def gemm_f16_f32(x, w, out, alpha=None) -> None:
+    """``out[N, M] = alpha * x[N, K] @ w[M, K].T``: x and w F16 on the GPU, out F32 (written, not
+    added to); alpha a one-element F32 device array (to_f16_scaled's), or 1.  Rows may be
+    strided (views of wider buffers); other layouts are copied dense first."""
     import cupy as cp
     cublas = cp.cuda.cublas
 
@@ -38,7 +53,8 @@ def gemm_f16_f32(x, w, out) -> None:
     m = w.shape[0]
     if w.shape[1] != k or out.shape != (n, m):
         raise ValueError(f"gemm: shapes {x.shape} x {w.shape}.T -> {out.shape} do not match")
-    if x.dtype != np.float16 or w.dtype != np.float16 or out.dtype != np.float32:
+    if x.dtype != np.float16 or w.dtype != np.float16 or out.dtype != np.float32 or \
+            (alpha is not None and (alpha.dtype != np.float32 or alpha.size != 1)):
         raise TypeError(f"gemm: wants F16 x F16 -> F32, got {x.dtype} x {w.dtype} -> {out.dtype}")
     if n == 0 or m == 0:
         return
@@ -55,14 +71,18 @@ def gemm_f16_f32(x, w, out) -> None:
         raise ValueError(f"gemm: {n}x{m}x{k} (leading dimensions {ldx}, {ldw}, {ldo}) exceeds cuBLAS's int sizes")
     # cuBLAS is column-major: out as stored is the M x N matrix C = op(A) op(B) with
     # A = w read as K x M (so op = T) and B = x read as K x N (op = N).
+    device = cp.cuda.Device().id
+    if device not in _ZEROS:
+        _ZEROS[device] = cp.zeros(1, dtype=cp.float32)
+    alpha = alpha if alpha is not None else cp.ones(1, dtype=cp.float32)
     handle = cp.cuda.device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)  # alpha and beta are on the GPU
     try:
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k,
-                      _ONE.ctypes.data, w.data.ptr, cp.cuda.runtime.CUDA_R_16F, ldw,
+                      alpha.data.ptr, w.data.ptr, cp.cuda.runtime.CUDA_R_16F, ldw,
                       x.data.ptr, cp.cuda.runtime.CUDA_R_16F, ldx,
-                      _ZERO.ctypes.data, dst.data.ptr, cp.cuda.runtime.CUDA_R_32F, ldo,
+                      _ZEROS[device].data.ptr, dst.data.ptr, cp.cuda.runtime.CUDA_R_32F, ldo,
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)

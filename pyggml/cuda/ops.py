@@ -20,7 +20,7 @@ import numpy as np
 from ..ops import VIEW_OPS, Op, RopeMode, UnaryOp
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
-from .blas import gemm_f16_f32
+from .blas import gemm_f16_f32, to_f16_scaled
 from .device import tensor_rows, tensor_view
 from .replay import eager
 from .runtime import function
@@ -423,15 +423,16 @@ def k_mul_mat(node: Tensor) -> None:
                                   key=(id(b), i3, i2, start))
             elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS, F32 result
                 eager()  # (a prompt's graph seldom comes back, and its F16 tiles are large)
-                w, xh = rows[i3 // r3, i2 // r2], xi.astype(cp.float16)
+                w, (xh, alpha) = rows[i3 // r3, i2 // r2], to_f16_scaled(xi)
                 for start in range(0, w.shape[0], GEMM_TILE_ROWS):
                     wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
-                    gemm_f16_f32(xh, wf, oi[:, start:start + GEMM_TILE_ROWS])
+                    gemm_f16_f32(xh, wf, oi[:, start:start + GEMM_TILE_ROWS], alpha)
             else:
                 eager()
                 wa = tensor_view(a)[i3 // r3, i2 // r2]
                 if a.type == Type.F16:
-                    gemm_f16_f32(xi.astype(cp.float16), wa, oi)
+                    xh, alpha = to_f16_scaled(xi)
+                    gemm_f16_f32(xh, wa, oi, alpha)
                 else:
                     oi[...] = cp.matmul(xi, wa.T)
 

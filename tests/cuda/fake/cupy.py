@@ -174,6 +174,8 @@ def _wrap(result):
     """numpy's result as device arrays (copied into guarded device memory when new)."""
     if isinstance(result, tuple):
         return tuple(_wrap(r) for r in result)
+    if isinstance(result, numpy.generic):  # a reduction's result: a 0-d device array in CuPy
+        return _device_copy(numpy.asarray(result))
     if isinstance(result, ndarray) or not isinstance(result, numpy.ndarray):
         return result
     return _device_copy(result)
@@ -201,7 +203,8 @@ def _device_function(name: str):
 
 for _name in ("matmul", "tile", "concatenate", "stack", "where", "clip", "mean", "sum", "max", "min", "argmax",
               "exp", "tanh", "sqrt", "reciprocal", "abs", "maximum", "minimum", "cos", "sin", "log", "add",
-              "subtract", "multiply", "divide", "negative", "square", "arange", "full", "ones", "zeros_like",
+              "subtract", "multiply", "divide", "negative", "square", "arange", "full", "ones", "zeros_like", "log2",
+              "exp2",
               "ones_like", "isfinite", "allclose", "array_equal", "float_power", "power", "floor", "ceil"):
     globals()[_name] = _device_function(_name)
 
