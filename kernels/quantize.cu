@@ -1,6 +1,7 @@
 // Activations to q8_1 blocks ({f16 d; f16 s; i8 q[32]}, 36 bytes) for the integer matrix-vector
 // products: one warp per block of 32 floats, one float per lane.  d = max|x| / 127,
-// q = round(x / d), s = d * sum(q) (what the dot product needs for the weights' offsets).
+// q = round(x / d), s = d * sum(q) as in llama.cpp's q8_1 (mmvq.cu does not read s: it takes
+// sum(q) from the quants, since s overflows F16 for large activations).
 #include "common.cuh"
 
 extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, u8 *__restrict__ y, i64 ncols,
