@@ -356,6 +356,19 @@ def test_a_failed_capture_falls_back_to_replaying_the_launches(monkeypatch):
     assert run.sched.splits[0].graph.backend_cache["cuda_graph"] is False
 
 
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_flash_attention_split_over_the_keys(softcap):
+    """300 cells: three chunks of ATTN_SPLIT keys (the last one partial) combined per row; the
+    mask hides every key past 150 + t, so the third chunk is all masked for every token."""
+    n_kv, d, heads, kv_heads, tokens = 300, 64, 4, 2, 3
+    mask = np.where(np.arange(n_kv)[None, :] <= np.arange(tokens)[:, None] + 150, 0, -np.inf).astype(np.float32)
+    compare(lambda leaf: ops.flash_attn_ext(leaf("q", T.F32, (d, tokens, heads)), leaf("k", T.F16, (d, n_kv, kv_heads)),
+                                            leaf("v", T.F16, (d, n_kv, kv_heads)), leaf("m", T.F32, (n_kv, tokens)),
+                                            d ** -0.5, logit_softcap=softcap),
+            {"q": f32(heads, tokens, d), "k": f32(kv_heads, n_kv, d).astype(np.float16),
+             "v": f32(kv_heads, n_kv, d).astype(np.float16), "m": mask}, limit=1e-5)
+
+
 def test_out_of_memory_names_the_device_the_request_and_the_free_memory():
     _, total = GPUS[0].get_memory()
     with pytest.raises(MemoryError, match=r"CUDA0: out of memory allocating [\d.]+ MiB \([\d.]+ MiB free of"):

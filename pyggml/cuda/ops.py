@@ -286,6 +286,7 @@ def k_glu(node: Tensor) -> None:
 
 
 ATTN_MAX_D = 512  # kernels/attention.cu
+ATTN_SPLIT = 128  # keys per block of attn_split (kernels/attention.cu)
 
 
 def k_flash_attn_ext(node: Tensor) -> None:
@@ -299,19 +300,21 @@ def k_flash_attn_ext(node: Tensor) -> None:
     f16 = [tensor_view(t) if t.type == Type.F16 else values(t).astype(cp.float16) for t in (k, v)]
     qv, kv, vv = _dense_rows(values(q)), _dense_rows(f16[0]), _dense_rows(f16[1])
     ne3, n_head, n_tokens, d = qv.shape
-    n_kv, group = kv.shape[2], n_head // kv.shape[1]
+    n_kv, group, dv = kv.shape[2], n_head // kv.shape[1], vv.shape[3]
     m = _dense_rows(values(mask))[0, 0] if mask is not None else None
     rows = ne3 * n_head * n_tokens
     if rows == 0 or n_kv == 0:
         return
-    probs = cp.empty((rows, n_kv), dtype=cp.float32)
-    shape = (np.int32(n_kv), np.int32(n_tokens), np.int32(n_head), np.int32(group))
-    function("attention.cu", "attn_probs")((rows,), (128,), (
-        qv, kv, m, probs, np.int32(d), *shape, *_rows(qv), *_rows(kv),
-        np.int64(m.strides[0] // 4) if m is not None else np.int64(0), np.float32(scale), np.float32(softcap)))
+    n_split = -(-n_kv // ATTN_SPLIT)
+    part = cp.empty((rows, n_split, 2 + dv), dtype=cp.float32)  # each chunk's {max, sum, output}
+    shape = (np.int32(n_tokens), np.int32(n_head))
+    function("attention.cu", "attn_split")((rows, n_split), (ATTN_SPLIT,), (
+        qv, kv, vv, m, part, np.int32(d), np.int32(dv), np.int32(n_kv), *shape, np.int32(group), *_rows(qv),
+        *_rows(kv), *_rows(vv), np.int64(m.strides[0] // 4) if m is not None else np.int64(0), np.float32(scale),
+        np.float32(softcap)))
     # out: [ne3, n_tokens, n_head, dv]
-    _into_f32(node, lambda out: function("attention.cu", "attn_output")((rows,), (_threads(vv.shape[3]),), (
-        probs, vv, out, np.int32(vv.shape[3]), *shape, *_rows(vv), *_rows(out))))
+    _into_f32(node, lambda out: function("attention.cu", "attn_combine")((rows,), (_threads(dv),), (
+        part, out, np.int32(dv), np.int32(n_split), *shape, *_rows(out))))
 
 
 def _index_errors():

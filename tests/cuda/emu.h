@@ -330,6 +330,11 @@ inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// CUDA's integer min and max (device built-ins; the host's are std::min / std::max)
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
 template <class T> inline T __ldg(const T *p) { return *p; }
 template <class T> inline T atomicAdd(T *p, T v) { const T old = *p; *p = old + v; return old; }  // blocks run in turn
 template <class T> inline T atomicMax(T *p, T v) { const T old = *p; *p = old > v ? old : v; return old; }
