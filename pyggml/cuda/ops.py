@@ -4,10 +4,13 @@ Matrix products with quantized weights run our kernels: for a few columns (decod
 activations are quantized to q8_1 on the GPU and multiplied by the integer matrix-vector
 kernel, which reads every weight byte once; for more columns (a prompt), the weights are
 dequantized to F16 and cuBLAS multiplies on the tensor cores into an F32 result (blas.py).
-The ops a decode step runs in every layer (RMS norm, RoPE, softmax, GLU, attention over the
-F16 cache, the cache update) are one kernel launch each (attention: two), since on a GPU the
-launches, not the arithmetic, are what such small ops cost. The rest are CuPy expressions.
-All have the CPU backend's semantics (``pyggml/cpu/kernels.py``).
+Every op a decode step runs (RMS norm, RoPE, softmax, GLU, attention over the F16 cache,
+the cache update, element-wise ops, embedding rows) is one kernel launch (attention: two),
+since on a GPU the launches, not the arithmetic, are what such small ops cost - and a graph
+of nothing but our kernels' launches can be recorded and replayed as a CUDA graph
+(replay.py).  Ops that do more (CuPy expressions for unary ops, copies, concat, argmax;
+cuBLAS; copies of odd layouts) call ``eager()``.  All have the CPU backend's semantics
+(``pyggml/cpu/kernels.py``).
 """
 from __future__ import annotations
 
