@@ -55,9 +55,12 @@ def test_gpu_check_rehearsed_on_the_emulated_gpu(tmp_path):
 def test_gpu_launch_count_bench_runs():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "cuda" / "fake"),
                                                                       os.environ.get("PYTHONPATH")])))
-    r = run(sys.executable, "bench/gpu_launches.py", env=env)
+    r = run(sys.executable, "bench/gpu_launches.py", "--host-time", env=env)
     assert r.returncode == 0, r.stderr
     assert "device operations per decoded token" in r.stdout and "MUL_MAT" in r.stdout
+    # the three ways a step runs, the last one a single launch (the captured CUDA graph)
+    assert "op table:" in r.stdout and "launches:" in r.stdout and "CUDA graph:" in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("1 device operations launched"), r.stdout
 
 
 def test_rpc_bench_runs():
