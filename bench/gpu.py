@@ -253,6 +253,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temporary directory)")
     args = ap.parse_args()
 
+    bandwidth = None
     if args.device.upper().startswith("CUDA") and not args.no_kernels:
         import cupy as cp
         bandwidth = copy_bandwidth(cp, args.copy_mib)
@@ -273,6 +274,9 @@ def main() -> None:
             print(f"llama {size} ({nbytes / 2**30:.2f} GiB of weights) on {args.device}: written in {written:.1f} s, "
                   f"loaded in {load:.1f} s; prompt {pp:.1f} tokens/s ({args.prompt} tokens), "
                   f"generation {gen} tokens/s")
+            best = max(tg.values())  # a decode step reads every weight once: its bandwidth in effect
+            print(f"  fastest generation reads the weights at {nbytes * best / 1e9:.0f} GB/s"
+                  + (f" ({nbytes * best / 1e9 / bandwidth:.0%} of the copy bandwidth)" if bandwidth else ""))
             if profile:
                 print(f"  decode profile ({sum(r[1] for r in profile):.2f} ms per token with a sync around every op):")
                 for name, ms, count in profile:

@@ -55,6 +55,6 @@ echo "== summary"
 grep -E "passed|failed|error" "$out/tests.txt" | tail -1
 grep -E "copy bandwidth" "$out/bench.txt"
 awk '$1 ~ /^Q/ && NF == 6 {split($6, p, "%"); s[$1] += p[1]; n[$1]++} END {for (t in s) printf "  %-5s mean %.0f%% of copy bandwidth\n", t, s[t] / n[t]}' "$out/bench.txt" | sort
-grep -E "^llama|^  decode profile|^    [A-Z_]+ " "$out/bench.txt"
+grep -E "^llama|^  fastest generation|^  decode profile|^    [A-Z_]+ " "$out/bench.txt"
 echo "tests exit $tests_rc, bench exit $bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
