@@ -151,3 +151,29 @@ def test_cublas_gemm_through_the_fake_reads_what_cublas_reads(fake_cupy, monkeyp
         gemm(8, 7)
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="outside every allocation"):
         gemm(9, 9)  # one more element per row than `a` holds
+
+
+def test_fake_cupy_captures_only_kernel_launches(fake_cupy):
+    """The fake's stream capture, on which the CUDA-graph tests rely: kernel launches on the
+    capturing stream are recorded and run at Graph.launch; an allocation or any other device
+    operation while capturing is an error, as is capturing the legacy default stream."""
+    cp = fake_cupy
+    fn = cp.RawModule(code=(emulator.HERE / "emu_selftest.cu").read_text(),
+                      options=(f"-I{emulator.KERNEL_DIR}",)).get_function("to_half")
+    x, y = cp.asarray(np.arange(4, dtype=np.float32)), cp.zeros(4, np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        fn((1,), (32,), (x, y, np.int32(4)))
+        graph = stream.end_capture()
+    assert not y.get().any()  # recorded, not run
+    graph.launch()
+    np.testing.assert_array_equal(y.get(), np.arange(4, dtype=np.float16).view(np.uint16))
+    for forbidden in (lambda: cp.empty(4, np.float32), lambda: x + 1):
+        with stream:
+            stream.begin_capture()
+            with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="captur"):
+                forbidden()
+            stream.end_capture()
+    with cp.cuda.Stream(null=True) as null, pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="legacy"):
+        null.begin_capture()
