@@ -12,6 +12,7 @@ from ..backend import Backend, Buffer, BufferType, Device, DeviceType
 from ..graph import Graph
 from ..ops import VIEW_OPS
 from ..tensor import Tensor
+from . import replay
 
 
 def _cp():
@@ -153,8 +154,7 @@ class CUDABackend(Backend):
         return self.device
 
     def graph_compute(self, graph: Graph) -> None:
-        from . import replay
-        from .ops import check_errors
+        from .ops import check_errors  # (ops imports this module)
         with _cp().cuda.Device(self.device.index):
             replay.compute(graph.backend_cache, lambda: self._run_ops(graph))
             check_errors()  # what the kernels flagged (an index out of range), once per graph

@@ -140,7 +140,7 @@ def k_unary(node: Tensor) -> None:
 
 def _rows(a) -> tuple:
     """Element strides of the rows of a 4-D array [ne3, ne2, ne1, ne0]: (s1, s2, s3)."""
-    return tuple(np.int64(a.strides[i] // a.itemsize) for i in (2, 1, 0))
+    return _strides(a)[1:]
 
 
 def _dense_rows(a):
@@ -350,14 +350,13 @@ def k_set_rows(node: Tensor) -> None:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
     x, ids, y = _dense_rows(values(src)), tensor_view(idx), tensor_view(node)
     ne3, ne2, ne1, ne0 = x.shape
-    is1, is2, is3 = (np.int64(ids.strides[i] // 4) for i in (3, 2, 1))
+    is1, is2, is3 = _strides(ids)[:3]
     kernel = "set_rows_f16" if node.type == Type.F16 else "set_rows_f32"
     if x.size:
         function("rows.cu", kernel)(_grid(x.size), (256,), (
             x, ids, y, _index_errors(), np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
             *_rows(x), is1, is2, is3, np.int64(src.ne[2] // idx.ne[1]), np.int64(src.ne[3] // idx.ne[2]),
             *_rows(y), np.int64(dst.ne[1])))
-
 
 
 _Q8_1: dict[tuple, object] = {}  # activations quantized in the current graph, by (source tensor, slice)
@@ -403,9 +402,9 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     xq = quantize_q8_1(x, key)
     dst = out if out.flags.c_contiguous else cp.empty((n, m), dtype=cp.float32)
     single = "_1" if n == 1 else ""  # one column: the variant with fewer registers (kernels/mmvq.cu)
-    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}{single}")(
-        *mmvq_shape(m), (w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n),
-                                   np.int64(groups * 36), np.int64(m)))
+    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}{single}")(*mmvq_shape(m), (
+        w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n), np.int64(groups * 36),
+        np.int64(m)))
     if dst is not out:
         eager()
         out[...] = dst
@@ -456,13 +455,13 @@ def k_get_rows(node: Tensor) -> None:
         _into_f32(node, lambda out: function("dequantize.cu", f"get_rows_{QUANT_KERNELS[a.type]}")(
             _grid(groups * n10 * n11 * n12 * 4), (256,), (
                 w, ids, out, _index_errors(), np.int64(groups), *shape, *(np.int64(nb) for nb in a.nb[1:]),
-                *id_strides, *_strides(out)[1:], np.int64(a.ne[1]))))
+                *id_strides, *_rows(out), np.int64(a.ne[1]))))
         return
     rows = _dense_rows(tensor_view(a) if a.type == Type.F16 else values(a))
     kernel = "get_rows_f16" if a.type == Type.F16 else "get_rows_f32"
     _into_f32(node, lambda out: function("rows.cu", kernel)(_grid(a.ne[0] * n10 * n11 * n12), (256,), (
-        rows, ids, out, _index_errors(), np.int32(a.ne[0]), *shape, *_strides(rows)[1:], *id_strides,
-        *_strides(out)[1:], np.int64(a.ne[1]))))
+        rows, ids, out, _index_errors(), np.int32(a.ne[0]), *shape, *_rows(rows), *id_strides, *_rows(out),
+        np.int64(a.ne[1]))))
 
 
 def k_cpy(node: Tensor) -> None:
