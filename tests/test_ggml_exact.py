@@ -53,21 +53,30 @@ def test_batched_columns_equal_single_columns(name):
     assert np.array_equal(batched, single)
 
 
+def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
+    return np.concatenate([x] * 3) if batch else x[:1]
+
+
 def test_portable_lane_dots_equal_vnni(tmp_path):
-    """The plain-IR lane dots (CPUs without AVX-512 VNNI) give the same bits: run in a process
-    of its own with PYGGML_NO_VNNI=1 and its own numba cache."""
+    """The plain-IR integer dots (CPUs without AVX-512 VNNI) give the same bits, for batches
+    (simd.lane_dots) and single columns (blockdot.py): run in a process of its own with
+    PYGGML_NO_VNNI=1 and its own numba cache."""
     import os
     import subprocess
     import sys
     code = ("import numpy as np, sys; import pyggml as pg; from pyggml.cpu.qmatmul import quant_matmul;"
             "d = np.load(sys.argv[1]); out = {}\n"
-            "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q4_K', 'Q6_K'):\n"
-            "    out[n] = quant_matmul(d[n + '_w'], pg.Type[n], np.concatenate([d[n + '_x']] * 3))\n"
+            "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q5_0', 'Q4_K', 'Q6_K'):\n"
+            "    for batch in (True, False):\n"
+            "        x = np.concatenate([d[n + '_x']] * 3) if batch else d[n + '_x'][:1]\n"
+            "        out[f'{n}_{batch}'] = quant_matmul(d[n + '_w'], pg.Type[n], x)\n"
             "np.savez(sys.argv[2], **out)")
     env = dict(os.environ, PYGGML_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent / "data" / "ggml_vec_dot.npz"),
                     str(tmp_path / "out.npz")], check=True, env=env, timeout=600)
     portable = np.load(tmp_path / "out.npz")
-    for n in portable.files:
-        here = quant_matmul(DATA[n + "_w"], pg.Type[n], np.concatenate([DATA[n + "_x"]] * 3))
-        assert np.array_equal(portable[n], here), n
+    assert len(portable.files) == 12
+    for key in portable.files:
+        n, batch = key.split("_")[0] + "_" + key.split("_")[1], key.endswith("True")
+        here = quant_matmul(DATA[n + "_w"], pg.Type[n], _columns(DATA[n + "_x"], batch))
+        assert np.array_equal(portable[key], here), key

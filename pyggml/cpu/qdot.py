@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
+from .blockdot import row_dot, row_pair_dots
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
 from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
@@ -330,6 +331,23 @@ def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, S, wd, wm, wmin):
         out[n, m], out[n, m + 1] = a, b
 
 
+@_jit
+def _to_bytes(yq, yb):
+    for i in range(yq.size):
+        yb[i] = np.int8(yq[i])
+
+
+@_jit
+def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
+    """Rows start..end of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column, two at a time."""
+    for m in range(start, end - 1, 2):
+        for n in range(yb.shape[0]):
+            out[n, m], out[n, m + 1] = row_pair_dots(kind, w[m], w[m + 1], yb[n], yd[n], ys[n])
+    if (end - start) % 2:
+        for n in range(yb.shape[0]):
+            out[n, end - 1] = row_dot(kind, w[end - 1], yb[n], yd[n], ys[n])
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def exact_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
@@ -346,11 +364,19 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     # the legacy types' integers fit a byte as unpacked: those always take lane_dots
     as_bytes = batched or fam <= FAM_Q8_1
     yb = np.zeros((n_cols if as_bytes else 0, k64), dtype=np.int8)
-    for n in prange(yb.shape[0]):
-        for i in range(k):
-            yb[n, i] = np.int8(yq[n, i])
+    if batched:
+        for n in prange(yb.shape[0]):
+            _to_bytes(yq[n], yb[n])
+    else:  # a few hundred values: less than starting the threads
+        for n in range(yb.shape[0]):
+            _to_bytes(yq[n], yb[n])
     n_chunks = min(m_rows, 64)
     per = (m_rows + n_chunks - 1) // n_chunks
+    if fam <= FAM_Q8_1 and not batched:
+        # a decode step's 32-element block types: from the GGUF bytes, in registers (blockdot.py)
+        for c in prange(n_chunks):
+            _rows_from_blocks(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out)
+        return
     for c in prange(n_chunks):
         wq = np.empty(k, dtype=np.float32)
         ls = np.ones(n_lanes, dtype=np.float32)

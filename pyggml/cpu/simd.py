@@ -60,10 +60,24 @@ def _loop_end(builder, i, n, loop, done) -> None:
     builder.position_at_end(done)
 
 
+def splat8(builder, x):
+    """IR: a float as all 8 lanes of a vector."""
+    v8, i32 = ir.VectorType(ir.FloatType(), 8), ir.IntType(32)
+    one = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+
+
+def hsum8_ir(builder, v):
+    """IR of ``hsum8`` over the 8 lanes of v, in its order."""
+    e = [builder.extract_element(v, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+    return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
+                        builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
+
+
 def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     """IR of ``len(s_rows)`` independent 8-lane chains over the same activation scales:
     ``acc_r[0:8] = fma(wd_r[b] * yd[b], S_r[8b:8b+8], acc_r)`` for b < nb; each then ``hsum8``."""
-    f32t, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    f32t, i64 = ir.FloatType(), ir.IntType(64)
     v8 = ir.VectorType(f32t, 8)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
     zero = ir.Constant(v8, [0.0] * 8)
@@ -74,9 +88,7 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     y = builder.load(builder.gep(yd_ptr, [b]))
     nexts = []
     for s_ptr, wd_ptr, acc in zip(s_rows, wd_rows, accs):
-        scale = builder.fmul(builder.load(builder.gep(wd_ptr, [b])), y)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), scale, ir.Constant(i32, 0)),
-                                       ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        splat = splat8(builder, builder.fmul(builder.load(builder.gep(wd_ptr, [b])), y))
         lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
                              align=4)
         nexts.append(builder.call(fma, [splat, lanes, acc]))
@@ -87,12 +99,7 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     for res, nacc in zip(results, nexts):
         res.add_incoming(zero, pre)
         res.add_incoming(nacc, loop)
-    sums = []
-    for res in results:
-        e = [builder.extract_element(res, ir.Constant(i32, i)) for i in range(8)]
-        sums.append(builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),  # hsum8's order
-                                 builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7]))))
-    return sums
+    return [hsum8_ir(builder, res) for res in results]
 
 
 @intrinsic
@@ -128,8 +135,9 @@ def lane_chain8x2(typingctx, S, wd, yd, nb):
     return sig, codegen
 
 
-def _target_has_vnni() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 VNNI (vpdpbusd); PYGGML_NO_VNNI=1 says no
+def target_has_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 VNNI (vpdpbusd, on 512- and 256-bit vectors:
+    with AVX-512 VL, which every VNNI CPU has); PYGGML_NO_VNNI=1 says no
     (tests use it to check the portable path, with a numba cache of their own)."""
     import os
 
@@ -138,25 +146,48 @@ def _target_has_vnni() -> bool:
     if os.environ.get("PYGGML_NO_VNNI") == "1":
         return False
     if config.CPU_NAME and config.CPU_NAME != "host":
-        return "+avx512vnni" in (config.CPU_FEATURES or "")
+        return all(f"+{f}" in (config.CPU_FEATURES or "") for f in ("avx512vnni", "avx512vl"))
     features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512vnni")) and bool(features.get("avx512f"))
+    return all(features.get(f) for f in ("avx512vnni", "avx512f", "avx512vl"))
+
+
+def dot4(builder, wb, yb, signed_weights: bool, vnni: bool):
+    """IR: the sums of 4 consecutive products ``w[i] * y[i]`` of two byte vectors of 32 or 64
+    elements (weights unsigned, or signed; activations signed), as an i32 vector of a quarter
+    the length; exact.  One ``vpdpbusd`` with AVX-512 VNNI (the instruction ggml's own kernels
+    use), with ggml's sign trick for signed weights (|w| x sign(w) y); plain vector IR that LLVM
+    lowers anywhere else."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    n = wb.type.count
+    vsum = ir.VectorType(i32, n // 4)
+    if vnni:
+        zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
+        if signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
+            negative = builder.icmp_signed("<", wb, zero8)
+            yb = builder.select(negative, builder.sub(zero8, yb), yb)
+            yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
+            wb = builder.select(negative, builder.sub(zero8, wb), wb)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vsum, [vsum] * 3),
+                                            f"llvm.x86.avx512.vpdpbusd.{n * 8}")
+        return builder.call(fn, [ir.Constant(vsum, [0] * (n // 4)), builder.bitcast(wb, vsum), builder.bitcast(yb, vsum)])
+    vwide = ir.VectorType(i32, n)
+    cv = builder.sext(wb, vwide) if signed_weights else builder.zext(wb, vwide)
+    prod = builder.mul(cv, builder.sext(yb, vwide))
+    parts = [builder.shuffle_vector(prod, ir.Constant(vwide, ir.Undefined), ir.Constant(vsum, list(range(k, n, 4))))
+             for k in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
 
 def _lane_dots(signed_weights: bool):
     """out[16g:16g+16] = float(sum of 4 consecutive products w[i] * y[i]) for g < n64: 8-bit
-    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact.
-
-    One ``vpdpbusd`` per 64 products where numba targets a CPU with AVX-512 VNNI (the
-    instruction ggml's own kernels use), with ggml's sign trick for signed weights
-    (|w| x sign(w) y); plain vector IR that LLVM lowers anywhere else."""
+    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact (dot4)."""
     def typer(typingctx, codes, y, out, n64):
         return types.void(codes, y, out, types.intp), _codegen
-    vnni = _target_has_vnni()
+    vnni = target_has_vnni()
 
     def _codegen(context, builder, signature, args):
-        i8, i32, i64, f32t = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-        v16i, v16f, v64b, v64i = ir.VectorType(i32, 16), ir.VectorType(f32t, 16), ir.VectorType(i8, 64), ir.VectorType(i32, 64)
+        i8, i64, f32t = ir.IntType(8), ir.IntType(64), ir.FloatType()
+        v16f, v64b = ir.VectorType(f32t, 16), ir.VectorType(i8, 64)
         c_ptr, y_ptr, o_ptr = (context.make_array(t)(context, builder, a).data
                                for t, a in zip(signature.args[:3], args[:3]))
         n = args[3]
@@ -164,22 +195,7 @@ def _lane_dots(signed_weights: bool):
         at = builder.mul(g, ir.Constant(i64, 64))
         wb = builder.load(builder.bitcast(builder.gep(c_ptr, [at]), v64b.as_pointer()), align=1)
         yb = builder.load(builder.bitcast(builder.gep(y_ptr, [at]), v64b.as_pointer()), align=1)
-        zero8 = ir.Constant(v64b, [0] * 64)
-        if vnni:
-            if signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
-                negative = builder.icmp_signed("<", wb, zero8)
-                yb = builder.select(negative, builder.sub(zero8, yb), yb)
-                yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
-                wb = builder.select(negative, builder.sub(zero8, wb), wb)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i, [v16i] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-            sums = builder.call(fn, [ir.Constant(v16i, [0] * 16), builder.bitcast(wb, v16i), builder.bitcast(yb, v16i)])
-        else:
-            cv = builder.sext(wb, v64i) if signed_weights else builder.zext(wb, v64i)
-            prod = builder.mul(cv, builder.sext(yb, v64i))
-            parts = [builder.shuffle_vector(prod, ir.Constant(v64i, ir.Undefined),
-                                            ir.Constant(ir.VectorType(i32, 16), list(range(k, 64, 4)))) for k in range(4)]
-            sums = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+        sums = dot4(builder, wb, yb, signed_weights, vnni)
         dst = builder.bitcast(builder.gep(o_ptr, [builder.mul(g, ir.Constant(i64, 16))]), v16f.as_pointer())
         builder.store(builder.sitofp(sums, v16f), dst, align=4)
         _loop_end(builder, g, n, loop, done)
