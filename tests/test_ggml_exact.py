@@ -53,6 +53,23 @@ def test_batched_columns_equal_single_columns(name):
     assert np.array_equal(batched, single)
 
 
+def test_decode_step_kernels_equal_the_unpacking_path():
+    """Single columns of Q6_K and of Q4_K in rows of whole eights (llama.cpp's repacked gemv)
+    come from blockdot.py; batches of 4 to 7 columns unpack the rows and use the same float
+    steps (Q6_K for every column, repacked Q4_K for the columns after the last whole four)."""
+    rng = np.random.default_rng(3)
+    for name in ("Q4_K", "Q6_K"):
+        w, x = DATA[name + "_w"], DATA[name + "_x"]
+        qtype = pg.Type[name]
+        assert qtype != pg.Type.Q4_K or len(w) % 8 == 0
+        xs = np.concatenate([x, x[::-1] * np.float32(0.7)])[:5] * rng.uniform(0.5, 2, (5, 1)).astype(np.float32)
+        batched = quant_matmul(w, qtype, xs)
+        checked = range(5) if name == "Q6_K" else [4]
+        for n in checked:
+            single = quant_matmul(w, qtype, xs[n:n + 1])[0]
+            assert np.array_equal(batched[n], single), f"{name} column {n}: {(batched[n] != single).sum()} differ"
+
+
 def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
     return np.concatenate([x] * 3) if batch else x[:1]
 

@@ -1,20 +1,22 @@
-"""Decode-step products of the 32-element block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), read
-straight from the GGUF bytes.
+"""Decode-step products read straight from the GGUF blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K (rows in whole eights, which llama.cpp repacks) and Q6_K.
 
-For a batch of columns qdot.exact_matmul unpacks a weight row into bytes once and reuses them
-for every column.  A decode step has one column, and there the unpacking (a store and a load of
-every weight as a byte, besides the lane sums' round trip through memory) cost more than the
-products: these kernels do what ggml's AVX2 ``vec_dot`` does in registers instead - per block,
-the nibbles (and Q5's fifth bits) become 32 bytes, one ``dot4`` gives the 8 lane sums, and the
-lane chain's fused multiply-add takes them at once - with the same float steps as
-``qdot._chain32`` in the same order, so the results are the same bits.
+For a batch of columns qdot.exact_matmul unpacks a weight row once and reuses it for every
+column.  A decode step has one column, and there the unpacking (a store and a load of every
+weight, and the lane sums' round trip through memory) cost more than the products: these
+kernels do what ggml's SIMD ``vec_dot`` does, in registers - per 32 weights the nibbles (and
+fifth or sixth bits) become 32 bytes, one ``dot4`` gives 8 lane sums - with the same float
+steps as qdot.py's chains in the same order, so the results are the same bits.  Integer sums
+are exact in any order; only the float steps are ggml's.
 
-Two rows go through the loop side by side, as in ``simd.lane_chain8x2``: each chain of fused
-multiply-adds hides the other's latency.
+Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
+block (``block``: the next values of its accumulators) and the result from the accumulators
+(``finish``).  ``_row_kernel`` makes the loop around them, for one row or for two side by side
+(each chain of fused multiply-adds then hides the other's latency, as simd.lane_chain8x2).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from llvmlite import ir
 from numba import njit, types
@@ -23,8 +25,68 @@ from numba.extending import intrinsic
 
 from .simd import _loop_begin, _loop_end, dot4, hsum8_ir, splat8, target_has_vnni
 
+I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
+VNNI = target_has_vnni()
 
-class Block(NamedTuple):
+
+def load_at(builder, base, offset, ty):
+    """IR: a value of type ty at byte address base + offset (an int or an i64 value), any alignment."""
+    at = ir.Constant(I64, offset) if isinstance(offset, int) else offset
+    return builder.load(builder.bitcast(builder.gep(base, [at]), ty.as_pointer()), align=1)
+
+
+def half_at(builder, base, offset):
+    """IR: the F16 at byte address base + offset as float (exact)."""
+    return builder.fpext(builder.bitcast(load_at(builder, base, offset, ir.IntType(16)), ir.HalfType()), F32)
+
+
+def _splat(ty, value):
+    return ir.Constant(ty, [value] * ty.count)
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        "llvm.fma.v8f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _nibbles(builder, packed):
+    """32 bytes from 16: element j the low nibble of byte j, element 16 + j its high nibble."""
+    lo = builder.and_(packed, _splat(packed.type, 15))
+    hi = builder.lshr(packed, _splat(packed.type, 4))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+
+
+def _hsum_int(builder, v):
+    """The sum of an integer vector's elements (exact in any order)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = builder.add(lo, hi)
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def _pair_sums(builder, v16):
+    """<16 x i32> -> <8 x i32>: element i the sum of elements 2i and 2i + 1."""
+    even = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(0, 16, 2))))
+    odd = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(1, 16, 2))))
+    return builder.add(even, odd)
+
+
+class Format(NamedTuple):
+    block_bytes: int
+    init: list            # the accumulators' starting values (ir.Constant), per row
+    shared: Callable      # (builder, b, yb, yd, ys) -> dict of the column's values for block b
+    block: Callable       # (builder, base, col, accs) -> the accumulators' next values
+    finish: Callable      # (builder, accs) -> the float32 result
+
+
+# -- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: ggml's vec_dot over 32-element blocks (qdot._chain32) --------
+
+class Legacy(NamedTuple):
     size: int       # bytes per 32-element block
     qs: int         # offset of the 16 nibble bytes (Q8_0: the 32 value bytes)
     has_min: bool   # an F16 minimum after the F16 scale (Q4_1, Q5_1)
@@ -33,51 +95,120 @@ class Block(NamedTuple):
     bytes8: bool    # Q8_0: the values are signed bytes as stored
 
 
-# by qdot's unpacker numbers (qdot.EXACT)
-BLOCKS = (Block(18, 2, False, False, 8, False), Block(20, 4, True, False, 0, False),
-          Block(22, 6, False, True, 16, False), Block(24, 8, True, True, 0, False),
-          Block(34, 2, False, False, 0, True))
+def _legacy(blk: Legacy) -> Format:
+    """8 lanes, ``acc = fma(d_w * d_y, lanes, acc)`` per block, hsum8; with a minimum, its term
+    ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last."""
+    def shared(builder, b, yb, yd, ys):
+        return {"y": load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B),
+                "d": builder.load(builder.gep(yd, [b])),
+                "s": builder.load(builder.gep(ys, [b])) if blk.has_min else None}
+
+    def block(builder, base, col, accs):
+        if blk.bytes8:
+            q, signed = load_at(builder, base, blk.qs, V32B), True
+        else:
+            q, signed = _nibbles(builder, load_at(builder, base, blk.qs, ir.VectorType(I8, 16))), False
+            if blk.five:  # bit j of qh is element j's fifth bit
+                bits = builder.bitcast(load_at(builder, base, blk.qs - 4, I32), ir.VectorType(ir.IntType(1), 32))
+                q = builder.or_(q, builder.shl(builder.zext(bits, V32B), _splat(V32B, 4)))
+            if blk.offset:
+                q, signed = builder.sub(q, _splat(V32B, blk.offset)), True
+        lanes = builder.sitofp(dot4(builder, q, col["y"], signed, VNNI), V8F)
+        nxt = [_fma(builder, splat8(builder, builder.fmul(half_at(builder, base, 0), col["d"])), lanes, accs[0])]
+        if blk.has_min:
+            nxt.append(_fma(builder, half_at(builder, base, 2), col["s"], accs[1]))
+        return nxt
+
+    def finish(builder, accs):
+        total = hsum8_ir(builder, accs[0])
+        return builder.fadd(total, accs[1]) if blk.has_min else total
+
+    init = [_splat(V8F, 0.0)] + ([ir.Constant(F32, 0.0)] if blk.has_min else [])
+    return Format(blk.size, init, shared, block, finish)
 
 
-def load_at(builder, base, offset, ty):
-    """IR: a value of type ty at byte address base + offset (an int or an i64 value), any alignment."""
-    at = ir.Constant(ir.IntType(64), offset) if isinstance(offset, int) else offset
-    return builder.load(builder.bitcast(builder.gep(base, [at]), ty.as_pointer()), align=1)
+# -- K-quants: 256-element blocks, Q8_K activations (yd per block, ys: 16 sums of 16 values) ----
+
+def _k_shared(builder, b, yb, yd, ys):
+    at = builder.mul(b, ir.Constant(I64, 256))
+    sums = load_at(builder, builder.bitcast(ys, I8.as_pointer()), builder.mul(b, ir.Constant(I64, 64)),
+                   ir.VectorType(F32, 16))
+    return {"y": [load_at(builder, yb, builder.add(at, ir.Constant(I64, 32 * c)), V32B) for c in range(8)],
+            "d": builder.load(builder.gep(yd, [b])),
+            "bsums": builder.fptosi(sums, V16I)}  # exact integers held as float32
 
 
-def half_at(builder, base, offset):
-    """IR: the F16 at byte address base + offset as float (exact)."""
-    return builder.fpext(builder.bitcast(load_at(builder, base, offset, ir.IntType(16)), ir.HalfType()), ir.FloatType())
+def _q4_k_scales(builder, base):
+    """The 8 six-bit sub-block scales and mins of a Q4_K block (qdecode._k4_scale_min), as i32."""
+    v4 = ir.VectorType(I8, 4)
+    a, m, h = (load_at(builder, base, 4 + 4 * i, v4) for i in range(3))
+    six, top = _splat(v4, 63), _splat(v4, 6)
+    sc_hi = builder.or_(builder.and_(h, _splat(v4, 15)), builder.shl(builder.lshr(a, top), _splat(v4, 4)))
+    mn_hi = builder.or_(builder.lshr(h, _splat(v4, 4)), builder.shl(builder.lshr(m, top), _splat(v4, 4)))
+    join = ir.Constant(ir.VectorType(I32, 8), list(range(8)))
+    scales = builder.shuffle_vector(builder.and_(a, six), sc_hi, join)
+    mins = builder.shuffle_vector(builder.and_(m, six), mn_hi, join)
+    return builder.zext(scales, V8I), builder.zext(mins, V8I)
 
 
-def _block_values(builder, base, blk: Block):
-    """A block's 32 weights as bytes (the values minus blk.offset), and whether they are signed."""
-    i8, i32 = ir.IntType(8), ir.IntType(32)
-    v16, v32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32)
-    if blk.bytes8:
-        return load_at(builder, base, blk.qs, v32), True
-    packed = load_at(builder, base, blk.qs, v16)
-    lo = builder.and_(packed, ir.Constant(v16, [15] * 16))
-    hi = builder.lshr(packed, ir.Constant(v16, [4] * 16))
-    # element j: the low nibble of byte j, element 16 + j: its high nibble
-    q = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
-    if blk.five:  # bit j of qh is element j's fifth bit
-        qh = load_at(builder, base, blk.qs - 4, i32)
-        bits = builder.zext(builder.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), v32)
-        q = builder.or_(q, builder.shl(bits, ir.Constant(v32, [4] * 32)))
-    if blk.offset:
-        return builder.sub(q, ir.Constant(v32, [blk.offset] * 32)), True
-    return q, False
+def _q4_k_x8() -> Format:
+    """llama.cpp's repacked Q4_K with one column (ggml_gemv_q4_K_8x8_q8_K; qdot._chain_k4_x8):
+    per block the integer sums of the scales' and the mins' terms, each converted once and
+    fused into an accumulator of its own; the mins' subtracted at the end."""
+    def block(builder, base, col, accs):
+        scales, mins = _q4_k_scales(builder, base)
+        total = _splat(V8I, 0)
+        for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
+            packed = load_at(builder, base, 16 + 32 * pair, V32B)
+            for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
+                s = 2 * pair + half
+                sc = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
+                total = builder.add(total, builder.mul(dot4(builder, q, col["y"][s], False, VNNI), sc))
+        q_sum = builder.sitofp(_hsum_int(builder, total), F32)
+        min_sum = builder.sitofp(_hsum_int(builder, builder.mul(_pair_sums(builder, col["bsums"]), mins)), F32)
+        return [_fma(builder, q_sum, builder.fmul(half_at(builder, base, 0), col["d"]), accs[0]),
+                _fma(builder, min_sum, builder.fmul(half_at(builder, base, 2), col["d"]), accs[1])]
+
+    def finish(builder, accs):
+        return builder.fsub(accs[0], accs[1])
+
+    zero = ir.Constant(F32, 0.0)
+    return Format(144, [zero, zero], _k_shared, block, finish)
 
 
-def _row_dots(blk: Block, n_rows: int):
+def _q6_k() -> Format:
+    """Q6_K (qdot._chain256 with _lane_k6): 8 lanes per block, each the integer over its 4
+    values of all 8 chunks of 32, times their 16-value scales, less 32 x scale x bsum of the
+    lane's two 16-value groups; then ``acc = fma(d_y * d_w, lanes, acc)``, hsum8 (+ 0)."""
+    def block(builder, base, col, accs):
+        lanes = _splat(V8I, 0)
+        for half in range(2):
+            qh = load_at(builder, base, 128 + 32 * half, V32B)
+            for plane in range(4):
+                ql = load_at(builder, base, 64 * half + 32 * (plane % 2), V32B)
+                lo = builder.and_(ql, _splat(V32B, 15)) if plane < 2 else builder.lshr(ql, _splat(V32B, 4))
+                hi = builder.and_(builder.lshr(qh, _splat(V32B, 2 * plane)), _splat(V32B, 3))
+                q = builder.or_(lo, builder.shl(hi, _splat(V32B, 4)))  # 0..63: the -32 comes off below
+                two = builder.sext(load_at(builder, base, 192 + 8 * half + 2 * plane, ir.VectorType(I8, 2)),
+                                   ir.VectorType(I32, 2))
+                sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
+                lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, VNNI), sc))
+        scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
+        offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
+        lanes = builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
+        scale = splat8(builder, builder.fmul(col["d"], half_at(builder, base, 208)))
+        return [_fma(builder, scale, builder.sitofp(lanes, V8F), accs[0])]
+
+    def finish(builder, accs):
+        return builder.fadd(hsum8_ir(builder, accs[0]), ir.Constant(F32, 0.0))
+
+    return Format(210, [_splat(V8F, 0.0)], _k_shared, block, finish)
+
+
+def _row_kernel(fmt: Format, n_rows: int):
     """An intrinsic ``(row, yb, yd, ys, nb) -> float32``, or for two rows ``(row0, row1, yb, yd,
-    ys, nb) -> (float32, float32)``:
-    ggml's vec_dot of each weight row (uint8, the GGUF blocks) with one activation column
-    quantized to bytes (yb, int8), its block scales yd and, for the types with a minimum, its
-    block sums ys (Q8_1)."""
-    vnni = target_has_vnni()
-
+    ys, nb) -> (float32, float32)``: each weight row's product (uint8, the GGUF blocks) with one
+    activation column quantized to bytes (yb, int8), its block scales yd and block sums ys."""
     def typer_one(typingctx, row, yb, yd, ys, nb):
         return types.float32(row, yb, yd, ys, types.intp), codegen
 
@@ -85,69 +216,46 @@ def _row_dots(blk: Block, n_rows: int):
         return types.UniTuple(types.float32, 2)(row0, row1, yb, yd, ys, types.intp), codegen
 
     def codegen(context, builder, signature, args):
-        f32t, i64 = ir.FloatType(), ir.IntType(64)
-        v8f = ir.VectorType(f32t, 8)
         ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:-1], args[:-1])]
-        rows, (yb_ptr, yd_ptr, ys_ptr) = ptrs[:n_rows], ptrs[n_rows:]
-        nb = args[-1]
-        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32t, [f32t] * 3), "llvm.fma.f32")
-        zero8, zero = ir.Constant(v8f, [0.0] * 8), ir.Constant(f32t, 0.0)
-
-        b, pre, loop, done = _loop_begin(builder, nb, "blocks")
-        accs = [builder.phi(v8f) for _ in rows]  # the 8 lanes of each row
-        mins = [builder.phi(f32t) for _ in rows] if blk.has_min else []  # the minimum's term
-        for phi in accs:
-            phi.add_incoming(zero8, pre)
-        for phi in mins:
-            phi.add_incoming(zero, pre)
-        y = load_at(builder, yb_ptr, builder.mul(b, ir.Constant(i64, 32)), ir.VectorType(ir.IntType(8), 32))
-        yd = builder.load(builder.gep(yd_ptr, [b]))
-        ys = builder.load(builder.gep(ys_ptr, [b])) if blk.has_min else None
-        next_accs, next_mins = [], []
+        rows, (yb, yd, ys) = ptrs[:n_rows], ptrs[n_rows:]
+        n_acc = len(fmt.init)
+        b, pre, loop, done = _loop_begin(builder, args[-1], "blocks")
+        accs = [builder.phi(c.type) for _ in rows for c in fmt.init]  # row r's at r * n_acc
+        for phi, c in zip(accs, fmt.init * n_rows):
+            phi.add_incoming(c, pre)
+        col = fmt.shared(builder, b, yb, yd, ys)
+        nexts = []
         for r, row in enumerate(rows):
-            base = builder.gep(row, [builder.mul(b, ir.Constant(i64, blk.size))])
-            q, signed = _block_values(builder, base, blk)
-            lanes = builder.sitofp(dot4(builder, q, y, signed, vnni), v8f)
-            scale = splat8(builder, builder.fmul(half_at(builder, base, 0), yd))  # d_w * d_y, as ggml
-            next_accs.append(builder.call(fma8, [scale, lanes, accs[r]]))
-            if blk.has_min:
-                m = half_at(builder, base, 2)
-                next_mins.append(builder.call(fma1, [m, ys, mins[r]]))
-        for phi, nxt in zip(accs + mins, next_accs + next_mins):
+            base = builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))])
+            nexts += fmt.block(builder, base, col, accs[r * n_acc:(r + 1) * n_acc])
+        for phi, nxt in zip(accs, nexts):
             phi.add_incoming(nxt, loop)
-        _loop_end(builder, b, nb, loop, done)
-
-        finals = []  # every phi of the exit block before any other instruction
-        for nxt, start in [(a, zero8) for a in next_accs] + [(m, zero) for m in next_mins]:
-            phi = builder.phi(nxt.type)
-            phi.add_incoming(start, pre)
+        _loop_end(builder, b, args[-1], loop, done)
+        finals = []  # the exit block's phis, before any other instruction
+        for nxt, c in zip(nexts, fmt.init * n_rows):
+            phi = builder.phi(c.type)
+            phi.add_incoming(c, pre)
             phi.add_incoming(nxt, loop)
             finals.append(phi)
-        results = []
-        for r in range(n_rows):
-            total = hsum8_ir(builder, finals[r])
-            if blk.has_min:
-                total = builder.fadd(total, finals[n_rows + r])
-            results.append(total)
-        if n_rows == 1:
-            return results[0]
-        return context.make_tuple(builder, signature.return_type, results)
+        results = [fmt.finish(builder, finals[r * n_acc:(r + 1) * n_acc]) for r in range(n_rows)]
+        return results[0] if n_rows == 1 else context.make_tuple(builder, signature.return_type, results)
     return intrinsic(typer_one if n_rows == 1 else typer_two)
 
 
-_ONE = [_row_dots(blk, 1) for blk in BLOCKS]
-_TWO = [_row_dots(blk, 2) for blk in BLOCKS]
-_q4_0, _q4_1, _q5_0, _q5_1, _q8_0 = _ONE
-_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2 = _TWO
+# by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8)
+FORMATS = {0: _legacy(Legacy(18, 2, False, False, 8, False)), 1: _legacy(Legacy(20, 4, True, False, 0, False)),
+           2: _legacy(Legacy(22, 6, False, True, 16, False)), 3: _legacy(Legacy(24, 8, True, True, 0, False)),
+           4: _legacy(Legacy(34, 2, False, False, 0, True)), 7: _q6_k(), 8: _q4_k_x8()}
+_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q6_k1, _q4_k1 = (_row_kernel(f, 1) for f in FORMATS.values())
+_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q6_kx2, _q4_kx2 = (_row_kernel(f, 2) for f in FORMATS.values())
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
 
 @_jit
 def row_dot(kind, row, yb, yd, ys):
-    """vec_dot of one weight row of a 32-element block type (qdot's unpacker number) with one
-    activation column (yb: its integers as int8, yd/ys: per block)."""
+    """One weight row (of a type in FORMATS, by qdot's unpacker number) times one activation
+    column (yb: its integers as int8, yd/ys: per block)."""
     nb = yd.size
     if kind == 0:
         return _q4_0(row, yb, yd, ys, nb)
@@ -157,6 +265,10 @@ def row_dot(kind, row, yb, yd, ys):
         return _q5_0(row, yb, yd, ys, nb)
     if kind == 3:
         return _q5_1(row, yb, yd, ys, nb)
+    if kind == 7:
+        return _q6_k1(row, yb, yd, ys, nb)
+    if kind == 8:
+        return _q4_k1(row, yb, yd, ys, nb)
     return _q8_0(row, yb, yd, ys, nb)
 
 
@@ -172,4 +284,8 @@ def row_pair_dots(kind, row0, row1, yb, yd, ys):
         return _q5_0x2(row0, row1, yb, yd, ys, nb)
     if kind == 3:
         return _q5_1x2(row0, row1, yb, yd, ys, nb)
+    if kind == 7:
+        return _q6_kx2(row0, row1, yb, yd, ys, nb)
+    if kind == 8:
+        return _q4_kx2(row0, row1, yb, yd, ys, nb)
     return _q8_0x2(row0, row1, yb, yd, ys, nb)

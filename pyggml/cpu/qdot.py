@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
-from .blockdot import row_dot, row_pair_dots
+from .blockdot import FORMATS, row_dot, row_pair_dots
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
 from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
@@ -48,6 +48,7 @@ INT8_MIN_COLS = 4
 SIGNED = (True, False, True, False, True, False, False, False, False)
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
+FROM_BLOCKS = tuple(FORMATS)  # single columns of these go through blockdot.py
 FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8)
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
@@ -339,7 +340,7 @@ def _to_bytes(yq, yb):
 
 @_jit
 def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
-    """Rows start..end of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column, two at a time."""
+    """Rows start..end of a weight for every column, two at a time (blockdot.py)."""
     for m in range(start, end - 1, 2):
         for n in range(yb.shape[0]):
             out[n, m], out[n, m + 1] = row_pair_dots(kind, w[m], w[m + 1], yb[n], yd[n], ys[n])
@@ -361,8 +362,10 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     fam, signed = FAMILY[kind], SIGNED[kind]
     k64 = (k + 63) // 64 * 64  # lane_dots takes 64 bytes at a time: zero padding
     batched = n_cols >= INT8_MIN_COLS
+    # a decode step's products, for the types blockdot.py reads straight from the GGUF blocks
+    from_blocks = not batched and kind in FROM_BLOCKS
     # the legacy types' integers fit a byte as unpacked: those always take lane_dots
-    as_bytes = batched or fam <= FAM_Q8_1
+    as_bytes = batched or fam <= FAM_Q8_1 or from_blocks
     yb = np.zeros((n_cols if as_bytes else 0, k64), dtype=np.int8)
     if batched:
         for n in prange(yb.shape[0]):
@@ -372,8 +375,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
             _to_bytes(yq[n], yb[n])
     n_chunks = min(m_rows, 64)
     per = (m_rows + n_chunks - 1) // n_chunks
-    if fam <= FAM_Q8_1 and not batched:
-        # a decode step's 32-element block types: from the GGUF bytes, in registers (blockdot.py)
+    if from_blocks:
         for c in prange(n_chunks):
             _rows_from_blocks(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out)
         return

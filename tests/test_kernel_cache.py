@@ -1,0 +1,39 @@
+"""numba's cache of the CPU kernels follows every source they are built from."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pyggml.cpu.kernel_cache import kernel_digest, kernel_sources
+
+
+def test_the_sources_include_the_files_the_products_inline():
+    names = {p.name for p in kernel_sources()}
+    assert {"qdot.py", "blockdot.py", "simd.py", "qdecode.py", "activations.py", "types.py"} <= names
+
+
+def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYGGML_NO_VNNI", raising=False)
+    copies = []
+    for i, p in enumerate(kernel_sources()):  # two of them are __init__.py
+        (tmp_path / str(i)).mkdir()
+        copies.append(Path(shutil.copy(p, tmp_path / str(i) / p.name)))
+    before = kernel_digest(copies)
+    assert kernel_digest(copies) == before
+    blockdot = next(c for c in copies if c.name == "blockdot.py")
+    blockdot.write_text(blockdot.read_text() + "\n# a comment changes nothing, but numba cannot know\n")
+    changed = kernel_digest(copies)
+    assert changed != before
+    monkeypatch.setenv("PYGGML_NO_VNNI", "1")
+    assert kernel_digest(copies) not in (before, changed)
+
+
+@pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")
+def test_the_kernels_are_cached_in_the_folder_of_their_sources():
+    from pyggml.cpu import qdot
+    from pyggml.hub import cache_dir
+    folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
+    assert os.path.commonpath([qdot.exact_matmul._cache._cache_path, folder]) == str(folder)
