@@ -53,21 +53,81 @@ def test_batched_columns_equal_single_columns(name):
     assert np.array_equal(batched, single)
 
 
-def test_decode_step_kernels_equal_the_unpacking_path():
-    """Single columns of Q6_K and of Q4_K in rows of whole eights (llama.cpp's repacked gemv)
-    come from blockdot.py; batches of 4 to 7 columns unpack the rows and use the same float
-    steps (Q6_K for every column, repacked Q4_K for the columns after the last whole four)."""
-    rng = np.random.default_rng(3)
-    for name in ("Q4_K", "Q6_K"):
-        w, x = DATA[name + "_w"], DATA[name + "_x"]
-        qtype = pg.Type[name]
-        assert qtype != pg.Type.Q4_K or len(w) % 8 == 0
-        xs = np.concatenate([x, x[::-1] * np.float32(0.7)])[:5] * rng.uniform(0.5, 2, (5, 1)).astype(np.float32)
-        batched = quant_matmul(w, qtype, xs)
-        checked = range(5) if name == "Q6_K" else [4]
-        for n in checked:
-            single = quant_matmul(w, qtype, xs[n:n + 1])[0]
-            assert np.array_equal(batched[n], single), f"{name} column {n}: {(batched[n] != single).sum()} differ"
+def _fma(a, b, c):
+    """fmaf through float64: the product of two float32 values is exact there; the sum is
+    rounded twice (to 53 bits, then 24), which differs from one rounding too rarely to meet."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _q6_k_ints(row: np.ndarray):
+    """A Q6_K row's unsigned 6-bit codes [blocks, 256], 16-value scales [blocks, 16] and d."""
+    b = row.reshape(-1, 210).astype(np.int64)
+    q = np.empty((len(b), 256), dtype=np.int64)
+    for half in range(2):
+        ql, qh = b[:, 64 * half:64 * half + 64], b[:, 128 + 32 * half:160 + 32 * half]
+        for plane in range(4):
+            lo = (ql[:, 32 * (plane % 2):32 * (plane % 2) + 32] >> (4 * (plane // 2))) & 15
+            q[:, 128 * half + 32 * plane:128 * half + 32 * plane + 32] = lo | (((qh >> (2 * plane)) & 3) << 4)
+    return q, row.reshape(-1, 210)[:, 192:208].view(np.int8).astype(np.int64), _halves(row.reshape(-1, 210), 208)
+
+
+def _q4_k_ints(row: np.ndarray):
+    """A Q4_K row's 4-bit codes [blocks, 256], sub-block scales and mins [blocks, 8], d, dmin."""
+    blocks = row.reshape(-1, 144)
+    b = blocks.astype(np.int64)
+    sc, mn = b[:, 4:16], np.empty((len(b), 8), dtype=np.int64)
+    scales = np.empty_like(mn)
+    scales[:, :4], mn[:, :4] = sc[:, 0:4] & 63, sc[:, 4:8] & 63
+    scales[:, 4:] = (sc[:, 8:12] & 15) | ((sc[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    q = np.empty((len(b), 256), dtype=np.int64)
+    for pair in range(4):
+        packed = b[:, 16 + 32 * pair:48 + 32 * pair]
+        q[:, 64 * pair:64 * pair + 32], q[:, 64 * pair + 32:64 * pair + 64] = packed & 15, packed >> 4
+    return q, scales, mn, _halves(blocks, 0), _halves(blocks, 2)
+
+
+def test_batched_k_quant_products_follow_llama_cpps_float_steps():
+    """blockdot.py's batch formats against a plain numpy reference: Q6_K from 8 columns (the
+    tiled matmul: ``r = float(s) * d_w``, ``acc = fma(r, d_y, acc)`` per block) and repacked
+    Q4_K for columns in fours (ggml_gemm_q4_K_8x8_q8_K: the scales' and the mins' integers of
+    each pair of sub-blocks into two accumulators)."""
+    from pyggml.cpu.activations import Q8_K, quantize
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 512)).astype(np.float32) * rng.uniform(0.2, 3, (8, 1)).astype(np.float32)
+    yq, yd, bsums = quantize(x, Q8_K)
+    y = yq.astype(np.int64).reshape(8, -1, 256)
+    bs = bsums.astype(np.int64).reshape(8, -1, 16)
+
+    w = DATA["Q6_K_w"]
+    got = quant_matmul(w, pg.Type.Q6_K, x)
+    for m in range(len(w)):
+        q, scales, d = _q6_k_ints(w[m])
+        for n in range(8):
+            s = (q * np.repeat(scales, 16, axis=1) * y[n]).sum(1) - 32 * (scales * bs[n]).sum(1)
+            acc = np.float32(0)
+            for b in range(len(s)):
+                acc = _fma(np.float32(s[b]) * d[b], yd[n, b], acc)
+            assert got[n, m] == acc, f"Q6_K row {m} column {n}"
+
+    w = DATA["Q4_K_w"]
+    assert len(w) % 8 == 0  # repacked
+    got = quant_matmul(w, pg.Type.Q4_K, x)
+    for m in range(len(w)):
+        q, scales, mins, d, dmin = _q4_k_ints(w[m])
+        for n in range(8):
+            subs = (q * y[n]).reshape(-1, 8, 32).sum(2) * scales
+            min_terms = mins * bs[n].reshape(-1, 8, 2).sum(2)
+            acc = acc_min = np.float32(0)
+            for b in range(len(subs)):
+                for pair in range(4):
+                    acc = _fma(np.float32(subs[b, 2 * pair:2 * pair + 2].sum()), d[b] * yd[n, b], acc)
+                    acc_min = _fma(np.float32(min_terms[b, 2 * pair:2 * pair + 2].sum()), dmin[b] * yd[n, b], acc_min)
+            assert got[n, m] == acc - acc_min, f"Q4_K row {m} column {n}"
 
 
 def _columns(x: np.ndarray, batch: bool) -> np.ndarray:

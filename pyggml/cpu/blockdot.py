@@ -151,23 +151,40 @@ def _q4_k_scales(builder, base):
     return builder.zext(scales, V8I), builder.zext(mins, V8I)
 
 
-def _q4_k_x8() -> Format:
-    """llama.cpp's repacked Q4_K with one column (ggml_gemv_q4_K_8x8_q8_K; qdot._chain_k4_x8):
-    per block the integer sums of the scales' and the mins' terms, each converted once and
-    fused into an accumulator of its own; the mins' subtracted at the end."""
+def _q4_k_sums(builder, base, col):
+    """A Q4_K block's integers: the 8 lanes of each sub-block's sum of q x y, times the
+    sub-block's scale, and the 8 sub-blocks' min x (their activations' sum)."""
+    scales, mins = _q4_k_scales(builder, base)
+    subs = []
+    for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
+        packed = load_at(builder, base, 16 + 32 * pair, V32B)
+        for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
+            s = 2 * pair + half
+            sc = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
+            subs.append(builder.mul(dot4(builder, q, col["y"][s], False, VNNI), sc))
+    return subs, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+
+
+def _q4_k_x8(per_pair: bool) -> Format:
+    """llama.cpp's repacked Q4_K: integer sums of the scales' and the mins' terms, each
+    converted and fused into an accumulator of its own, the mins' subtracted at the end;
+    converted once per block for single columns (ggml_gemv_q4_K_8x8_q8_K), once per pair of
+    sub-blocks for columns in fours (ggml_gemm_q4_K_8x8_q8_K)."""
     def block(builder, base, col, accs):
-        scales, mins = _q4_k_scales(builder, base)
-        total = _splat(V8I, 0)
-        for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
-            packed = load_at(builder, base, 16 + 32 * pair, V32B)
-            for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
-                s = 2 * pair + half
-                sc = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
-                total = builder.add(total, builder.mul(dot4(builder, q, col["y"][s], False, VNNI), sc))
-        q_sum = builder.sitofp(_hsum_int(builder, total), F32)
-        min_sum = builder.sitofp(_hsum_int(builder, builder.mul(_pair_sums(builder, col["bsums"]), mins)), F32)
-        return [_fma(builder, q_sum, builder.fmul(half_at(builder, base, 0), col["d"]), accs[0]),
-                _fma(builder, min_sum, builder.fmul(half_at(builder, base, 2), col["d"]), accs[1])]
+        subs, min_terms = _q4_k_sums(builder, base, col)
+        d = builder.fmul(half_at(builder, base, 0), col["d"])
+        dmin = builder.fmul(half_at(builder, base, 2), col["d"])
+        acc, acc_min = accs
+        groups = [(2 * p, 2 * p + 2) for p in range(4)] if per_pair else [(0, 8)]
+        for lo, hi in groups:
+            total = subs[lo]
+            for sub in subs[lo + 1:hi]:
+                total = builder.add(total, sub)
+            part = ir.Constant(ir.VectorType(I32, hi - lo), list(range(lo, hi)))
+            mins = builder.shuffle_vector(min_terms, min_terms, part)
+            acc = _fma(builder, builder.sitofp(_hsum_int(builder, total), F32), d, acc)
+            acc_min = _fma(builder, builder.sitofp(_hsum_int(builder, mins), F32), dmin, acc_min)
+        return [acc, acc_min]
 
     def finish(builder, accs):
         return builder.fsub(accs[0], accs[1])
@@ -176,33 +193,49 @@ def _q4_k_x8() -> Format:
     return Format(144, [zero, zero], _k_shared, block, finish)
 
 
+def _q6_k_lanes(builder, base, col):
+    """A Q6_K block's 8 lanes: each the integer over its 4 values of all 8 chunks of 32, times
+    their 16-value scales, less 32 x scale x bsum of the lane's two 16-value groups (ggml takes
+    the -32 of the codes off per group, through the activations' sums)."""
+    lanes = _splat(V8I, 0)
+    for half in range(2):
+        qh = load_at(builder, base, 128 + 32 * half, V32B)
+        for plane in range(4):
+            ql = load_at(builder, base, 64 * half + 32 * (plane % 2), V32B)
+            lo = builder.and_(ql, _splat(V32B, 15)) if plane < 2 else builder.lshr(ql, _splat(V32B, 4))
+            hi = builder.and_(builder.lshr(qh, _splat(V32B, 2 * plane)), _splat(V32B, 3))
+            q = builder.or_(lo, builder.shl(hi, _splat(V32B, 4)))  # 0..63
+            two = builder.sext(load_at(builder, base, 192 + 8 * half + 2 * plane, ir.VectorType(I8, 2)),
+                               ir.VectorType(I32, 2))
+            sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
+            lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, VNNI), sc))
+    scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
+    offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
+    return builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
+
+
 def _q6_k() -> Format:
-    """Q6_K (qdot._chain256 with _lane_k6): 8 lanes per block, each the integer over its 4
-    values of all 8 chunks of 32, times their 16-value scales, less 32 x scale x bsum of the
-    lane's two 16-value groups; then ``acc = fma(d_y * d_w, lanes, acc)``, hsum8 (+ 0)."""
+    """Q6_K's vec_dot: ``acc = fma(d_y * d_w, lanes, acc)`` per block, then hsum8 (+ 0, as
+    qdot._chain256 adds its scalar of mins)."""
     def block(builder, base, col, accs):
-        lanes = _splat(V8I, 0)
-        for half in range(2):
-            qh = load_at(builder, base, 128 + 32 * half, V32B)
-            for plane in range(4):
-                ql = load_at(builder, base, 64 * half + 32 * (plane % 2), V32B)
-                lo = builder.and_(ql, _splat(V32B, 15)) if plane < 2 else builder.lshr(ql, _splat(V32B, 4))
-                hi = builder.and_(builder.lshr(qh, _splat(V32B, 2 * plane)), _splat(V32B, 3))
-                q = builder.or_(lo, builder.shl(hi, _splat(V32B, 4)))  # 0..63: the -32 comes off below
-                two = builder.sext(load_at(builder, base, 192 + 8 * half + 2 * plane, ir.VectorType(I8, 2)),
-                                   ir.VectorType(I32, 2))
-                sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
-                lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, VNNI), sc))
-        scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
-        offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
-        lanes = builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
         scale = splat8(builder, builder.fmul(col["d"], half_at(builder, base, 208)))
-        return [_fma(builder, scale, builder.sitofp(lanes, V8F), accs[0])]
+        return [_fma(builder, scale, builder.sitofp(_q6_k_lanes(builder, base, col), V8F), accs[0])]
 
     def finish(builder, accs):
         return builder.fadd(hsum8_ir(builder, accs[0]), ir.Constant(F32, 0.0))
 
     return Format(210, [_splat(V8F, 0.0)], _k_shared, block, finish)
+
+
+def _q6_k_tiled() -> Format:
+    """Q6_K from 8 columns, llama.cpp's tiled matmul (as qdot._chain_tiled): per block
+    ``r = float(integer sum) * d_w``, ``acc = fma(r, d_y, acc)``."""
+    def block(builder, base, col, accs):
+        r = builder.fmul(builder.sitofp(_hsum_int(builder, _q6_k_lanes(builder, base, col)), F32),
+                         half_at(builder, base, 208))
+        return [_fma(builder, r, col["d"], accs[0])]
+
+    return Format(210, [ir.Constant(F32, 0.0)], _k_shared, block, lambda builder, accs: accs[0])
 
 
 def _row_kernel(fmt: Format, n_rows: int):
@@ -242,50 +275,74 @@ def _row_kernel(fmt: Format, n_rows: int):
     return intrinsic(typer_one if n_rows == 1 else typer_two)
 
 
-# by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8)
+# by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8), and
+# two variants for batches of columns
+Q4_K_X8_GEMM, Q6_K_TILED = 9, 10
 FORMATS = {0: _legacy(Legacy(18, 2, False, False, 8, False)), 1: _legacy(Legacy(20, 4, True, False, 0, False)),
            2: _legacy(Legacy(22, 6, False, True, 16, False)), 3: _legacy(Legacy(24, 8, True, True, 0, False)),
-           4: _legacy(Legacy(34, 2, False, False, 0, True)), 7: _q6_k(), 8: _q4_k_x8()}
-_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q6_k1, _q4_k1 = (_row_kernel(f, 1) for f in FORMATS.values())
-_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q6_kx2, _q4_kx2 = (_row_kernel(f, 2) for f in FORMATS.values())
+           4: _legacy(Legacy(34, 2, False, False, 0, True)), 7: _q6_k(), 8: _q4_k_x8(per_pair=False),
+           Q4_K_X8_GEMM: _q4_k_x8(per_pair=True), Q6_K_TILED: _q6_k_tiled()}
+(_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q6_k1, _q4_k1, _q4_k_gemm1, _q6_k_tiled1) = \
+    (_row_kernel(f, 1) for f in FORMATS.values())
+(_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q6_kx2, _q4_kx2, _q4_k_gemmx2, _q6_k_tiledx2) = \
+    (_row_kernel(f, 2) for f in FORMATS.values())
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
 
 @_jit
-def row_dot(kind, row, yb, yd, ys):
-    """One weight row (of a type in FORMATS, by qdot's unpacker number) times one activation
-    column (yb: its integers as int8, yd/ys: per block)."""
+def column_format(kind, n, n_cols, tiled_min_cols):
+    """The format of column n of n_cols for weights of qdot's unpacker number ``kind``: what
+    llama.cpp's kernel for that many columns computes."""
+    if kind == 8 and n < n_cols - n_cols % 4:  # repacked Q4_K: columns in whole fours through its gemm
+        return Q4_K_X8_GEMM
+    if kind == 7 and n_cols >= tiled_min_cols:
+        return Q6_K_TILED
+    return kind
+
+
+@_jit
+def row_dot(fmt, row, yb, yd, ys):
+    """One weight row in a format of FORMATS times one activation column (yb: its integers as
+    int8, yd/ys: per block)."""
     nb = yd.size
-    if kind == 0:
+    if fmt == 0:
         return _q4_0(row, yb, yd, ys, nb)
-    if kind == 1:
+    if fmt == 1:
         return _q4_1(row, yb, yd, ys, nb)
-    if kind == 2:
+    if fmt == 2:
         return _q5_0(row, yb, yd, ys, nb)
-    if kind == 3:
+    if fmt == 3:
         return _q5_1(row, yb, yd, ys, nb)
-    if kind == 7:
+    if fmt == 7:
         return _q6_k1(row, yb, yd, ys, nb)
-    if kind == 8:
+    if fmt == 8:
         return _q4_k1(row, yb, yd, ys, nb)
+    if fmt == Q4_K_X8_GEMM:
+        return _q4_k_gemm1(row, yb, yd, ys, nb)
+    if fmt == Q6_K_TILED:
+        return _q6_k_tiled1(row, yb, yd, ys, nb)
     return _q8_0(row, yb, yd, ys, nb)
 
 
 @_jit
-def row_pair_dots(kind, row0, row1, yb, yd, ys):
+def row_pair_dots(fmt, row0, row1, yb, yd, ys):
     """``row_dot`` of two weight rows with the same column, their chains interleaved."""
     nb = yd.size
-    if kind == 0:
+    if fmt == 0:
         return _q4_0x2(row0, row1, yb, yd, ys, nb)
-    if kind == 1:
+    if fmt == 1:
         return _q4_1x2(row0, row1, yb, yd, ys, nb)
-    if kind == 2:
+    if fmt == 2:
         return _q5_0x2(row0, row1, yb, yd, ys, nb)
-    if kind == 3:
+    if fmt == 3:
         return _q5_1x2(row0, row1, yb, yd, ys, nb)
-    if kind == 7:
+    if fmt == 7:
         return _q6_kx2(row0, row1, yb, yd, ys, nb)
-    if kind == 8:
+    if fmt == 8:
         return _q4_kx2(row0, row1, yb, yd, ys, nb)
+    if fmt == Q4_K_X8_GEMM:
+        return _q4_k_gemmx2(row0, row1, yb, yd, ys, nb)
+    if fmt == Q6_K_TILED:
+        return _q6_k_tiledx2(row0, row1, yb, yd, ys, nb)
     return _q8_0x2(row0, row1, yb, yd, ys, nb)

@@ -11,12 +11,15 @@ integer dot products per block, then accumulates in float32.  For a single colum
 
 For batches llama.cpp takes other kernels, with other float steps: repacked Q4_K
 (``gemv``/``gemm_q4_K_8x8_q8_K``) and, from 8 columns, its tiled K-quant matmul; the chains
-below reproduce each.  The integer sums are exact, so we compute them however is fastest:
-8-bit dot products (``simd.lane_dots``, ``vpdpbusd`` where there is AVX-512 VNNI) for batches
-and for the byte-sized types, float32 (every 4-value sum stays below 2**24) for single columns
-of K-quants, int32/int64 for block sums; only the float steps keep ggml's order.  Weights are
-unpacked one row at a time (as bytes, or as exact integers times the sub-block scale for
-K-quants) and used at once for every column.
+below and blockdot.py reproduce each.  The integer sums are exact, so we compute them however
+is fastest: 8-bit dot products (``simd.dot4``, ``vpdpbusd`` where there is AVX-512 VNNI),
+float32 (every 4-value sum stays below 2**24) for single columns of Q4_K/Q5_K, int32/int64 for
+block sums; only the float steps keep ggml's order.
+
+Two ways through: blockdot.py reads the GGUF blocks in registers, one row and column at a time
+(single columns of the 32-element types, Q6_K and repacked Q4_K; batches of the last two);
+the rest is unpacked one row at a time (as bytes, or as exact integers times the sub-block
+scale for K-quants) and used at once for every column.
 
 ``EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
@@ -27,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
-from .blockdot import FORMATS, row_dot, row_pair_dots
+from .blockdot import FORMATS, column_format, row_dot, row_pair_dots
 from .qdecode import _h, _k4_scale_min, _qh32, _u, _zero
 from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
@@ -48,7 +51,8 @@ INT8_MIN_COLS = 4
 SIGNED = (True, False, True, False, True, False, False, False, False)
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
-FROM_BLOCKS = tuple(FORMATS)  # single columns of these go through blockdot.py
+FROM_BLOCKS = tuple(k for k in FORMATS if k <= Q4_K_X8)  # single columns of these go through blockdot.py
+BATCHES_FROM_BLOCKS = (7, Q4_K_X8)  # and batches of these (Q6_K, repacked Q4_K)
 FAMILY = (FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_Q8_1, FAM_Q8_0, FAM_K4, FAM_K5, FAM_K6, FAM_K4_X8)
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
@@ -111,28 +115,6 @@ def _int_qk(row, wq, wd, wm, wmin, f16, five):
 
 
 @_jit
-def _int_q6_k(row, wq, wd, wsc, f16):
-    """Q6_K: the unsigned 6-bit q times its 16-value scale; the scales kept for the -32 offset,
-    which ggml subtracts per 32 values through the activations' bsums."""
-    z = _zero(f16)
-    for b in range(wq.size // 256):
-        p, o = b * 210, b * 256
-        wd[b] = _h(row, p + 208, f16)
-        for g in range(16):
-            wsc[b * 16 + g] = np.float32(np.int8(_u(row, p + 192 + g)))
-        for half in range(2):
-            ql, qh, oo = p + half * 64, p + 128 + half * 32, o + half * 128
-            for plane in range(4):
-                lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
-                for g in range(2):
-                    scale = wsc[b * 16 + half * 8 + plane * 2 + g]
-                    for j in range(16):
-                        l = g * 16 + j
-                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
-                        wq[oo + plane * 32 + l] = np.float32(q | ((z >> j) & 1)) * scale  # exact: |q x scale| < 2**13
-
-
-@_jit
 def unpack(kind, row, wq, wd, wm, wmin, f16):
     if kind == 0:
         _int_nibbles(row, wq, wd, wm, f16, 18, False, False, 8)
@@ -144,22 +126,16 @@ def unpack(kind, row, wq, wd, wm, wmin, f16):
         _int_nibbles(row, wq, wd, wm, f16, 24, True, True, 0)
     elif kind == 4:
         _int_q8_0(row, wq, wd, f16)
-    elif kind == 5 or kind == Q4_K_X8:
+    elif kind == 5:
         _int_qk(row, wq, wd, wm, wmin, f16, False)
-    elif kind == 6:
-        _int_qk(row, wq, wd, wm, wmin, f16, True)
     else:
-        _int_q6_k(row, wq, wd, wmin, f16)
+        _int_qk(row, wq, wd, wm, wmin, f16, True)
 
 
 @_jit
-def lane_scales(kind, row, wsc, ls):
-    """The sub-block scale of every lane of a K-quant row (Q4_K/Q5_K: from the row; Q6_K: the
-    scales ``unpack`` left in wsc) - to take apart the scaled integers for lane_dots."""
-    if kind == 7:
-        for u in range(ls.size):
-            ls[u] = wsc[u // 4]
-        return
+def lane_scales(kind, row, ls):
+    """The sub-block scale of every lane of a Q4_K/Q5_K row - to take apart the scaled integers
+    for lane_dots."""
     size = 176 if kind == 6 else 144
     for b in range(ls.size // 64):
         for s in range(8):
@@ -200,24 +176,6 @@ def _lane256(S, b, lane):
 
 
 @_jit
-def _q6_offset(wsc, ys, g0, g1):
-    """32 x the sum of scale x bsum over the 16-value groups g0..g1: the -32 of Q6_K's codes."""
-    total = np.int32(0)  # |scale x bsum| < 2**18, 16 of them < 2**22
-    for g in range(g0, g1):
-        total += np.int32(wsc[g]) * np.int32(ys[g])
-    return 32 * np.int64(total)
-
-
-@_jit
-def _lane_k6(S, b, lane, wsc, ys):
-    """Q6_K lane: the unsigned products minus 32 x (scale x bsum) of the lane's 32-value
-    chunk - ggml takes the offset off per chunk, not per element, so lanes differ from
-    sum((q - 32) ...) while their total does not."""
-    g = b * 16 + 2 * lane
-    return np.float32(_lane256(S, b, lane) - _q6_offset(wsc, ys, g, g + 2))
-
-
-@_jit
 def _mins_sum(wmin, ys, b, j0, j1):
     """Sum of min x (32-value activation sum) over the sub-blocks j0..j1 of block b (integers)."""
     total = np.int32(0)  # min < 64, a 32-value sum < 2**12: far inside int32
@@ -228,24 +186,23 @@ def _mins_sum(wmin, ys, b, j0, j1):
 
 @_jit
 def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
-    """K-quants: each lane's integer over a 256-block (into L, rounded to float32 as ggml's
+    """Q4_K/Q5_K: each lane's integer over a 256-block (into L, rounded to float32 as ggml's
     int->float conversion does), one fma per lane per block; the mins' term either in 4 lanes
     (Q4_K) or one scalar (Q5_K).  ys holds the activations' bsums (16 per block); wmin the
-    sub-block mins (Q4_K/Q5_K, 8 per block) or the 16 scales (Q6_K)."""
+    sub-block mins (8 per block).  (Q6_K: blockdot.py.)"""
     m0 = m1 = m2 = m3 = summs = f32(0.0)
     for b in range(wd.size):
         for lane in range(8):
-            L[b * 8 + lane] = _lane_k6(S, b, lane, wmin, ys) if fam == FAM_K6 else np.float32(_lane256(S, b, lane))
-        if fam != FAM_K6:
-            dmin = -yd[b] * wm[b]
-            # mins x the activations' 32-value sums (ggml: hadd of bsums), in pairs of sub-blocks
-            p0, p1 = np.float32(_mins_sum(wmin, ys, b, 0, 2)), np.float32(_mins_sum(wmin, ys, b, 2, 4))
-            p2, p3 = np.float32(_mins_sum(wmin, ys, b, 4, 6)), np.float32(_mins_sum(wmin, ys, b, 6, 8))
-            if fam == FAM_K4:
-                m0, m1 = fma32(dmin, p0, m0), fma32(dmin, p1, m1)
-                m2, m3 = fma32(dmin, p2, m2), fma32(dmin, p3, m3)
-            else:  # Q5_K: summed as integers first
-                summs = fma32(dmin, np.float32(_mins_sum(wmin, ys, b, 0, 8)), summs)
+            L[b * 8 + lane] = np.float32(_lane256(S, b, lane))
+        dmin = -yd[b] * wm[b]
+        # mins x the activations' 32-value sums (ggml: hadd of bsums), in pairs of sub-blocks
+        p0, p1 = np.float32(_mins_sum(wmin, ys, b, 0, 2)), np.float32(_mins_sum(wmin, ys, b, 2, 4))
+        p2, p3 = np.float32(_mins_sum(wmin, ys, b, 4, 6)), np.float32(_mins_sum(wmin, ys, b, 6, 8))
+        if fam == FAM_K4:
+            m0, m1 = fma32(dmin, p0, m0), fma32(dmin, p1, m1)
+            m2, m3 = fma32(dmin, p2, m2), fma32(dmin, p3, m3)
+        else:  # Q5_K: summed as integers first
+            summs = fma32(dmin, np.float32(_mins_sum(wmin, ys, b, 0, 8)), summs)
     if fam == FAM_K4:
         summs = (m0 + m2) + (m1 + m3)
     return lane_chain8(L, yd, wd, wd.size) + summs
@@ -253,39 +210,15 @@ def _chain256(S, L, wd, wm, wmin, yd, ys, fam):
 
 @_jit
 def _chain_tiled(S, wd, wm, wmin, yd, ys, fam):
-    """K-quants with 8 or more columns: llama.cpp's tiled matmul (AVX-512 VNNI kernel).  Per
+    """Q4_K/Q5_K with 8 or more columns: llama.cpp's tiled matmul (AVX-512 VNNI kernel).  Per
     256-block the integer sums of the scales' and the mins' terms; ``r = float(s1) * d``,
-    ``r = fma(-dmin, float(s2), r)``, then ``acc = fma(r, d_y, acc)``."""
+    ``r = fma(-dmin, float(s2), r)``, then ``acc = fma(r, d_y, acc)``.  (Q6_K: blockdot.py.)"""
     acc = f32(0.0)
     for b in range(wd.size):
-        s1 = _block_sum(S, b * 64, b * 64 + 64)
-        if fam == FAM_K6:    # unsigned q: take 32 x scale x bsum off, per 16 values
-            s1 -= _q6_offset(wmin, ys, b * 16, b * 16 + 16)
-        r = np.float32(s1) * wd[b]
-        if fam != FAM_K6:
-            r = fma32(-wm[b], np.float32(_mins_sum(wmin, ys, b, 0, 8)), r)
+        r = np.float32(_block_sum(S, b * 64, b * 64 + 64)) * wd[b]
+        r = fma32(-wm[b], np.float32(_mins_sum(wmin, ys, b, 0, 8)), r)
         acc = fma32(r, yd[b], acc)
     return acc
-
-
-@_jit
-def _chain_k4_x8(S, wd, wm, wmin, yd, ys, per_pair):
-    """Repacked Q4_K: integer sums converted to float and fused into two accumulators (the
-    scales' and the mins'), subtracted at the end.  ggml_gemv_q4_K_8x8_q8_K (single columns)
-    converts once per 256-block; ggml_gemm_q4_K_8x8_q8_K (columns in fours) once per pair of
-    32-value sub-blocks."""
-    acc = acc_min = f32(0.0)
-    for b in range(wd.size):
-        d, dmin = wd[b] * yd[b], wm[b] * yd[b]
-        if per_pair:
-            for pair in range(4):
-                lo = b * 64 + pair * 16
-                acc = fma32(np.float32(_block_sum(S, lo, lo + 16)), d, acc)
-                acc_min = fma32(np.float32(_mins_sum(wmin, ys, b, 2 * pair, 2 * pair + 2)), dmin, acc_min)
-        else:
-            acc = fma32(np.float32(_block_sum(S, b * 64, b * 64 + 64)), d, acc)
-            acc_min = fma32(np.float32(_mins_sum(wmin, ys, b, 0, 8)), dmin, acc_min)
-    return acc - acc_min
 
 
 @_jit
@@ -341,12 +274,14 @@ def _to_bytes(yq, yb):
 @_jit
 def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
     """Rows start..end of a weight for every column, two at a time (blockdot.py)."""
+    n_cols = yb.shape[0]
     for m in range(start, end - 1, 2):
-        for n in range(yb.shape[0]):
-            out[n, m], out[n, m + 1] = row_pair_dots(kind, w[m], w[m + 1], yb[n], yd[n], ys[n])
+        for n in range(n_cols):
+            fmt = column_format(kind, n, n_cols, TILED_MIN_COLS)
+            out[n, m], out[n, m + 1] = row_pair_dots(fmt, w[m], w[m + 1], yb[n], yd[n], ys[n])
     if (end - start) % 2:
-        for n in range(yb.shape[0]):
-            out[n, end - 1] = row_dot(kind, w[end - 1], yb[n], yd[n], ys[n])
+        for n in range(n_cols):
+            out[n, end - 1] = row_dot(column_format(kind, n, n_cols, TILED_MIN_COLS), w[end - 1], yb[n], yd[n], ys[n])
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -362,8 +297,8 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     fam, signed = FAMILY[kind], SIGNED[kind]
     k64 = (k + 63) // 64 * 64  # lane_dots takes 64 bytes at a time: zero padding
     batched = n_cols >= INT8_MIN_COLS
-    # a decode step's products, for the types blockdot.py reads straight from the GGUF blocks
-    from_blocks = not batched and kind in FROM_BLOCKS
+    # products that blockdot.py reads straight from the GGUF blocks: decode steps, and batches of K-quants
+    from_blocks = kind in FROM_BLOCKS and (not batched or kind in BATCHES_FROM_BLOCKS)
     # the legacy types' integers fit a byte as unpacked: those always take lane_dots
     as_bytes = batched or fam <= FAM_Q8_1 or from_blocks
     yb = np.zeros((n_cols if as_bytes else 0, k64), dtype=np.int8)
@@ -402,7 +337,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
             else:
                 unpack(kind, w[m], wq, wd, wm, wmin, f16)
                 if batched:  # K-quants: unpack scaled the codes, lane_dots wants them bare
-                    lane_scales(kind, w[m], wmin, ls)
+                    lane_scales(kind, w[m], ls)
                     for i in range(k):
                         scale = ls[i >> 2]
                         codes[i] = wq[i] / scale if scale != 0 else 0
@@ -415,8 +350,6 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
                     _lane_sums(wq, yq[n], S, n_lanes)
                 if fam <= FAM_Q8_1:
                     out[n, m] = _chain32(S, wd, wm, yd[n], ys[n], fam == FAM_Q8_1)
-                elif fam == FAM_K4_X8:  # columns in whole fours go through ggml's gemm
-                    out[n, m] = _chain_k4_x8(S, wd, wm, wmin, yd[n], ys[n], n < n_cols - n_cols % 4)
                 elif n_cols >= TILED_MIN_COLS:
                     out[n, m] = _chain_tiled(S, wd, wm, wmin, yd[n], ys[n], fam)
                 else:
