@@ -270,3 +270,26 @@ def test_shape_errors_name_the_op():
             build()
     with pytest.raises(ValueError, match="block size"):
         pg.new_tensor(Type.Q4_0, (40, 2))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_flash_attention_leaves_cells_no_query_sees_out_exactly(n_tokens):
+    """Over an F16 cache of 256 cells of which the mask shows the first 125, the op (which
+    converts only the cells up to the last one seen, in whole 64s) gives the bits that
+    nn.attention gives over the whole cache - whatever the hidden cells hold."""
+    from pyggml.cpu import nn
+    n_kv, d, heads, kv_heads = 256, 64, 4, 2
+    q, qv = inp((1, heads, n_tokens, d), name="q")
+    k, kv = inp((1, kv_heads, n_kv, d), Type.F16, name="k")
+    v, vv = inp((1, kv_heads, n_kv, d), Type.F16, name="v")
+    qv *= 3  # scores of a few units: softmax's exponentials differ in their last bits by method
+    kv[:, :, 125:], vv[:, :, 125:] = np.float16(np.inf), np.float16(6e4)  # hidden: must not matter
+    visible = np.arange(n_kv)[None, :] <= 125 - n_tokens + np.arange(n_tokens)[:, None]
+    mv = np.where(visible, 0, -np.inf).astype(np.float32)[None, None]
+    m = pg.new_tensor(Type.F32, (n_kv, n_tokens, 1, 1), "m").set_input()
+    out = run_graph(ops.flash_attn_ext(q, k, v, m, d ** -0.5), {q: qv, k: kv, v: vv, m: mv})
+    want = np.empty((n_tokens, heads, d), dtype=np.float32)
+    nn.attention(np.ascontiguousarray(qv[0]), kv[0].astype(np.float32), vv[0].astype(np.float32),
+                 np.ascontiguousarray(mv[0, 0]), np.float32(d ** -0.5), np.float32(0), want)
+    assert np.isfinite(want).all()
+    assert np.array_equal(out.reshape(want.shape), want)

@@ -183,6 +183,16 @@ def k_mul_mat(node: Tensor) -> None:
     out[...] = res.reshape(out.shape)
 
 
+def _cells(t: Tensor, n: int) -> np.ndarray:
+    """The first n cells (ne1) of a K or V cache view as float32 [ne3, ne2, n, ne0]."""
+    if t.type != Type.F16:
+        return values(t)[:, :, :n]
+    bits = tensor_view(t)[:, :, :n].view(np.uint16)
+    out = np.empty(bits.shape, dtype=f32)
+    f16_values(bits, F16_TABLE, out)
+    return out
+
+
 def k_flash_attn_ext(node: Tensor) -> None:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
     mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention computes it."""
@@ -190,9 +200,17 @@ def k_flash_attn_ext(node: Tensor) -> None:
     scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
     n_tokens = q.ne[1]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
-    m = np.ascontiguousarray(values(mask)[0, 0, :n_tokens]) if mask is not None \
-        else np.zeros((n_tokens, k.ne[1]), dtype=f32)
-    qv, kv, vv = values(q), values(k), values(v)
+    n_cells = k.ne[1]
+    if mask is not None:
+        m = values(mask)[0, 0, :n_tokens, :n_cells]
+        # nn.attention skips the cells no query sees (probability 0): leave those past the last
+        # seen one out of the F16 conversion too; whole 64s keep every sum's lanes as they were
+        seen = np.flatnonzero(np.isfinite(m).any(axis=0))
+        n_cells = min(n_cells, (int(seen[-1]) // 64 + 1) * 64) if seen.size else n_cells
+        m = np.ascontiguousarray(m[:, :n_cells])
+    else:
+        m = np.zeros((n_tokens, n_cells), dtype=f32)
+    qv, kv, vv = values(q), _cells(k, n_cells), _cells(v, n_cells)
     for i3 in range(q.ne[3]):
         res = np.empty(out.shape[1:], dtype=f32)
         nn.attention(np.ascontiguousarray(qv[i3]), np.ascontiguousarray(kv[i3]), np.ascontiguousarray(vv[i3]),
