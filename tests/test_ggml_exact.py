@@ -75,9 +75,10 @@ def _q6_k_ints(row: np.ndarray):
     return q, row.reshape(-1, 210)[:, 192:208].view(np.int8).astype(np.int64), _halves(row.reshape(-1, 210), 208)
 
 
-def _q4_k_ints(row: np.ndarray):
-    """A Q4_K row's 4-bit codes [blocks, 256], sub-block scales and mins [blocks, 8], d, dmin."""
-    blocks = row.reshape(-1, 144)
+def _q4_k_ints(row: np.ndarray, five: bool = False):
+    """A Q4_K (Q5_K) row's 4-bit (5-bit) codes [blocks, 256], sub-block scales and mins
+    [blocks, 8], d, dmin."""
+    blocks = row.reshape(-1, 176 if five else 144)
     b = blocks.astype(np.int64)
     sc, mn = b[:, 4:16], np.empty((len(b), 8), dtype=np.int64)
     scales = np.empty_like(mn)
@@ -85,17 +86,22 @@ def _q4_k_ints(row: np.ndarray):
     scales[:, 4:] = (sc[:, 8:12] & 15) | ((sc[:, 0:4] >> 6) << 4)
     mn[:, 4:] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
     q = np.empty((len(b), 256), dtype=np.int64)
+    qs = 48 if five else 16
     for pair in range(4):
-        packed = b[:, 16 + 32 * pair:48 + 32 * pair]
+        packed = b[:, qs + 32 * pair:qs + 32 + 32 * pair]
         q[:, 64 * pair:64 * pair + 32], q[:, 64 * pair + 32:64 * pair + 64] = packed & 15, packed >> 4
+    if five:  # bit s of qh[l]: the fifth bit of value l of sub-block s
+        for sub in range(8):
+            q[:, 32 * sub:32 * sub + 32] |= ((b[:, 16:48] >> sub) & 1) << 4
     return q, scales, mn, _halves(blocks, 0), _halves(blocks, 2)
 
 
 def test_batched_k_quant_products_follow_llama_cpps_float_steps():
-    """blockdot.py's batch formats against a plain numpy reference: Q6_K from 8 columns (the
-    tiled matmul: ``r = float(s) * d_w``, ``acc = fma(r, d_y, acc)`` per block) and repacked
-    Q4_K for columns in fours (ggml_gemm_q4_K_8x8_q8_K: the scales' and the mins' integers of
-    each pair of sub-blocks into two accumulators)."""
+    """blockdot.py's batch formats against a plain numpy reference: Q6_K, Q4_K and Q5_K from 8
+    columns (the tiled matmul: ``r = float(s) * d_w`` (``r = fma(-dmin_w, float(mins), r)``),
+    ``acc = fma(r, d_y, acc)`` per block) and repacked Q4_K for columns in fours
+    (ggml_gemm_q4_K_8x8_q8_K: the scales' and the mins' integers of each pair of sub-blocks
+    into two accumulators)."""
     from pyggml.cpu.activations import Q8_K, quantize
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 512)).astype(np.float32) * rng.uniform(0.2, 3, (8, 1)).astype(np.float32)
@@ -128,6 +134,20 @@ def test_batched_k_quant_products_follow_llama_cpps_float_steps():
                     acc = _fma(np.float32(subs[b, 2 * pair:2 * pair + 2].sum()), d[b] * yd[n, b], acc)
                     acc_min = _fma(np.float32(min_terms[b, 2 * pair:2 * pair + 2].sum()), dmin[b] * yd[n, b], acc_min)
             assert got[n, m] == acc - acc_min, f"Q4_K row {m} column {n}"
+
+    for name in ("Q4_K", "Q5_K"):  # rows not in whole eights, and Q5_K: the tiled matmul
+        w = DATA[name + "_w"][:15]
+        got = quant_matmul(w, pg.Type[name], x)
+        for m in range(len(w)):
+            q, scales, mins, d, dmin = _q4_k_ints(w[m], five=name == "Q5_K")
+            for n in range(8):
+                s1 = ((q * y[n]).reshape(-1, 8, 32).sum(2) * scales).sum(1)
+                s2 = (mins * bs[n].reshape(-1, 8, 2).sum(2)).sum(1)
+                acc = np.float32(0)
+                for b in range(len(s1)):
+                    r = _fma(-dmin[b], np.float32(s2[b]), np.float32(s1[b]) * d[b])
+                    acc = _fma(r, yd[n, b], acc)
+                assert got[n, m] == acc, f"{name} row {m} column {n}"
 
 
 def _columns(x: np.ndarray, batch: bool) -> np.ndarray:

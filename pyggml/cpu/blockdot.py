@@ -1,12 +1,13 @@
-"""Decode-step products read straight from the GGUF blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K (rows in whole eights, which llama.cpp repacks) and Q6_K.
+"""Products read straight from the GGUF blocks: single columns (decode steps) of Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, and batches of the K-quants (with llama.cpp's kernels'
+float steps for each: vec_dot, its repacked Q4_K gemm, its tiled matmul).
 
-For a batch of columns qdot.exact_matmul unpacks a weight row once and reuses it for every
+For a batch of columns qdot.exact_matmul can unpack a weight row once and reuse it for every
 column.  A decode step has one column, and there the unpacking (a store and a load of every
 weight, and the lane sums' round trip through memory) cost more than the products: these
 kernels do what ggml's SIMD ``vec_dot`` does, in registers - per 32 weights the nibbles (and
 fifth or sixth bits) become 32 bytes, one ``dot4`` gives 8 lane sums - with the same float
-steps as qdot.py's chains in the same order, so the results are the same bits.  Integer sums
+steps as ggml's in the same order, so the results are the same bits.  Integer sums
 are exact in any order; only the float steps are ggml's.
 
 Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
@@ -46,8 +47,9 @@ def _splat(ty, value):
 
 
 def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
-                                        "llvm.fma.v8f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32")
+    """IR: a * b + c rounded once (float32 or a vector of them)."""
+    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
     return builder.call(fn, [a, b, c])
 
 
@@ -69,10 +71,12 @@ def _hsum_int(builder, v):
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-def _pair_sums(builder, v16):
-    """<16 x i32> -> <8 x i32>: element i the sum of elements 2i and 2i + 1."""
-    even = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(0, 16, 2))))
-    odd = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(1, 16, 2))))
+def _pair_sums(builder, v):
+    """An integer vector of n -> n / 2 elements: element i the sum of elements 2i and 2i + 1."""
+    n = v.type.count
+    half = ir.VectorType(I32, n // 2)
+    even = builder.shuffle_vector(v, v, ir.Constant(half, list(range(0, n, 2))))
+    odd = builder.shuffle_vector(v, v, ir.Constant(half, list(range(1, n, 2))))
     return builder.add(even, odd)
 
 
@@ -151,18 +155,55 @@ def _q4_k_scales(builder, base):
     return builder.zext(scales, V8I), builder.zext(mins, V8I)
 
 
-def _q4_k_sums(builder, base, col):
-    """A Q4_K block's integers: the 8 lanes of each sub-block's sum of q x y, times the
-    sub-block's scale, and the 8 sub-blocks' min x (their activations' sum)."""
+def _q4_k_sums(builder, base, col, five: bool = False):
+    """A Q4_K (or Q5_K) block's integers: the 8 lanes of each sub-block's sum of q x y, times
+    the sub-block's scale, and the 8 sub-blocks' min x (their activations' sum)."""
     scales, mins = _q4_k_scales(builder, base)
+    qh = load_at(builder, base, 16, V32B) if five else None  # bit s of byte l: sub-block s, value l
     subs = []
     for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
-        packed = load_at(builder, base, 16 + 32 * pair, V32B)
+        packed = load_at(builder, base, (48 if five else 16) + 32 * pair, V32B)
         for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
             s = 2 * pair + half
+            if five:
+                fifth = builder.and_(builder.lshr(qh, _splat(V32B, s)), _splat(V32B, 1))
+                q = builder.or_(q, builder.shl(fifth, _splat(V32B, 4)))
             sc = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
             subs.append(builder.mul(dot4(builder, q, col["y"][s], False, VNNI), sc))
     return subs, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+
+
+def _q45_k(five: bool) -> Format:
+    """Q4_K / Q5_K's vec_dot (ggml_vec_dot_q4_K_q8_K, _q5_K_): 8 lanes, each the sum of its 4-value products of
+    all 8 sub-blocks times their scales, ``acc = fma(d_y * d_w, lanes, acc)`` per block, hsum8;
+    the mins' term with ``dmin = -d_y * m_w`` in 4 accumulators of sub-block pairs (Q4_K),
+    ``(m0 + m2) + (m1 + m3)``, or summed as integers into one (Q5_K); added last."""
+    v4f = ir.VectorType(F32, 4)
+
+    def block(builder, base, col, accs):
+        subs, min_terms = _q4_k_sums(builder, base, col, five)
+        lanes = subs[0]
+        for sub in subs[1:]:
+            lanes = builder.add(lanes, sub)
+        scale = splat8(builder, builder.fmul(half_at(builder, base, 0), col["d"]))
+        acc = _fma(builder, scale, builder.sitofp(lanes, V8F), accs[0])
+        dmin = builder.fmul(builder.fneg(col["d"]), half_at(builder, base, 2))
+        if five:
+            return [acc, _fma(builder, dmin, builder.sitofp(_hsum_int(builder, min_terms), F32), accs[1])]
+        pairs = builder.sitofp(_pair_sums(builder, min_terms), v4f)  # the mins of sub-blocks 0+1, 2+3, ...
+        eight = splat8(builder, dmin)
+        dmins = builder.shuffle_vector(eight, eight, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3]))
+        return [acc, _fma(builder, dmins, pairs, accs[1])]
+
+    def finish(builder, accs):
+        total = hsum8_ir(builder, accs[0])
+        if five:
+            return builder.fadd(total, accs[1])
+        m = [builder.extract_element(accs[1], ir.Constant(I32, i)) for i in range(4)]
+        return builder.fadd(total, builder.fadd(builder.fadd(m[0], m[2]), builder.fadd(m[1], m[3])))
+
+    init = [_splat(V8F, 0.0), ir.Constant(F32, 0.0) if five else _splat(v4f, 0.0)]
+    return Format(176 if five else 144, init, _k_shared, block, finish)
 
 
 def _q4_k_x8(per_pair: bool) -> Format:
@@ -193,6 +234,23 @@ def _q4_k_x8(per_pair: bool) -> Format:
     return Format(144, [zero, zero], _k_shared, block, finish)
 
 
+def _q45_k_tiled(five: bool) -> Format:
+    """Q4_K / Q5_K from 8 columns, llama.cpp's tiled matmul (its AVX-512 VNNI kernel): per block
+    ``r = float(scales' integer) * d_w``, ``r = fma(-dmin_w, float(mins' integer), r)``,
+    ``acc = fma(r, d_y, acc)``."""
+    def block(builder, base, col, accs):
+        subs, min_terms = _q4_k_sums(builder, base, col, five)
+        total = subs[0]
+        for sub in subs[1:]:
+            total = builder.add(total, sub)
+        r = builder.fmul(builder.sitofp(_hsum_int(builder, total), F32), half_at(builder, base, 0))
+        mins = builder.sitofp(_hsum_int(builder, min_terms), F32)
+        r = _fma(builder, builder.fneg(half_at(builder, base, 2)), mins, r)
+        return [_fma(builder, r, col["d"], accs[0])]
+
+    return Format(176 if five else 144, [ir.Constant(F32, 0.0)], _k_shared, block, lambda builder, accs: accs[0])
+
+
 def _q6_k_lanes(builder, base, col):
     """A Q6_K block's 8 lanes: each the integer over its 4 values of all 8 chunks of 32, times
     their 16-value scales, less 32 x scale x bsum of the lane's two 16-value groups (ggml takes
@@ -216,7 +274,7 @@ def _q6_k_lanes(builder, base, col):
 
 def _q6_k() -> Format:
     """Q6_K's vec_dot: ``acc = fma(d_y * d_w, lanes, acc)`` per block, then hsum8 (+ 0, as
-    qdot._chain256 adds its scalar of mins)."""
+    the K-quants' vec_dot adds its sum of mins, 0 here)."""
     def block(builder, base, col, accs):
         scale = splat8(builder, builder.fmul(col["d"], half_at(builder, base, 208)))
         return [_fma(builder, scale, builder.sitofp(_q6_k_lanes(builder, base, col), V8F), accs[0])]
@@ -228,7 +286,7 @@ def _q6_k() -> Format:
 
 
 def _q6_k_tiled() -> Format:
-    """Q6_K from 8 columns, llama.cpp's tiled matmul (as qdot._chain_tiled): per block
+    """Q6_K from 8 columns, llama.cpp's tiled matmul: per block
     ``r = float(integer sum) * d_w``, ``acc = fma(r, d_y, acc)``."""
     def block(builder, base, col, accs):
         r = builder.fmul(builder.sitofp(_hsum_int(builder, _q6_k_lanes(builder, base, col)), F32),
@@ -277,15 +335,17 @@ def _row_kernel(fmt: Format, n_rows: int):
 
 # by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8), and
 # two variants for batches of columns
-Q4_K_X8_GEMM, Q6_K_TILED = 9, 10
+Q4_K_X8_GEMM, Q6_K_TILED, Q4_K_TILED, Q5_K_TILED = 9, 10, 11, 12
 FORMATS = {0: _legacy(Legacy(18, 2, False, False, 8, False)), 1: _legacy(Legacy(20, 4, True, False, 0, False)),
            2: _legacy(Legacy(22, 6, False, True, 16, False)), 3: _legacy(Legacy(24, 8, True, True, 0, False)),
-           4: _legacy(Legacy(34, 2, False, False, 0, True)), 7: _q6_k(), 8: _q4_k_x8(per_pair=False),
-           Q4_K_X8_GEMM: _q4_k_x8(per_pair=True), Q6_K_TILED: _q6_k_tiled()}
-(_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q6_k1, _q4_k1, _q4_k_gemm1, _q6_k_tiled1) = \
-    (_row_kernel(f, 1) for f in FORMATS.values())
-(_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q6_kx2, _q4_kx2, _q4_k_gemmx2, _q6_k_tiledx2) = \
-    (_row_kernel(f, 2) for f in FORMATS.values())
+           4: _legacy(Legacy(34, 2, False, False, 0, True)), 5: _q45_k(five=False), 6: _q45_k(five=True),
+           7: _q6_k(), 8: _q4_k_x8(per_pair=False),
+           Q4_K_X8_GEMM: _q4_k_x8(per_pair=True), Q6_K_TILED: _q6_k_tiled(),
+           Q4_K_TILED: _q45_k_tiled(five=False), Q5_K_TILED: _q45_k_tiled(five=True)}
+(_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q4_k1, _q5_k1, _q6_k1, _q4_k_x8_1, _q4_k_gemm1, _q6_k_tiled1, _q4_k_tiled1,
+ _q5_k_tiled1) = (_row_kernel(f, 1) for f in FORMATS.values())
+(_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q4_kx2, _q5_kx2, _q6_kx2, _q4_k_x8x2, _q4_k_gemmx2, _q6_k_tiledx2,
+ _q4_k_tiledx2, _q5_k_tiledx2) = (_row_kernel(f, 2) for f in FORMATS.values())
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
@@ -296,8 +356,13 @@ def column_format(kind, n, n_cols, tiled_min_cols):
     llama.cpp's kernel for that many columns computes."""
     if kind == 8 and n < n_cols - n_cols % 4:  # repacked Q4_K: columns in whole fours through its gemm
         return Q4_K_X8_GEMM
-    if kind == 7 and n_cols >= tiled_min_cols:
-        return Q6_K_TILED
+    if n_cols >= tiled_min_cols:  # the other K-quants: its tiled matmul
+        if kind == 5:
+            return Q4_K_TILED
+        if kind == 6:
+            return Q5_K_TILED
+        if kind == 7:
+            return Q6_K_TILED
     return kind
 
 
@@ -314,14 +379,22 @@ def row_dot(fmt, row, yb, yd, ys):
         return _q5_0(row, yb, yd, ys, nb)
     if fmt == 3:
         return _q5_1(row, yb, yd, ys, nb)
+    if fmt == 5:
+        return _q4_k1(row, yb, yd, ys, nb)
+    if fmt == 6:
+        return _q5_k1(row, yb, yd, ys, nb)
     if fmt == 7:
         return _q6_k1(row, yb, yd, ys, nb)
     if fmt == 8:
-        return _q4_k1(row, yb, yd, ys, nb)
+        return _q4_k_x8_1(row, yb, yd, ys, nb)
     if fmt == Q4_K_X8_GEMM:
         return _q4_k_gemm1(row, yb, yd, ys, nb)
     if fmt == Q6_K_TILED:
         return _q6_k_tiled1(row, yb, yd, ys, nb)
+    if fmt == Q4_K_TILED:
+        return _q4_k_tiled1(row, yb, yd, ys, nb)
+    if fmt == Q5_K_TILED:
+        return _q5_k_tiled1(row, yb, yd, ys, nb)
     return _q8_0(row, yb, yd, ys, nb)
 
 
@@ -337,12 +410,20 @@ def row_pair_dots(fmt, row0, row1, yb, yd, ys):
         return _q5_0x2(row0, row1, yb, yd, ys, nb)
     if fmt == 3:
         return _q5_1x2(row0, row1, yb, yd, ys, nb)
+    if fmt == 5:
+        return _q4_kx2(row0, row1, yb, yd, ys, nb)
+    if fmt == 6:
+        return _q5_kx2(row0, row1, yb, yd, ys, nb)
     if fmt == 7:
         return _q6_kx2(row0, row1, yb, yd, ys, nb)
     if fmt == 8:
-        return _q4_kx2(row0, row1, yb, yd, ys, nb)
+        return _q4_k_x8x2(row0, row1, yb, yd, ys, nb)
     if fmt == Q4_K_X8_GEMM:
         return _q4_k_gemmx2(row0, row1, yb, yd, ys, nb)
     if fmt == Q6_K_TILED:
         return _q6_k_tiledx2(row0, row1, yb, yd, ys, nb)
+    if fmt == Q4_K_TILED:
+        return _q4_k_tiledx2(row0, row1, yb, yd, ys, nb)
+    if fmt == Q5_K_TILED:
+        return _q5_k_tiledx2(row0, row1, yb, yd, ys, nb)
     return _q8_0x2(row0, row1, yb, yd, ys, nb)
