@@ -12,7 +12,7 @@ are exact in any order; only the float steps are ggml's.
 
 Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
 block (``block``: the next values of its accumulators) and the result from the accumulators
-(``finish``).  ``_row_kernel`` makes the loop around them, for one row or for two side by side
+(``finish``).  ``_row_pair_kernel`` makes the loop around them, for two rows side by side
 (each chain of fused multiply-adds then hides the other's latency, as simd.lane_chain8x2).
 """
 from __future__ import annotations
@@ -296,23 +296,20 @@ def _q6_k_tiled() -> Format:
     return Format(210, [ir.Constant(F32, 0.0)], _k_shared, block, lambda builder, accs: accs[0])
 
 
-def _row_kernel(fmt: Format, n_rows: int):
-    """An intrinsic ``(row, yb, yd, ys, nb) -> float32``, or for two rows ``(row0, row1, yb, yd,
-    ys, nb) -> (float32, float32)``: each weight row's product (uint8, the GGUF blocks) with one
-    activation column quantized to bytes (yb, int8), its block scales yd and block sums ys."""
-    def typer_one(typingctx, row, yb, yd, ys, nb):
-        return types.float32(row, yb, yd, ys, types.intp), codegen
-
-    def typer_two(typingctx, row0, row1, yb, yd, ys, nb):
+def _row_pair_kernel(fmt: Format):
+    """An intrinsic ``(row0, row1, yb, yd, ys, nb) -> (float32, float32)``: two weight rows'
+    products (uint8, the GGUF blocks) with one activation column quantized to bytes (yb, int8),
+    its block scales yd and block sums ys; the two rows' chains side by side."""
+    def typer(typingctx, row0, row1, yb, yd, ys, nb):
         return types.UniTuple(types.float32, 2)(row0, row1, yb, yd, ys, types.intp), codegen
 
     def codegen(context, builder, signature, args):
         ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:-1], args[:-1])]
-        rows, (yb, yd, ys) = ptrs[:n_rows], ptrs[n_rows:]
+        rows, (yb, yd, ys) = ptrs[:2], ptrs[2:]
         n_acc = len(fmt.init)
         b, pre, loop, done = _loop_begin(builder, args[-1], "blocks")
         accs = [builder.phi(c.type) for _ in rows for c in fmt.init]  # row r's at r * n_acc
-        for phi, c in zip(accs, fmt.init * n_rows):
+        for phi, c in zip(accs, fmt.init * 2):
             phi.add_incoming(c, pre)
         col = fmt.shared(builder, b, yb, yd, ys)
         nexts = []
@@ -323,14 +320,14 @@ def _row_kernel(fmt: Format, n_rows: int):
             phi.add_incoming(nxt, loop)
         _loop_end(builder, b, args[-1], loop, done)
         finals = []  # the exit block's phis, before any other instruction
-        for nxt, c in zip(nexts, fmt.init * n_rows):
+        for nxt, c in zip(nexts, fmt.init * 2):
             phi = builder.phi(c.type)
             phi.add_incoming(c, pre)
             phi.add_incoming(nxt, loop)
             finals.append(phi)
-        results = [fmt.finish(builder, finals[r * n_acc:(r + 1) * n_acc]) for r in range(n_rows)]
-        return results[0] if n_rows == 1 else context.make_tuple(builder, signature.return_type, results)
-    return intrinsic(typer_one if n_rows == 1 else typer_two)
+        results = [fmt.finish(builder, finals[r * n_acc:(r + 1) * n_acc]) for r in range(2)]
+        return context.make_tuple(builder, signature.return_type, results)
+    return intrinsic(typer)
 
 
 # by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8), and
@@ -342,10 +339,8 @@ FORMATS = {0: _legacy(Legacy(18, 2, False, False, 8, False)), 1: _legacy(Legacy(
            7: _q6_k(), 8: _q4_k_x8(per_pair=False),
            Q4_K_X8_GEMM: _q4_k_x8(per_pair=True), Q6_K_TILED: _q6_k_tiled(),
            Q4_K_TILED: _q45_k_tiled(five=False), Q5_K_TILED: _q45_k_tiled(five=True)}
-(_q4_0, _q4_1, _q5_0, _q5_1, _q8_0, _q4_k1, _q5_k1, _q6_k1, _q4_k_x8_1, _q4_k_gemm1, _q6_k_tiled1, _q4_k_tiled1,
- _q5_k_tiled1) = (_row_kernel(f, 1) for f in FORMATS.values())
 (_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q4_kx2, _q5_kx2, _q6_kx2, _q4_k_x8x2, _q4_k_gemmx2, _q6_k_tiledx2,
- _q4_k_tiledx2, _q5_k_tiledx2) = (_row_kernel(f, 2) for f in FORMATS.values())
+ _q4_k_tiledx2, _q5_k_tiledx2) = (_row_pair_kernel(f) for f in FORMATS.values())
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
@@ -367,40 +362,9 @@ def column_format(kind, n, n_cols, tiled_min_cols):
 
 
 @_jit
-def row_dot(fmt, row, yb, yd, ys):
-    """One weight row in a format of FORMATS times one activation column (yb: its integers as
-    int8, yd/ys: per block)."""
-    nb = yd.size
-    if fmt == 0:
-        return _q4_0(row, yb, yd, ys, nb)
-    if fmt == 1:
-        return _q4_1(row, yb, yd, ys, nb)
-    if fmt == 2:
-        return _q5_0(row, yb, yd, ys, nb)
-    if fmt == 3:
-        return _q5_1(row, yb, yd, ys, nb)
-    if fmt == 5:
-        return _q4_k1(row, yb, yd, ys, nb)
-    if fmt == 6:
-        return _q5_k1(row, yb, yd, ys, nb)
-    if fmt == 7:
-        return _q6_k1(row, yb, yd, ys, nb)
-    if fmt == 8:
-        return _q4_k_x8_1(row, yb, yd, ys, nb)
-    if fmt == Q4_K_X8_GEMM:
-        return _q4_k_gemm1(row, yb, yd, ys, nb)
-    if fmt == Q6_K_TILED:
-        return _q6_k_tiled1(row, yb, yd, ys, nb)
-    if fmt == Q4_K_TILED:
-        return _q4_k_tiled1(row, yb, yd, ys, nb)
-    if fmt == Q5_K_TILED:
-        return _q5_k_tiled1(row, yb, yd, ys, nb)
-    return _q8_0(row, yb, yd, ys, nb)
-
-
-@_jit
 def row_pair_dots(fmt, row0, row1, yb, yd, ys):
-    """``row_dot`` of two weight rows with the same column, their chains interleaved."""
+    """Two weight rows in a format of FORMATS times one activation column (yb: its integers as
+    int8, yd/ys: per block), their chains interleaved."""
     nb = yd.size
     if fmt == 0:
         return _q4_0x2(row0, row1, yb, yd, ys, nb)

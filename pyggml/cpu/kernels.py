@@ -24,14 +24,19 @@ f32 = np.float32
 Kernel = Callable[[Tensor], None]
 
 
+def _f16_floats(view: np.ndarray) -> np.ndarray:
+    """float32 values of a 4-d float16 view (any strides), through the half table."""
+    out = np.empty(view.shape, dtype=f32)
+    f16_values(view.view(np.uint16), F16_TABLE, out)
+    return out
+
+
 def values(t: Tensor) -> np.ndarray:
     """A tensor's values as float32 [ne3, ne2, ne1, ne0] (a view when it already is F32)."""
     if t.type == Type.F32:
         return tensor_view(t)
     if t.type == Type.F16:
-        out = np.empty(t.ne[::-1], dtype=f32)
-        f16_values(tensor_view(t).view(np.uint16), F16_TABLE, out)
-        return out
+        return _f16_floats(tensor_view(t))
     if t.type.np_dtype is not None and t.type != Type.BF16:
         return tensor_view(t).astype(f32)
     rows = tensor_rows(t)
@@ -187,10 +192,7 @@ def _cells(t: Tensor, n: int) -> np.ndarray:
     """The first n cells (ne1) of a K or V cache view as float32 [ne3, ne2, n, ne0]."""
     if t.type != Type.F16:
         return values(t)[:, :, :n]
-    bits = tensor_view(t)[:, :, :n].view(np.uint16)
-    out = np.empty(bits.shape, dtype=f32)
-    f16_values(bits, F16_TABLE, out)
-    return out
+    return _f16_floats(tensor_view(t)[:, :, :n])
 
 
 def k_flash_attn_ext(node: Tensor) -> None:

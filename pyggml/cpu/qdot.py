@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
-from .blockdot import FORMATS, column_format, row_dot, row_pair_dots
+from .blockdot import FORMATS, column_format, row_pair_dots
 from .qdecode import _h, _qh32, _u, _zero
 from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
@@ -151,15 +151,14 @@ def _to_bytes(yq, yb):
 
 @_jit
 def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
-    """Rows start..end of a weight for every column, two at a time (blockdot.py)."""
+    """Rows start..end of a weight for every column, two at a time (blockdot.py); an odd last
+    row goes with itself."""
     n_cols = yb.shape[0]
-    for m in range(start, end - 1, 2):
+    for m in range(start, end, 2):
+        m1 = min(m + 1, end - 1)
         for n in range(n_cols):
             fmt = column_format(kind, n, n_cols, TILED_MIN_COLS)
-            out[n, m], out[n, m + 1] = row_pair_dots(fmt, w[m], w[m + 1], yb[n], yd[n], ys[n])
-    if (end - start) % 2:
-        for n in range(n_cols):
-            out[n, end - 1] = row_dot(column_format(kind, n, n_cols, TILED_MIN_COLS), w[end - 1], yb[n], yd[n], ys[n])
+            out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], yb[n], yd[n], ys[n])
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -182,6 +181,8 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
             _to_bytes(yq[n], yb[n])
     n_chunks = min(m_rows, 64)
     per = (m_rows + n_chunks - 1) // n_chunks
+    per += per % 2  # whole pairs of rows: only the last chunk may end on an odd one
+    n_chunks = (m_rows + per - 1) // per
     if not batched or kind > LEGACY:  # straight from the GGUF blocks (blockdot.py)
         for c in prange(n_chunks):
             _rows_from_blocks(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out)
