@@ -80,6 +80,8 @@ def generate_key(path: str) -> None:
 @click.option("--cache-dir", default=None, metavar="DIR",
               help=f"Tensor cache for weights, so a model loads again without uploading (e.g. {DEFAULT_CACHE}).")
 @click.option("-c", "--cache", "use_cache", is_flag=True, help=f"Use the tensor cache in {DEFAULT_CACHE}.")
+@click.option("--cache-max", default="20G", show_default=True, metavar="SIZE",
+              help="Largest size of the tensor cache; the entries used least recently are evicted past it.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads for computing.")
 @click.option("--curve-secret-key", default=None, metavar="FILE",
               help="Encrypt and authenticate with CurveZMQ: only clients given the matching public key can connect.")
@@ -90,8 +92,8 @@ def generate_key(path: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
-def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, curve_secret_key, gen_key,
-         max_message, list_devices, log_level) -> None:
+def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, threads, curve_secret_key,
+         gen_key, max_message, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over ZeroMQ, as ggml's rpc-server does.
 
     \b
@@ -145,7 +147,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, c
     try:
         server = RPCServer(chosen, host=host, port=l_port, mem=parse_size(mem) if mem else None,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
-                           max_message=parse_size(max_message), curve_secret_key=key)
+                           max_message=parse_size(max_message), curve_secret_key=key,
+                           cache_max=parse_size(cache_max))
     except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
     click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"
@@ -153,7 +156,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, threads, c
     for i, sd in enumerate(server.devices):
         click.echo(describe(i, sd.device, *sd.memory()))
     if server.cache:
-        click.echo(f"  tensor cache: {server.cache.dir}")
+        click.echo(f"  tensor cache: {server.cache.dir} ({server.cache.size / 2**20:.0f} MiB of at most "
+                   f"{server.cache.max_bytes / 2**20:.0f} MiB)")
     click.echo("", nl=True)
     sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

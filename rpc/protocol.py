@@ -86,7 +86,9 @@ NAME_BYTES = 64
 TENSOR = struct.Struct(f"<QIIQ4q4q{MAX_OP_PARAMS}ii{MAX_SRC}QQQQ{NAME_BYTES}s")
 
 GRAPH_SLOTS = 16                     # graphs a session may keep on the server for GRAPH_RECOMPUTE
-DEFAULT_MAX_MESSAGE = 512 << 20      # the server refuses bigger frames; the client chunks below it
+DEFAULT_MAX_MESSAGE = 512 << 20      # the server refuses bigger requests; the client chunks below it
+MAX_FRAMES = 2                       # frames of a request: the header, and at most one of data
+DEFAULT_CACHE_MAX = 20 << 30         # the tensor cache's size, least recently used entries evicted
 CHUNK_BYTES = 64 << 20               # tensor data is sent in pieces of at most this size
 
 

@@ -6,9 +6,25 @@ it allocated.  A session ends when its connection does - the server watches its
 socket's monitor for disconnects and frees that client's buffers - so a client killed
 mid-command leaves nothing behind.  Every request is checked (see :mod:`.validate`)
 before memory is touched; a bad one gets an error reply and the server carries on.
+
+Routing ids are the server's alone.  libzmq lets a connecting peer choose its own id and
+numbers the others itself, from a counter that starts at C's ``rand()``; it aborts the whole
+process when a number it hands out is one a peer already chose.  libzmq never seeds
+``rand()``, so the numbers were the same in every server, and a client that chose the next one
+could take the server down with the next honest client's connection.  The server seeds
+``rand()`` from the operating system's secrets before it makes its socket, so the numbers are a
+secret 32-bit sequence; knowing where it starts and counting handshakes, it refuses a session
+to any peer whose id is not one libzmq has handed out (a client-chosen id), and a request that
+comes in on another connection than its session's HELLO.
+
+What one session may hold is bounded (:class:`Limits`): buffers, graph slots, unread replies
+(a client that stops reading loses its session instead of stalling the server), frames and
+bytes per request; what a graph may cost is bounded by the bytes the session owns
+(:func:`.validate.check_cost`).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import secrets
 import time
@@ -27,12 +43,52 @@ from pyggml.types import Type
 from . import protocol as P
 from .cache import TensorCache
 from .protocol import Command, ProtocolError, Status, unpack
-from .validate import REBUILD, read_graph, read_tensor, tensor_extent, tensor_from_wire
+from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
 log = logging.getLogger("pyggml.rpc.server")
 
 HEARTBEAT_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one session may hold at once; a request beyond a limit is refused by name."""
+    buffers: int = 4096            # a model takes a few per device (weights, cache, compute)
+    pending_replies: int = 16      # answers the client has not read (the ROUTER's send high-water mark)
+    queued_requests: int = 16      # requests received and not yet served (its receive high-water mark)
+    frames: int = P.MAX_FRAMES     # frames of one request, the header included
+
+
+class RoutingIds:
+    """The routing ids libzmq's ROUTER hands out: a zero byte, then a 32-bit counter that starts
+    at ``rand() | rand() << 31`` when the socket is made.  :meth:`seed` (call it just before
+    making the socket) seeds C's ``rand()`` with 32 secret bits and works out where the counter
+    starts; every successful handshake may take the next number."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.handshakes = 0
+
+    def seed(self) -> None:
+        try:
+            libc = ctypes.CDLL(None)
+            seed = ctypes.c_uint(secrets.randbits(32))
+            libc.srand(seed)
+            low, high = libc.rand(), libc.rand()
+            libc.srand(seed)  # libzmq draws the same two numbers again
+        except (OSError, AttributeError):
+            log.warning("cannot seed the C library's rand(): routing ids are predictable")
+            return
+        self.first = ((high << 31) | low) & 0xFFFFFFFF
+
+    def handed_out(self, identity: bytes) -> bool:
+        """Whether libzmq numbered this peer itself (rather than the peer choosing its id)."""
+        if len(identity) != 5 or identity[0] != 0:
+            return False
+        if self.first is None:
+            return True
+        return (int.from_bytes(identity[1:], "big") - self.first) % (1 << 32) < self.handshakes
 
 
 @dataclass
@@ -56,6 +112,11 @@ class Session:
     buffers: dict[int, tuple[int, Buffer]] = field(default_factory=dict)   # handle -> (device, buffer)
     graphs: dict[int, tuple[int, Graph, set[int]]] = field(default_factory=dict)  # slot -> (device, graph, handles)
     deferred_error: str | None = None
+    cached: int = 0  # bytes this session has written into the tensor cache
+
+    def owned(self) -> int:
+        """Bytes of the buffers this session holds."""
+        return sum(buf.get_size() for _, buf in self.buffers.values())
 
     def lookup(self, handle: int) -> Buffer:
         entry = self.buffers.get(handle)
@@ -71,17 +132,25 @@ Handler = Callable[[Session, memoryview, list], Reply]
 class RPCServer:
     def __init__(self, devices: list[Device], host: str = "127.0.0.1", port: int = 0, mem: int | None = None,
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
-                 curve_secret_key: bytes | None = None) -> None:
+                 curve_secret_key: bytes | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
+                 limits: Limits = Limits()) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
-        self.cache = TensorCache(cache_dir) if cache_dir else None
+        self.cache = TensorCache(cache_dir, cache_max) if cache_dir else None
         self.max_message = max_message
+        self.limits = limits
         self.sessions: dict[bytes, Session] = {}
         self.ctx = zmq.Context.instance()
+        self.routing_ids = RoutingIds()
+        self.routing_ids.seed()  # just before the ROUTER exists: it draws its first routing id when made
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # libzmq checks the size of each frame as it arrives; the total and the frame count of a
+        # request are checked when it is whole (the README's security notes say what that leaves)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + (1 << 20))
+        self.sock.setsockopt(zmq.RCVHWM, limits.queued_requests)
+        self.sock.setsockopt(zmq.SNDHWM, limits.pending_replies)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished client is an error, not a hang
@@ -89,7 +158,7 @@ class RPCServer:
             self.sock.curve_secretkey = curve_secret_key
             self.sock.curve_publickey = zmq.curve_public(curve_secret_key)
             self.sock.curve_server = True
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -144,7 +213,9 @@ class RPCServer:
     def _drain_monitor(self) -> None:
         while self.monitor.poll(0):
             ev = zmq.utils.monitor.recv_monitor_message(self.monitor)
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.routing_ids.handshakes += 1
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 for s in [s for s in self.sessions.values() if s.fd == ev["value"]]:
                     log.info("client %s (%s) disconnected; its %d buffer(s) freed", s.identity.hex(), s.peer,
                              len(s.buffers))
@@ -168,17 +239,26 @@ class RPCServer:
                 raise ProtocolError(f"message of {len(head)} bytes is shorter than a header")
             cmd_no, flags, _, seq = P.HEADER.unpack_from(head)
             no_reply = bool(flags & P.FLAG_NO_REPLY)
+            if len(frames) - 1 > self.limits.frames:
+                raise ProtocolError(f"a request of {len(frames) - 1} frames; the limit is {self.limits.frames}")
+            total = sum(len(f) for f in frames[1:])
+            if total > self.max_message:
+                raise ProtocolError(f"a request of {total} bytes exceeds this server's --max-message of "
+                                    f"{self.max_message}")
             try:
                 cmd = Command(cmd_no)
             except ValueError:
                 raise ProtocolError(f"unknown command {cmd_no}") from None
             payload = head[P.HEADER.size:]
+            fd = frames[1].get(zmq.SRCFD)
             if cmd == Command.HELLO:
-                reply = self._hello(identity, frames[1].get(zmq.SRCFD), payload, data, _peer(frames[1]))
+                reply = self._hello(identity, fd, payload, data, _peer(frames[1]))
             else:
                 session = self.sessions.get(identity)
                 if session is None:
                     raise ProtocolError("HELLO must come first")
+                if session.fd != fd:
+                    raise ProtocolError("this request came on another connection than its session's HELLO")
                 if session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
                     raise ProtocolError(f"an earlier request failed: {err}")
@@ -189,7 +269,7 @@ class RPCServer:
             if not no_reply:
                 self._send(identity, Status.OK, seq, *reply)
         except Exception as e:  # noqa: BLE001 - whatever happened, answer and keep serving
-            if not isinstance(e, (ProtocolError, ValueError, IndexError, MemoryError, KeyError)):
+            if not isinstance(e, (ProtocolError, ValueError, IndexError, MemoryError)):
                 log.exception("unexpected error serving a request")
             message = str(e) or type(e).__name__
             log.info("refused a request: %s", message)
@@ -202,7 +282,15 @@ class RPCServer:
 
     def _send(self, identity: bytes, status: Status, seq: int, payload: bytes, frames: list) -> None:
         try:
-            self.sock.send_multipart([identity, P.HEADER.pack(status, 0, 0, seq) + payload, *frames], copy=False)
+            self.sock.send_multipart([identity, P.HEADER.pack(status, 0, 0, seq) + payload, *frames], copy=False,
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:  # its answers pile up unread: waiting for it would stall every other client
+            session = self.sessions.get(identity)
+            if session is not None:
+                log.warning("client %s (%s) leaves %d replies unread (the limit); its session is ended and its "
+                            "%d buffer(s) freed", identity.hex(), session.peer, self.limits.pending_replies,
+                            len(session.buffers))
+                self._end_session(session)
         except zmq.ZMQError as e:  # the client went away before its answer
             log.info("cannot answer client %s: %s", identity.hex(), e)
 
@@ -239,7 +327,14 @@ class RPCServer:
             raise ProtocolError(f"protocol version {version} is not supported; this server speaks "
                                 f"version {P.PROTOCOL_VERSION}")
         self._frames(data, 0)
-        if identity not in self.sessions:
+        if not self.routing_ids.handed_out(identity):
+            self._drain_monitor()  # the handshake's event may not have been read yet
+            if not self.routing_ids.handed_out(identity):
+                raise ProtocolError("client-chosen routing ids are refused: connect without ZMQ_ROUTING_ID")
+        session = self.sessions.get(identity)
+        if session is not None and session.fd != fd:
+            raise ProtocolError("this routing id belongs to another connection's session")
+        if session is None:
             self.sessions[identity] = Session(identity, fd, peer)
             log.info("client %s connected from %s", identity.hex(), peer)
         flags = P.SERVER_HAS_CACHE if self.cache is not None else 0
@@ -267,6 +362,8 @@ class RPCServer:
     def _alloc_buffer(self, s: Session, payload: memoryview, data: list) -> Reply:
         dev, size = unpack(P.ALLOC_BUFFER, payload)
         sd = self._device(dev)
+        if len(s.buffers) >= self.limits.buffers:
+            raise ProtocolError(f"this session holds {len(s.buffers)} buffers, the limit per session")
         free, _ = sd.memory()  # within --mem, and within what the device has free
         if size > free:
             raise ProtocolError(f"allocating {size / 2**20:.1f} MiB on {sd.device.get_name()} exceeds the "
@@ -328,8 +425,10 @@ class RPCServer:
         self._range(t, offset, size)
         raw = P.decompress(codec, data[0], size)
         t.buffer.set_tensor(t, raw, offset)
-        if self.cache is not None and flags & P.FLAG_CACHE:
-            self.cache.put(raw)
+        # weights are worth caching; a session may not store more than it holds in its buffers
+        if self.cache is not None and flags & P.FLAG_CACHE and s.cached + size <= s.owned():
+            if self.cache.put(raw)[1]:
+                s.cached += size
         return b"", []
 
     def _set_tensor_hash(self, s: Session, payload: memoryview, data: list) -> Reply:
@@ -376,7 +475,9 @@ class RPCServer:
         sd = self._device(dev)
         _, slot, graph, handles = read_graph(payload, s.lookup, sd.device.supports_op)
         if not 0 <= slot <= P.GRAPH_SLOTS:
-            raise ProtocolError(f"graph slot {slot} out of range 0..{P.GRAPH_SLOTS}")
+            raise ProtocolError(f"graph slot {slot} out of range 0..{P.GRAPH_SLOTS}: a session keeps at most "
+                                f"{P.GRAPH_SLOTS} graphs")
+        check_cost(graph, s.owned(), sd.memory()[0])
         s.graphs.pop(slot, None)
         self._compute(sd, graph)
         if slot:

@@ -7,6 +7,12 @@ buffer, a buffer handle names a buffer of this client, every node and source id 
 known and nonzero, the op is one the device runs, and the op's own shape checks (the
 functions in :mod:`pyggml.ops` that build the node on the client) pass again with the
 node's sources and parameters, giving the same type and shape.
+
+What a graph may make the server do is bounded by what its session owns: no tensor has more
+elements than its bytes hold (a stride of 0, or strides that fold many elements onto a few
+bytes, would let 4 bytes stand for 2**40 values), the multiply-adds of the whole graph are at
+most ``WORK_PER_BYTE`` per byte of the session's buffers, and the float32 scratch one node
+needs must fit in the memory the server still offers (``--mem`` counts it).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import numpy as np
 
 from pyggml import ops
 from pyggml.backend import Buffer
+from pyggml.cpu.qmatmul import supports as quant_supported
 from pyggml.graph import Graph
 from pyggml.ops import VIEW_OPS, GluOp, Op, UnaryOp
 from pyggml.tensor import Tensor, TensorFlag
@@ -26,6 +33,10 @@ from .protocol import GRAPH, TENSOR, U64, ProtocolError, WireTensor, unpack
 MAX_NE = 1 << 40       # elements along one dimension
 MAX_NB = 1 << 48       # bytes of one stride
 MAX_GRAPH_TENSORS = 1 << 18
+# multiply-adds a graph may cost per byte its session owns: an honest prompt batch of 2048
+# tokens over F16 weights costs 1024 per weight byte, attention over a GQA-8 cache 8192 per
+# cache byte at most; a 4-byte buffer can no longer stand for minutes of work
+WORK_PER_BYTE = 1 << 15
 
 BufferLookup = Callable[[int], Buffer]
 
@@ -56,6 +67,9 @@ def tensor_from_wire(w: WireTensor, lookup: BufferLookup, need_buffer: bool = Tr
                             f"{ttype.block_size}")
     if ttype.is_quantized and w.nb[0] != ttype.type_size:
         raise ProtocolError(f"{label}: nb[0]={w.nb[0]} must be the {ttype.name} block size {ttype.type_size}")
+    for i in range(4):
+        if w.ne[i] > 1 and w.nb[i] == 0:
+            raise ProtocolError(f"{label}: stride nb[{i}] is 0 along a dimension of {w.ne[i]} elements")
     try:
         op = Op(w.op)
     except ValueError:
@@ -68,9 +82,14 @@ def tensor_from_wire(w: WireTensor, lookup: BufferLookup, need_buffer: bool = Tr
             raise ProtocolError(f"{label} has no buffer")
         return t
     buf = lookup(w.buffer)
-    end = w.offset + tensor_extent(t)
+    extent = tensor_extent(t)
+    end = w.offset + extent
     if w.offset >= MAX_NB or end > buf.get_size():
         raise ProtocolError(f"{label}: bytes [{w.offset}, {end}) lie outside its buffer of {buf.get_size()} bytes")
+    packed = ttype.row_size(w.ne[0]) * w.ne[1] * w.ne[2] * w.ne[3]
+    if packed > extent:  # elements laid over one another: more values than bytes
+        raise ProtocolError(f"{label}: {t.nelements()} elements of {ttype.name} need {packed} bytes, but its "
+                            f"strides cover {extent}")
     t.buffer, t.offset = buf, w.offset
     return t
 
@@ -140,6 +159,48 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
         dst = node.src[2] if node.op == Op.SET_ROWS else node.src[1]
         if node.buffer is not dst.buffer or node.offset != dst.offset or node.nb != dst.nb:
             raise ProtocolError(f"{label}: the result must be its destination tensor")
+
+
+def node_cost(node: Tensor) -> tuple[int, int]:
+    """(multiply-adds, bytes of float32 scratch) that computing ``node`` may take on the CPU.
+
+    Scratch: every source that is not already float32 becomes a float32 copy, and so does the
+    result; quantized and F16 weights of a product are read as stored, and a row lookup
+    decodes only the rows it picks."""
+    srcs = [s for s in node.src if s is not None]
+    elements = node.nelements() + sum(s.nelements() for s in srcs)
+    work, scratch = elements, 4 * node.nelements()
+    converted = srcs
+    if node.op == Op.MUL_MAT:
+        work = node.nelements() * srcs[0].ne[0]
+        converted = srcs[1:] if quant_supported(srcs[0].type) else srcs
+        scratch += 4 * srcs[1].nelements()  # the activations quantized for the integer products
+    elif node.op == Op.FLASH_ATTN_EXT:
+        q, k, v = srcs[:3]
+        work = q.ne[1] * q.ne[2] * q.ne[3] * k.ne[1] * (q.ne[0] + v.ne[0])
+    elif node.op == Op.GET_ROWS:
+        converted = srcs[1:]
+    for s in converted:
+        if s.type != Type.F32 or not s.is_contiguous():
+            scratch += 4 * s.nelements()
+    return work, scratch
+
+
+def check_cost(graph: Graph, owned: int, free: int) -> None:
+    """Refuse a graph whose work is out of proportion to the ``owned`` bytes of its session, or
+    a node whose scratch does not fit in the ``free`` memory the server offers."""
+    total = 0
+    for node in graph.nodes:
+        if node.op in VIEW_OPS:
+            continue
+        work, scratch = node_cost(node)
+        if scratch > free:
+            raise ProtocolError(f"node {node.name!r} ({node.op.name}) needs {scratch / 2**20:.1f} MiB of scratch "
+                                f"memory; the server offers {free / 2**20:.1f} MiB more (--mem counts scratch)")
+        total += work
+    if total > WORK_PER_BYTE * owned:
+        raise ProtocolError(f"a graph of {total:.3g} multiply-adds over {owned} bytes of buffers exceeds the "
+                            f"limit of {WORK_PER_BYTE} per byte the session owns")
 
 
 def read_graph(payload: memoryview | bytes, lookup: BufferLookup,

@@ -13,18 +13,19 @@ import zmq
 from pyggml.rpc import protocol as P
 
 
-def _server_log():
-    """Servers' stderr: discarded, or appended to $PYGGML_TEST_SERVER_LOG when debugging."""
-    path = os.environ.get("PYGGML_TEST_SERVER_LOG")
+def _server_log(path: str | os.PathLike | None = None):
+    """Servers' stderr: into ``path``, else discarded, or appended to $PYGGML_TEST_SERVER_LOG when
+    debugging."""
+    path = path or os.environ.get("PYGGML_TEST_SERVER_LOG")
     return open(path, "a") if path else subprocess.DEVNULL
 
 
 class ServerProcess:
     """``pyggml-rpc-server`` on a free port of 127.0.0.1 (the server picks it and prints it)."""
 
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, log: str | os.PathLike | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=_server_log(),
+                                     stdout=subprocess.PIPE, stderr=_server_log(log),
                                      env={**os.environ, **(env or {})})
         self.banner = self._read_banner(30)
         first = self.banner[0]

@@ -27,8 +27,12 @@ def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_p
     blockdot.write_text(blockdot.read_text() + "\n# a comment changes nothing, but numba cannot know\n")
     changed = kernel_digest(copies)
     assert changed != before
+    monkeypatch.delenv("NUMBA_BOUNDSCHECK", raising=False)
     monkeypatch.setenv("PYGGML_NO_VNNI", "1")
-    assert kernel_digest(copies) not in (before, changed)
+    no_vnni = kernel_digest(copies)
+    assert no_vnni not in (before, changed)
+    monkeypatch.setenv("NUMBA_BOUNDSCHECK", "1")  # the checked build: a folder of its own
+    assert kernel_digest(copies) not in (before, changed, no_vnni)
 
 
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")

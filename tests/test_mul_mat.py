@@ -43,6 +43,21 @@ def test_mul_mat_weight_types(qtype, n_cols):
     assert float(((out - exact) ** 2).sum() / (exact ** 2).sum()) < 1e-3
 
 
+@pytest.mark.parametrize("k", [96, 160])
+@pytest.mark.parametrize("qtype", [Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q5_1, Type.Q8_0], ids=lambda t: t.name)
+def test_batched_32_element_types_with_rows_of_odd_32s(qtype, k):
+    """Batches of the 32-element types unpack rows into bytes padded to whole 64s; a row of
+    K % 64 == 32 once unpacked one block past its end into the scratch (seen only with numba's
+    bounds checks: tests/test_boundscheck.py runs this file with them on)."""
+    m, n_cols = 7, 6
+    w, _, raw = weight(qtype, m, k, seed=k)
+    x = pg.new_tensor(Type.F32, (k, n_cols), "x").set_input()
+    xv = np.random.default_rng(2).standard_normal((n_cols, k)).astype(np.float32)
+    out = run_graph(ops.mul_mat(w, x), {x: xv})[0, 0]
+    ref = ggml_mul_mat_reference(xv, raw, qtype)
+    assert float(((out - ref) ** 2).sum() / (ref ** 2).sum()) < 1e-10
+
+
 def test_quantized_mul_mat_batched_weights():
     """A 3-D quantized first operand broadcast over b's batch dimension."""
     k, m = 64, 5

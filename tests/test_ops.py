@@ -97,6 +97,24 @@ def test_unary(op, shape):
         assert np.array_equal(out[inside], out[inside].astype(np.float16).astype(np.float32))
 
 
+@pytest.mark.parametrize("op", [pg.UnaryOp.GELU, pg.GluOp.GEGLU], ids=lambda o: o.name)
+def test_gelu_of_nan_and_infinities_is_ggmls(op):
+    """NaN passes neither of GELU's bounds (-10, 10); ggml reads its table at the half NaN and
+    gets NaN.  An out-of-range index into the table instead read memory past its end."""
+    av = np.array([np.nan, np.inf, -np.inf, -np.nan, 3.0, -3.0, 10.0, -10.0] * 4, dtype=np.float32)
+    a = pg.new_tensor(Type.F32, (av.size, 1, 1, 1), "a").set_input()
+    if op == pg.GluOp.GEGLU:
+        b = pg.new_tensor(Type.F32, (av.size, 1, 1, 1), "b").set_input()
+        out = run_graph(ops.glu(a, b, op), {a: av, b: np.full(av.size, 2, np.float32)}).reshape(-1) / 2
+    else:
+        out = run_graph(ops.unary(a, op), {a: av}).reshape(-1)
+    want = np.where(av <= -10, 0, np.where(av >= 10, av, np.nan)).astype(np.float32)
+    nan = np.isnan(av)
+    assert np.isnan(out[nan]).all()
+    assert np.array_equal(out[~nan & (np.abs(av) >= 10)], want[~nan & (np.abs(av) >= 10)])
+    assert np.allclose(out[np.abs(av) == 3], np.tile([2.9964, -0.0036], 4), atol=2e-3)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("op", [pg.GluOp.SWIGLU, pg.GluOp.GEGLU], ids=lambda o: o.name)
 def test_glu(op, fused):
@@ -293,3 +311,37 @@ def test_flash_attention_leaves_cells_no_query_sees_out_exactly(n_tokens):
                  np.ascontiguousarray(mv[0, 0]), np.float32(d ** -0.5), np.float32(0), want)
     assert np.isfinite(want).all()
     assert np.array_equal(out.reshape(want.shape), want)
+
+
+def attention_reference(q, k, v, mask, scale):
+    """Attention in float64 over Q rounded to F16 (as ggml's products take it) and the F16
+    cache: softmax(Q K^T * scale + mask) V, per head, with grouped K/V heads."""
+    q16 = q.astype(np.float16).astype(np.float64)       # [heads, tokens, d]
+    kk, vv = k.astype(np.float64), v.astype(np.float64)  # [kv_heads, cells, d]
+    group = q.shape[0] // k.shape[0]
+    out = np.empty((q.shape[1], q.shape[0], v.shape[2]))
+    for h in range(q.shape[0]):
+        s = q16[h] @ kk[h // group].T * scale + mask
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=-1, keepdims=True)) @ vv[h // group]
+    return out
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 7])
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 80, 96, 112, 128, 256])
+def test_flash_attention_every_head_size(head_dim, n_tokens):
+    """Head sizes that are not whole 16s (Phi-3's 80 and 96 are; 8 and 40 are not) go through
+    ggml_vec_dot_f16 as ggml's tinyBLAS declines them; a 16-lane walk over them read past the
+    ends of q and k."""
+    n_kv, heads, kv_heads = 64, 4, 2
+    q, qv = inp((1, heads, n_tokens, head_dim), name="q")
+    k, kv = inp((1, kv_heads, n_kv, head_dim), Type.F16, name="k")
+    v, vv = inp((1, kv_heads, n_kv, head_dim), Type.F16, name="v")
+    causal = np.arange(n_kv)[None, :] <= 40 + np.arange(n_tokens)[:, None]
+    mv = np.where(causal, 0, -np.inf).astype(np.float32)[None, None]
+    m = pg.new_tensor(Type.F32, (n_kv, n_tokens, 1, 1), "m").set_input()
+    scale = head_dim ** -0.5
+    out = run_graph(ops.flash_attn_ext(q, k, v, m, scale), {q: qv, k: kv, v: vv, m: mv})
+    want = attention_reference(qv[0], kv[0], vv[0], mv[0, 0], scale)
+    # probabilities rounded to F16 (as ggml does): a few parts in 10^4 of the values
+    assert np.abs(out.reshape(want.shape) - want).max() < 2e-3

@@ -103,6 +103,11 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.SILU: lambda x: _by_rows(nn.silu, x),
     UnaryOp.EXP: np.exp,
     UnaryOp.GELU_ERF: _gelu_erf,
+    UnaryOp.SGN: np.sign,
+    UnaryOp.STEP: lambda x: (x > f32(0)).astype(f32),
+    UnaryOp.ELU: lambda x: np.where(x > f32(0), x, np.expm1(x)),
+    UnaryOp.HARDSIGMOID: lambda x: np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6))),
+    UnaryOp.HARDSWISH: lambda x: x * np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6))),
 }
 
 GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {

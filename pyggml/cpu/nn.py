@@ -122,7 +122,8 @@ def _gelu_table(x):
 
 @_jit
 def _half_index(v, bits):
-    """The bits of F16(v), rounded to nearest even, from v and its float32 bits (|v| < 65504)."""
+    """The bits of F16(v), rounded to nearest even, from v and its float32 bits.  Only for
+    finite |v| < 65504: a NaN or an infinity would give an index past the 65536 halves."""
     sign = (bits >> 16) & 0x8000
     magnitude = bits & 0x7FFFFFFF
     if magnitude < 0x38800000:  # below 2**-14: a subnormal half, a multiple of 2**-24
@@ -133,7 +134,10 @@ def _half_index(v, bits):
 
 @njit(cache=True, parallel=True, boundscheck=False)
 def _gelu_rows(a, g, out, table, gated):
-    """GGML_GELU_FP16: GELU(x) read from the table at F16(x); 0 below -10 and x above 10."""
+    """GGML_GELU_FP16: GELU(x) read from the table at F16(x); 0 below -10 and x above 10.
+
+    The table is indexed only for -10 < x < 10, where F16(x) is one of its 65536 entries.  A NaN
+    passes neither bound; ggml reads its table at the half NaN, whose entry is NaN: so is ours."""
     for r in prange(a.shape[0]):
         bits = a[r].view(np.uint32) if a[r].flags.c_contiguous else a[r].copy().view(np.uint32)
         for i in range(a.shape[1]):
@@ -141,6 +145,8 @@ def _gelu_rows(a, g, out, table, gated):
             if v <= f32(-10.0):
                 y = f32(0.0)
             elif v >= f32(10.0):
+                y = v
+            elif v != v:
                 y = v
             else:
                 y = table[_half_index(v, np.int64(bits[i]))]
@@ -215,7 +221,8 @@ def rope_rotate(x, out, cos, sin, n_dims, neox):
 
 @_jit
 def _dot_tinyblas(kh, c, q16, lanes):
-    """llamafile's tinyBLAS F16 dot: one 16-lane accumulator."""
+    """llamafile's tinyBLAS F16 dot: one 16-lane accumulator, over whole 16s (the caller takes
+    _dot_vec_f16 for other head sizes, as ggml does when tinyBLAS declines them)."""
     lanes[:] = 0.0
     for o in range(0, q16.size, 16):
         for j in range(16):
@@ -255,6 +262,9 @@ def attention(q, k, v, mask, scale, softcap, out):
     n_kv, dv = k.shape[1], v.shape[2]
     group = n_head // k.shape[0]
     single = n_tok == 1
+    # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
+    # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
+    tiny_kq = not single and d % 16 == 0
     for r in prange(n_head * n_tok):
         h, t = r // n_tok, r % n_tok
         kh, vh = k[h // group], v[h // group]
@@ -267,7 +277,7 @@ def attention(q, k, v, mask, scale, softcap, out):
             if mask[t, c] == -np.inf:
                 s[c] = -np.inf
                 continue
-            kq = _dot_vec_f16(kh, c, q16, lanes) if single else _dot_tinyblas(kh, c, q16, lanes)
+            kq = _dot_tinyblas(kh, c, q16, lanes) if tiny_kq else _dot_vec_f16(kh, c, q16, lanes)
             if softcap != 0.0:
                 kq = f32(math.tanh(kq * f32(scale / softcap))) * f32(softcap)
             else:

@@ -66,7 +66,7 @@ def _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset):
     one, zero = f16[15360], f16[0]
     qs = (4 if has_min else 2) + (4 if five else 0)
     shift = 4 if five else 0
-    for b in range(wq.size // 32):
+    for b in range(wd.size):  # the row's blocks: wq may be longer (zero padding to 64)
         p, o = b * size, b * 32
         wd[b] = _h(row, p, f16)
         if has_min:
@@ -82,7 +82,7 @@ def _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset):
 def _int_q8_0(row, wq, wd, f16):
     z = _zero(f16)
     one, zero = f16[15360], f16[0]
-    for b in range(wq.size // 32):
+    for b in range(wd.size):
         p, o = b * 34, b * 32
         wd[b] = _h(row, p, f16)
         for j in range(32):

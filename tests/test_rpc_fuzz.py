@@ -1,0 +1,291 @@
+"""Mutations of valid requests against a real server process (hypothesis drives them).
+
+Every request starts as one a real client sends - a graph of each op the server runs, with its
+tensors in the session's own buffers, or a tensor command - and then has fields of its tensor
+records, its graph header, node list, op parameters, frames, size or command changed.  The
+server must answer every one of them (with a result or an error), never crash or hang: a
+watchdog thread greets the server from a fresh connection every half second and fails the test
+if a HELLO goes unanswered for 5 s.  The server runs with numba's bounds checks on, so a
+mutation that was accepted and then indexed past an array inside a kernel shows up in its log
+(numpy views cannot reach past their buffer; the validation keeps extents inside it).
+
+``PYGGML_FUZZ_EXAMPLES`` sets the number of requests (default 10,000, in a fixed order so a CI
+failure reproduces); any value other than the default also draws a fresh order each run.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import pyggml as pg
+from pyggml import Type, ops
+from pyggml.ops import GluOp, RopeMode, UnaryOp
+from pyggml.rpc import RPCError, connect
+from pyggml.rpc import protocol as P
+from pyggml.rpc.backend import serialize_graph, wire
+
+from .rpc_helpers import ServerProcess
+
+C = P.Command
+EXAMPLES = int(os.environ.get("PYGGML_FUZZ_EXAMPLES", "10000"))
+HELLO_TIMEOUT_S = 5.0
+
+
+def base_graphs() -> list[pg.Tensor]:
+    """One small graph per op the server runs (the output tensor of each)."""
+    def t(type, *ne, name="x"):
+        return pg.new_tensor(type, ne, name).set_input()
+    out = []
+    a, b = t(Type.F32, 16, 4), t(Type.F32, 16, 1, name="b")
+    out += [ops.add(a, b), ops.mul(a, b), ops.sub(a, b), ops.div(a, b), ops.scale(a, 2.0, 0.5)]
+    out += [ops.unary(t(Type.F32, 32, 3), u) for u in UnaryOp]
+    g, u = t(Type.F32, 32, 3), t(Type.F32, 32, 3, name="up")
+    out += [ops.glu(g, u, op) for op in GluOp] + [ops.glu(t(Type.F32, 64, 2), None, GluOp.SWIGLU, True)]
+    out += [ops.rms_norm(t(Type.F32, 32, 5), 1e-5), ops.norm(t(Type.F32, 32, 5), 1e-5)]
+    out += [ops.soft_max_ext(t(Type.F32, 32, 4, 2), t(Type.F16, 32, 4, name="mask"), 0.5)]
+    for mode in (RopeMode.NORMAL, RopeMode.NEOX):
+        out.append(ops.rope_ext(t(Type.F32, 16, 2, 3), t(Type.I32, 3, name="pos"), None, 16, mode))
+    for wtype, k in ((Type.F32, 64), (Type.F16, 64), (Type.Q4_0, 64), (Type.Q8_0, 96), (Type.Q4_K, 256),
+                     (Type.Q6_K, 256), (Type.Q5_1, 64)):
+        out.append(ops.mul_mat(t(wtype, k, 8, name="w"), t(Type.F32, k, 5)))
+    out += [ops.get_rows(t(Type.F32, 16, 8), t(Type.I32, 3, name="idx")),
+            ops.get_rows(t(Type.Q4_0, 32, 8), t(Type.I32, 3, name="idx"))]
+    out.append(ops.set_rows(t(Type.F16, 16, 8, name="dst"), t(Type.F32, 16, 2), t(Type.I32, 2, name="idx")))
+    out.append(ops.cpy(t(Type.F32, 16, 4), t(Type.F16, 16, 4, name="dst")))
+    out.append(ops.cont(ops.permute(t(Type.F32, 8, 4, 2), 1, 0, 2, 3)))
+    out.append(ops.concat(t(Type.F32, 8, 4), t(Type.F32, 8, 3, name="b"), 1))
+    out.append(ops.argmax(t(Type.F32, 16, 4)))
+    q, k, v = t(Type.F32, 64, 2, 4, name="q"), t(Type.F16, 64, 64, 2, name="k"), t(Type.F16, 64, 64, 2, name="v")
+    out.append(ops.flash_attn_ext(q, k, v, t(Type.F16, 64, 2, name="mask"), 0.125))
+    out.append(ops.flash_attn_ext(q, k, v, None, 0.125, logit_softcap=30.0))
+    return out
+
+
+def fill_inputs(graph: pg.Graph, rng: np.random.Generator) -> None:
+    """Values for every input: small indices for I32, normal floats, random quantized blocks."""
+    for n in graph.nodes:
+        for s in n.src:
+            if s is None or s.view_src is not None or s.op != pg.Op.NONE:
+                continue
+            if s.type == Type.I32:
+                pg.tensor_set(s, rng.integers(0, 2, s.nelements(), dtype=np.int32))
+            elif s.type.is_quantized:
+                pg.tensor_set(s, rng.integers(0, 256, s.type.row_size(s.ne[0]) * s.nrows(), dtype=np.uint8))
+            else:
+                pg.tensor_set(s, rng.standard_normal(s.nelements()).astype(s.type.np_dtype))
+
+
+class Session:
+    """A real client's session on the server: buffers holding every base graph, and the bytes of
+    the requests a client sends for them."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.dev = connect(endpoint, connect_timeout=HELLO_TIMEOUT_S)[0]
+        self.dev.conn.timeout = 10.0
+        backend = self.dev.init_backend()
+        rng = np.random.default_rng(0)
+        self.requests: list[tuple[int, bytes, list[bytes]]] = []
+        self.handles: list[int] = []
+        self.scheds = []
+        for out in base_graphs():
+            graph = pg.build_forward(out)
+            sched = pg.Scheduler([backend])
+            sched.alloc_graph(graph)
+            fill_inputs(graph, rng)
+            self.scheds.append(sched)
+            self.requests.append((C.GRAPH_COMPUTE, serialize_graph(graph, 0, 0), []))
+            leaf = next(s for s in out.src if s is not None)
+            for t in (out, leaf):
+                w = wire(t).pack()
+                n = t.nbytes()
+                self.requests += [
+                    (C.GET_TENSOR, w + P.GET_TENSOR.pack(0, n, P.Codec.RAW), []),
+                    (C.SET_TENSOR, w + P.SET_TENSOR.pack(0, n, P.Codec.RAW, 0), [bytes(rng.bytes(n))]),
+                    (C.MEMSET_TENSOR, w + P.MEMSET.pack(0, n, 0), []),
+                    (C.COPY_TENSOR, w + wire(leaf if t is out else out).pack(), []),
+                    (C.GET_ALLOC_SIZE, P.U32.pack(0) + wire(t, with_buffer=False).pack(), []),
+                    (C.INIT_TENSOR, w, []),
+                ]
+            self.handles.append(out.buffer.handle)
+        self.requests += [(C.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(0, 1), []), (C.DEVICE_COUNT, b"", []),
+                          (C.GET_DEVICE_INFO, P.U32.pack(0), []), (C.GET_DEVICE_MEMORY, P.U32.pack(0), []),
+                          (C.BUFFER_CLEAR, P.BUFFER_CLEAR.pack(self.handles[0], 0), []),
+                          (C.FREE_BUFFER, P.U64.pack(12345), [])]
+
+    def close(self) -> None:
+        self.dev.conn.close()
+
+
+# -- mutations ------------------------------------------------------------------------------------
+
+FIELD_KINDS = [c for c in "QIIQ" + "q" * 8 + "i" * P.MAX_OP_PARAMS + "i" + "Q" * P.MAX_SRC + "QQQ"]
+RANGES = {"Q": (0, (1 << 64) - 1), "q": (-(1 << 63), (1 << 63) - 1), "i": (-(1 << 31), (1 << 31) - 1),
+          "I": (0, (1 << 32) - 1)}
+SPECIAL = [0, 1, 2, 3, 4, 16, 31, 32, 255, 256, 4095, 1 << 20, (1 << 31) - 1, 1 << 31, 1 << 32, (1 << 40) - 1,
+           1 << 40, 1 << 48, (1 << 62), (1 << 63) - 1, -1, -2, -(1 << 31), -(1 << 63)]
+
+
+def _fit(kind: str, value: int) -> int:
+    lo, hi = RANGES[kind]
+    return value if lo <= value <= hi else value % (hi - lo + 1) + lo
+
+
+def records(cmd: int, payload: bytes) -> list[int]:
+    """Byte offsets of the tensor records in a payload."""
+    if cmd == C.GRAPH_COMPUTE and len(payload) >= P.GRAPH.size:
+        n_nodes, n_tensors = P.GRAPH.unpack_from(payload)[2:]
+        start = P.GRAPH.size + 8 * n_nodes
+        return [start + i * P.TENSOR.size for i in range(n_tensors) if start + (i + 1) * P.TENSOR.size <= len(payload)]
+    start = P.U32.size if cmd == C.GET_ALLOC_SIZE else 0
+    return [o for o in (start, start + P.TENSOR.size) if o + P.TENSOR.size <= len(payload)]
+
+
+@st.composite
+def mutation(draw, session: Session):
+    cmd, payload, frames = draw(st.sampled_from(session.requests))
+    payload, frames = bytearray(payload), list(frames)
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["field", "field", "field", "header", "bytes", "size", "frames", "command"]))
+        recs = records(cmd, bytes(payload))
+        if kind == "field" and recs:
+            at = draw(st.sampled_from(recs))
+            values = list(P.TENSOR.unpack_from(payload, at))
+            j = draw(st.integers(0, len(FIELD_KINDS) - 1))
+            others = [v for o in recs for v in P.TENSOR.unpack_from(payload, o)[:1]] + session.handles
+            new = draw(st.one_of(st.sampled_from(SPECIAL), st.sampled_from(others),
+                                 st.integers(-4, 4).map(lambda d, v=values[j]: v + d),
+                                 st.integers(*RANGES[FIELD_KINDS[j]]), st.just(values[j] * 2)))
+            values[j] = _fit(FIELD_KINDS[j], new)
+            P.TENSOR.pack_into(payload, at, *values)
+        elif kind == "header" and cmd == C.GRAPH_COMPUTE and len(payload) >= P.GRAPH.size:
+            values = list(P.GRAPH.unpack_from(payload))
+            j = draw(st.integers(0, 3))
+            values[j] = _fit("I", draw(st.one_of(st.sampled_from(SPECIAL), st.integers(0, P.GRAPH_SLOTS + 2),
+                                                 st.integers(-2, 2).map(lambda d, v=values[j]: v + d))))
+            struct.pack_into(P.GRAPH.format, payload, 0, *values)
+        elif kind == "bytes" and payload:
+            at = draw(st.integers(0, len(payload) - 1))
+            payload[at] = draw(st.integers(0, 255))
+        elif kind == "size":
+            cut = draw(st.integers(0, len(payload) + 8))
+            payload = payload[:cut] if cut <= len(payload) else payload + bytes(draw(st.binary(max_size=64)))
+        elif kind == "frames":
+            frames = draw(st.one_of(st.just([]), st.lists(st.binary(max_size=256), max_size=3),
+                                    st.just(frames[:1] + frames[:1])))
+        elif kind == "command":
+            cmd = draw(st.integers(0, 20))
+    return cmd, bytes(payload), frames
+
+
+class AnyCommand(int):
+    """A command number as Connection.request takes it, known to the protocol or not."""
+
+    @property
+    def name(self) -> str:
+        return C(self).name if self in C._value2member_map_ else f"command {int(self)}"
+
+
+# -- the watchdog ---------------------------------------------------------------------------------
+
+class Watchdog(threading.Thread):
+    """Greets the server from a fresh connection every half second; records a HELLO that goes
+    unanswered for HELLO_TIMEOUT_S."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.endpoint, self.failure, self.greetings = endpoint, None, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        while not self.stop.wait(0.5):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{self.endpoint}")
+            sock.send_multipart([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+            answered = sock.poll(int(HELLO_TIMEOUT_S * 1000))
+            sock.close(linger=0)
+            if not answered:
+                self.failure = f"a fresh HELLO went unanswered for {HELLO_TIMEOUT_S:.0f} s"
+                return
+            self.greetings += 1
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("fuzz") / "server.log"
+    server = ServerProcess("--mem", "256", "--max-message", "4M", "--log-level", "info",
+                           env={"NUMBA_BOUNDSCHECK": "1"}, log=log)
+    yield server, log
+    server.stop()
+
+
+def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
+    server, log = fuzz_server
+    session = Session(server.endpoint)
+    watchdog = Watchdog(server.endpoint)
+    watchdog.start()
+    counts = {"accepted": 0, "refused": 0}
+    slow, last = [], []
+    started = time.monotonic()
+    deadline = started + 1200  # bounded whatever happens
+
+    failures: list[str] = []  # raised after the run: hypothesis would replay a failing request
+                               # against a server whose state has moved on
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES == 10000,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def one_request(data):
+        nonlocal session
+        t_draw = time.perf_counter()
+        cmd, payload, frames = data.draw(mutation(session))  # drawn even when unused: hypothesis
+        if watchdog.failure is not None and not failures:     # checks that a replay draws the same
+            failures.append(f"{watchdog.failure}; the request being served: {last}")
+        if time.monotonic() > deadline and not failures:
+            failures.append("the fuzz run took too long")
+        if failures:
+            return
+        last[:] = [cmd, payload.hex(), [len(f) for f in frames]]
+        t0 = time.perf_counter()
+        counts["draw_s"] = counts.get("draw_s", 0) + (t0 - t_draw)
+        try:
+            session.dev.conn.request(AnyCommand(cmd), payload, frames)
+            counts["accepted"] += 1
+            counts["req_s"] = counts.get("req_s", 0) + time.perf_counter() - t0
+            slow.append((time.perf_counter() - t0, cmd, payload))
+            slow.sort(key=lambda x: -x[0])
+            del slow[5:]
+        except RPCError as e:
+            counts["refused"] += 1
+            if "no answer" in str(e) or "closed the connection" in str(e):
+                failures.append(f"{e}; the request: {last}")
+            elif session.dev.conn.closed_reason is not None:  # e.g. a HELLO refused: start again
+                session = Session(server.endpoint)
+
+    try:
+        one_request()
+    finally:
+        watchdog.stop.set()
+        watchdog.join(10)
+        session.close()
+    assert not failures, failures[0]
+    assert watchdog.failure is None, f"{watchdog.failure}; the request being served: {last}"
+    assert server.alive(), "the server process died"
+    assert watchdog.greetings > 0 or time.monotonic() - started < 2, "the watchdog never got an answer"
+    text = log.read_text()
+    assert "out of bounds" not in text, "a kernel indexed past an array:\n" + text[-3000:]
+    assert "unexpected error" not in text, "an error the validation should have caught:\n" + text[-3000:]
+    print(f"fuzz: {counts}, {watchdog.greetings} greetings answered")
+    for dt, cmd, payload in slow:
+        print(f"{dt*1000:.1f} ms cmd {cmd}", payload[:16].hex() if cmd == C.GRAPH_COMPUTE else "")
+    assert counts["accepted"] + counts["refused"] >= EXAMPLES
+    assert counts["accepted"] > EXAMPLES // 20 and counts["refused"] > EXAMPLES // 20, counts

@@ -1,0 +1,298 @@
+"""What an attack run against a real server process found, each request sent as it was: the
+server answers it with an error (or survives it) and then still answers a fresh client."""
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from pyggml.ops import GluOp, Op, UnaryOp
+from pyggml.rpc import protocol as P
+from pyggml.types import Type
+
+from .rpc_helpers import RawClient, ServerProcess, tensor
+from .test_rpc_validation import alloc, graph, refused, set_data, still_serving
+
+C = P.Command
+MEM_MIB = 64
+MAX_MESSAGE_MIB = 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--mem", str(MEM_MIB), "--max-message", f"{MAX_MESSAGE_MIB}M")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = RawClient(server.endpoint)
+    yield c
+    c.close()
+
+
+def hello(sock: zmq.Socket, timeout: float = 5.0):
+    sock.send_multipart([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    parts = sock.recv_multipart()
+    return P.HEADER.unpack_from(parts[0])[0], parts[0][P.HEADER.size:]
+
+
+def dealer(endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(f"tcp://{endpoint}")
+    return sock
+
+
+def libzmq_first_routing_ids(n: int) -> list[bytes]:
+    """The routing ids an unseeded libzmq ROUTER hands out first: a zero byte and the 32 bits of
+    ``rand() | rand() << 31`` from C's default seed, then one more each."""
+    libc = ctypes.CDLL(None)
+    libc.srand(1)
+    low, high = libc.rand() & 0xFFFFFFFF, (libc.rand() << 31) & 0xFFFFFFFF
+    first = high | low
+    return [b"\0" + struct.pack(">I", (first + i) & 0xFFFFFFFF) for i in range(n)]
+
+
+@pytest.mark.parametrize("op", ["gelu", "geglu"])
+def test_gelu_of_nan_computes_nan(client, server, op):
+    """NaN indexed the GELU table past its end: SIGSEGV in the server."""
+    h = alloc(client)
+    n = 64
+    x = np.full(n, np.nan, np.float32)
+    x[1::4] = np.inf
+    x[2::4] = 1.0
+    set_data(client, h, x, Type.F32, (n, 1, 1, 1), id=1)
+    a = tensor(Type.F32, (n, 1, 1, 1), buffer=h, id=1)
+    if op == "gelu":
+        node = tensor(Type.F32, (n, 1, 1, 1), buffer=h, id=2, offset=1024, op=Op.UNARY, src=[1],
+                      op_params=[int(UnaryOp.GELU)])
+    else:
+        node = tensor(Type.F32, (n, 1, 1, 1), buffer=h, id=2, offset=1024, op=Op.GLU, src=[1, 1],
+                      op_params=[int(GluOp.GEGLU), 0])  # GEGLU of x with itself
+    status, body, _ = client.call(C.GRAPH_COMPUTE, graph([2], [a, node]))
+    assert status == P.Status.OK, body
+    status, body, frames = client.call(C.GET_TENSOR, node + P.GET_TENSOR.pack(0, 4 * n, P.Codec.RAW))
+    assert status == P.Status.OK, body
+    out = np.frombuffer(frames[0], np.float32)
+    assert np.isnan(out[0::4]).all() and np.isinf(out[1::4]).all()
+    assert np.allclose(out[2::4], 0.8413, atol=1e-3)  # GELU(1), and GELU(1) * 1
+    still_serving(server)
+
+
+def test_a_client_cannot_take_the_next_routing_id(server):
+    """A client that claims the routing ids libzmq would hand out next, followed by ordinary
+    clients, made libzmq assert and abort the server; and a client-chosen id gets no session."""
+    claimed = [dealer(server.endpoint, rid) for rid in libzmq_first_routing_ids(32)]
+    try:
+        replies = [hello(s) for s in claimed]
+        assert all(r is not None and r[0] == P.Status.ERROR and b"routing id" in r[1] for r in replies), replies
+        for _ in range(3):  # the ordinary clients that used to be handed a claimed id
+            fresh = RawClient(server.endpoint)
+            fresh.close()
+        assert server.alive()
+    finally:
+        for s in claimed:
+            s.close(linger=0)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("rid", [b"victim", b"\0\0\0\0\1\2", b"\1\0\0\0\1"])
+def test_client_chosen_routing_ids_get_no_session(server, rid):
+    sock = dealer(server.endpoint, rid)
+    try:
+        status, body = hello(sock)
+        assert status == P.Status.ERROR and b"client-chosen routing ids are refused" in body
+        sock.send_multipart([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, 4096)])
+        assert sock.poll(5000)
+        status = P.HEADER.unpack_from(sock.recv_multipart()[0])[0]
+        assert status == P.Status.ERROR  # "HELLO must come first": nothing allocated
+    finally:
+        sock.close(linger=0)
+    still_serving(server)
+
+
+def test_zero_strides_cannot_stand_for_2_40_elements(client, server):
+    """A MUL_MAT over sources of 2**40 - 1 elements with zero strides in 4 bytes kept the
+    server busy for minutes."""
+    h = alloc(client)
+    big = (1 << 40) - 1
+    a = tensor(Type.F32, (1, big, 1, 1), nb=(4, 0, 4, 4), buffer=h, id=1)
+    b = tensor(Type.F32, (1, 1, 1, 1), buffer=h, id=2, offset=64)
+    node = tensor(Type.F32, (big, 1, 1, 1), nb=(0, 4, 4, 4), buffer=h, id=3, offset=128, op=Op.MUL_MAT, src=[1, 2])
+    t0 = time.monotonic()
+    refused(client, server, C.GRAPH_COMPUTE, graph([3], [a, b, node]), match="stride nb[1] is 0")
+    assert time.monotonic() - t0 < 5
+
+
+def test_small_strides_cannot_fold_many_elements_onto_few_bytes(client, server):
+    """2**25 x 2 elements over a 4 KiB buffer made numpy copy them out (500 MB); strides that
+    lay rows over one another can do the same without a zero."""
+    h = alloc(client)
+    zero = tensor(Type.F32, (2, 1 << 25, 1, 1), nb=(4, 0, 4, 4), buffer=h, id=1)
+    refused(client, server, C.SET_TENSOR, zero + P.SET_TENSOR.pack(0, 8, P.Codec.RAW, 0), frames=[bytes(8)],
+            match="stride nb[1] is 0")
+    folded = tensor(Type.F32, (512, 512, 1, 1), nb=(4, 4, 4, 4), buffer=h, id=1)  # 2**18 values in 4092 bytes
+    refused(client, server, C.SET_TENSOR, folded + P.SET_TENSOR.pack(0, 8, P.Codec.RAW, 0), frames=[bytes(8)],
+            match="elements")
+    b = tensor(Type.F32, (512, 1, 1, 1), buffer=h, id=2)
+    node = tensor(Type.F32, (512, 1, 1, 1), buffer=h, id=3, offset=2048, op=Op.MUL_MAT, src=[1, 2])
+    refused(client, server, C.GRAPH_COMPUTE, graph([3], [folded, b, node]), match="elements")
+
+
+def test_scratch_counts_against_mem(client, server):
+    """A node's float32 scratch (here an F16 -> F32 copy of 2M values: 16 MiB) must fit in what
+    the server still offers; with 60 of its 64 MiB held, it does not."""
+    n = 2 << 20
+    h = alloc(client, 6 * n)
+    hold = alloc(client, (MEM_MIB << 20) - 6 * n - (4 << 20))
+    src = tensor(Type.F16, (n, 1, 1, 1), buffer=h, id=1)
+    dst = tensor(Type.F32, (n, 1, 1, 1), buffer=h, id=2, offset=2 * n)
+    node = tensor(Type.F32, (n, 1, 1, 1), buffer=h, id=3, offset=2 * n, op=Op.CPY, src=[1, 2], view_src=2)
+    refused(client, server, C.GRAPH_COMPUTE, graph([3], [src, dst, node]), match="scratch")
+    assert client.call(C.FREE_BUFFER, P.U64.pack(hold))[0] == P.Status.OK
+    status, body, _ = client.call(C.GRAPH_COMPUTE, graph([3], [src, dst, node]))
+    assert status == P.Status.OK, body
+
+
+def test_the_work_of_a_graph_is_bounded_by_the_bytes_its_session_owns():
+    """Checked in-process: no layout of distinct elements reaches the limit with test-sized
+    buffers, which is the point - only overlapping strides did, and those are refused."""
+    import pyggml as pg
+    from pyggml import ops
+    from pyggml.graph import Graph
+    from pyggml.rpc import validate
+    a = pg.new_tensor(Type.F32, (4096, 4096), "a")
+    b = pg.new_tensor(Type.F32, (4096, 512), "b")
+    g = Graph()
+    g.nodes = [ops.mul_mat(a, b)]  # 2**33 multiply-adds
+    validate.check_cost(g, owned=(4096 * 4096 + 4096 * 512 + 4096 * 512) * 4, free=1 << 40)
+    with pytest.raises(P.ProtocolError, match="multiply-adds"):
+        validate.check_cost(g, owned=(1 << 33) // validate.WORK_PER_BYTE - 1, free=1 << 40)
+    with pytest.raises(P.ProtocolError, match="scratch"):
+        validate.check_cost(g, owned=1 << 40, free=1 << 20)
+
+
+def test_the_message_cap_bounds_the_whole_request(client, server):
+    """Eight frames each under --max-message were read whole (4x the cap) and answered."""
+    h = alloc(client)
+    t = tensor(Type.F32, (16, 1, 1, 1), buffer=h)
+    piece = bytes(1 << 20)
+    refused(client, server, C.SET_TENSOR, t + P.SET_TENSOR.pack(0, 64, P.Codec.RAW, 0), frames=[piece] * 8,
+            match="frames")
+    refused(client, server, C.DEVICE_COUNT, b"", frames=[b"", b""], match="frames")
+    over = bytes((MAX_MESSAGE_MIB << 20) + (256 << 10))  # one frame under libzmq's per-frame cap
+    refused(client, server, C.SET_TENSOR, t + P.SET_TENSOR.pack(0, 64, P.Codec.RAW, 0), frames=[over],
+            match="--max-message")
+
+
+def test_buffers_per_session_are_limited(server):
+    from pyggml.rpc.server import Limits
+    c = RawClient(server.endpoint)
+    handles = []
+    for _ in range(Limits.buffers // Limits.pending_replies):  # pipelined, never more unread than allowed
+        for _ in range(Limits.pending_replies):
+            c.seq += 1
+            c.send_raw([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, c.seq) + P.ALLOC_BUFFER.pack(0, 1)])
+        for _ in range(Limits.pending_replies):
+            status, body, _ = c.recv()
+            assert status == P.Status.OK, body
+            handles.append(P.ALLOC_REPLY.unpack(body)[0])
+    refused(c, server, C.ALLOC_BUFFER, P.ALLOC_BUFFER.pack(0, 1), match="limit per session")
+    assert c.call(C.FREE_BUFFER, P.U64.pack(handles[0]))[0] == P.Status.OK
+    assert c.call(C.ALLOC_BUFFER, P.ALLOC_BUFFER.pack(0, 1))[0] == P.Status.OK
+    c.close()
+
+
+def test_graph_slots_per_session_are_limited(client, server):
+    h = alloc(client)
+    a = tensor(Type.F32, (16, 1, 1, 1), buffer=h, id=1)
+    node = tensor(Type.F32, (16, 1, 1, 1), buffer=h, id=2, offset=64, op=Op.SCALE, src=[1], op_params=[0, 0])
+    body = graph([2], [a, node])
+    for slot in (1, P.GRAPH_SLOTS):
+        status, reply, _ = client.call(C.GRAPH_COMPUTE, P.GRAPH.pack(0, slot, 1, 2) + body[P.GRAPH.size:])
+        assert status == P.Status.OK, reply
+    refused(client, server, C.GRAPH_COMPUTE, P.GRAPH.pack(0, P.GRAPH_SLOTS + 1, 1, 2) + body[P.GRAPH.size:],
+            match=f"at most {P.GRAPH_SLOTS} graphs")
+
+
+def test_a_client_that_never_reads_its_replies_loses_its_session(server):
+    """The server waited forever to hand over answers nobody read, and every other client with it."""
+    from pyggml.rpc.server import Limits
+
+    def free() -> int:
+        probe = RawClient(server.endpoint)
+        value = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])[0]
+        probe.close()
+        return value
+
+    before = free()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(f"tcp://{server.endpoint}")
+    try:
+        assert hello(sock)[0] == P.Status.OK
+        size = 1 << 20
+        sock.send_multipart([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, size)])
+        assert sock.poll(5000)
+        handle = P.ALLOC_REPLY.unpack(sock.recv_multipart()[0][P.HEADER.size:])[0]
+        t = tensor(Type.F32, (size // 4, 1, 1, 1), buffer=handle)
+        request = P.HEADER.pack(C.GET_TENSOR, 0, 0, 3) + t + P.GET_TENSOR.pack(0, size, P.Codec.RAW)
+        for _ in range(Limits.pending_replies + 64):  # 80 MiB of answers, never read
+            sock.send_multipart([request], flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + 20
+        while free() != before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert free() == before, "the session's buffer is still held"
+    finally:
+        sock.close(linger=0)
+    still_serving(server)
+
+
+def test_the_tensor_cache_keeps_to_its_size_and_to_what_a_session_holds(tmp_path):
+    """50 MiB of cache-flagged writes into one 1 MiB buffer left 50 MiB of files."""
+    s = ServerProcess("--cache-dir", str(tmp_path), "--cache-max", "3M")
+    try:
+        c = RawClient(s.endpoint)
+        h = alloc(c, 1 << 20)
+        t = tensor(Type.F32, (1 << 18, 1, 1, 1), buffer=h)
+        rng = np.random.default_rng(0)
+        for i in range(50):
+            raw = rng.integers(0, 255, 1 << 20, dtype=np.uint8).tobytes()
+            c.send_raw([P.HEADER.pack(C.SET_TENSOR, 0, 0, i) + t + P.SET_TENSOR.pack(0, len(raw), P.Codec.RAW,
+                                                                                      P.FLAG_CACHE), raw])
+            assert c.recv()[0] == P.Status.OK
+        files = list(tmp_path.glob("*.bin"))
+        assert len(files) == 1 and sum(f.stat().st_size for f in files) == 1 << 20  # what the session holds
+        c.close()
+    finally:
+        s.stop()
+
+
+def test_the_tensor_cache_evicts_what_was_used_least_recently(tmp_path):
+    from pyggml.rpc.cache import TensorCache
+    mib = 1 << 20
+    cache = TensorCache(tmp_path, max_bytes=int(2.5 * mib))
+    a, b, c, d = (bytes([i]) * mib for i in range(4))
+    ka, kb = cache.put(a)[0], cache.put(b)[0]
+    time.sleep(0.01)
+    assert cache.get(ka, mib) == a      # a is now the most recently used
+    kc = cache.put(c)[0]                # evicts b
+    assert cache.get(kb, mib) is None and cache.size <= 2.5 * mib
+    time.sleep(0.01)
+    reopened = TensorCache(tmp_path, max_bytes=int(2.5 * mib))  # the order survives a restart
+    reopened.put(d)                                              # evicts a (used before c was stored)
+    assert reopened.get(ka, mib) is None and reopened.get(kc, mib) == c
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+    assert not cache.put(bytes(3 * mib))[1]  # larger than the whole cache: not stored
