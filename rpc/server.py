@@ -28,6 +28,7 @@ import ctypes
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,7 @@ class RPCServer:
         self.max_message = max_message
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
+        self._ended: OrderedDict[bytes, str] = OrderedDict()  # why recent sessions were ended by the server
         self.ctx = zmq.Context.instance()
         self.routing_ids = RoutingIds()
         self.routing_ids.seed()  # just before the ROUTER exists: it draws its first routing id when made
@@ -256,7 +258,7 @@ class RPCServer:
             else:
                 session = self.sessions.get(identity)
                 if session is None:
-                    raise ProtocolError("HELLO must come first")
+                    raise ProtocolError(self._ended.get(identity, "HELLO must come first"))
                 if session.fd != fd:
                     raise ProtocolError("this request came on another connection than its session's HELLO")
                 if session.deferred_error and not no_reply:
@@ -291,6 +293,10 @@ class RPCServer:
                             "%d buffer(s) freed", identity.hex(), session.peer, self.limits.pending_replies,
                             len(session.buffers))
                 self._end_session(session)
+                self._ended[identity] = (f"this session was ended: it left {self.limits.pending_replies} replies "
+                                         f"unread (the limit per session)")
+                while len(self._ended) > 256:
+                    self._ended.popitem(last=False)
         except zmq.ZMQError as e:  # the client went away before its answer
             log.info("cannot answer client %s: %s", identity.hex(), e)
 

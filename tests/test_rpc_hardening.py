@@ -255,6 +255,17 @@ def test_a_client_that_never_reads_its_replies_loses_its_session(server):
         while free() != before and time.monotonic() < deadline:
             time.sleep(0.2)
         assert free() == before, "the session's buffer is still held"
+        while sock.poll(500):  # what did arrive, then the answer to a new request says why
+            sock.recv_multipart()
+        sock.send_multipart([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 99)])
+        deadline = time.monotonic() + 10
+        reply = None
+        while time.monotonic() < deadline and sock.poll(1000):
+            parts = sock.recv_multipart()
+            if P.HEADER.unpack_from(parts[0])[3] == 99:
+                reply = parts[0]
+                break
+        assert reply is not None and b"replies unread" in reply
     finally:
         sock.close(linger=0)
     still_serving(server)

@@ -299,7 +299,13 @@ def _q6_k_tiled() -> Format:
 def _row_pair_kernel(fmt: Format):
     """An intrinsic ``(row0, row1, yb, yd, ys, nb) -> (float32, float32)``: two weight rows'
     products (uint8, the GGUF blocks) with one activation column quantized to bytes (yb, int8),
-    its block scales yd and block sums ys; the two rows' chains side by side."""
+    its block scales yd and block sums ys; the two rows' chains side by side.
+
+    Raw pointers, no bounds checks: it reads nb * block_bytes bytes of each row and nb blocks
+    of yb/yd/ys.  row_pair_dots passes nb = yd.size, the activation's blocks; the rows are
+    tensor_rows() views of row_size(K) = nb * block_bytes bytes (numpy checked them against
+    the buffer), and the activation has the same K (MUL_MAT's shape check, which the RPC
+    server re-runs)."""
     def typer(typingctx, row0, row1, yb, yd, ys, nb):
         return types.UniTuple(types.float32, 2)(row0, row1, yb, yd, ys, types.intp), codegen
 

@@ -108,7 +108,11 @@ def lane_chain8(typingctx, S, wd, yd, nb):
     ``acc[0:8] = fma(wd[b] * yd[b], S[8b:8b+8], acc)`` for b < nb, then ``hsum8(acc)``.
 
     Written in LLVM IR because numba does not vectorize the 8 scalar chains (its SLP
-    vectorizer is off) and they were most of a decoding step's matrix products."""
+    vectorizer is off) and they were most of a decoding step's matrix products.
+
+    Raw pointers, no bounds checks (numba's cannot see into IR): it reads S[0:8nb], wd[0:nb]
+    and yd[0:nb].  qdot.py passes nb = wd.size, the row's blocks, with S of k64/4 >= 8 * nb
+    lane sums and yd of the activation's blocks (the same K: MUL_MAT's shape check)."""
     sig = types.float32(S, wd, yd, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -180,7 +184,10 @@ def dot4(builder, wb, yb, signed_weights: bool, vnni: bool):
 
 def _lane_dots(signed_weights: bool):
     """out[16g:16g+16] = float(sum of 4 consecutive products w[i] * y[i]) for g < n64: 8-bit
-    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact (dot4)."""
+    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact (dot4).
+
+    Raw pointers: reads codes[0:64 n64] and y[0:64 n64], writes out[0:16 n64].  qdot.py passes
+    n64 = codes.size // 64 with codes and y both padded to k64 bytes and out of k64 / 4 floats."""
     def typer(typingctx, codes, y, out, n64):
         return types.void(codes, y, out, types.intp), _codegen
     vnni = target_has_vnni()
