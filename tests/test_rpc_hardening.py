@@ -15,25 +15,10 @@ from pyggml.rpc import protocol as P
 from pyggml.types import Type
 
 from .rpc_helpers import RawClient, ServerProcess, tensor
-from .test_rpc_validation import alloc, graph, refused, set_data, still_serving
+from .test_rpc_validation import (MAX_MESSAGE_MIB, MEM_MIB, alloc, client, graph, refused,  # noqa: F401 - fixtures
+                                  server, set_data, still_serving)
 
 C = P.Command
-MEM_MIB = 64
-MAX_MESSAGE_MIB = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--mem", str(MEM_MIB), "--max-message", f"{MAX_MESSAGE_MIB}M")
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(server):
-    c = RawClient(server.endpoint)
-    yield c
-    c.close()
 
 
 def hello(sock: zmq.Socket, timeout: float = 5.0):
