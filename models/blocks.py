@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pyggml import Graph, Tensor, Type, new_tensor, ops
-from pyggml.ops import RopeMode
+from pyggml.opdefs import RopeMode
 
 from .hparams import HParams
 from .kv_cache import KVCache

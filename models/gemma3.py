@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from pyggml import Tensor, ops
-from pyggml.ops import RopeMode
+from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
 from .hparams import HParams

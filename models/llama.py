@@ -6,7 +6,7 @@ which ``GraphBuilder.linear`` picks up from the file by itself, and q/k RMS norm
 from __future__ import annotations
 
 from pyggml import Tensor, ops
-from pyggml.ops import RopeMode
+from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pyggml import Tensor
-from pyggml.ops import RopeMode
+from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
 from .llama import build_llama_layers

@@ -12,7 +12,7 @@ from .alloc import GraphAllocator, alloc_graph
 from .backend import (Backend, Buffer, BufferType, Device, DeviceType, Registry, alloc_tensors, tensor_array,
                       tensor_copy, tensor_get, tensor_memset, tensor_set)
 from .graph import Graph, build_forward
-from .ops import GluOp, Op, RopeMode, UnaryOp
+from .opdefs import GluOp, Op, RopeMode, UnaryOp
 from .sched import Scheduler
 from .tensor import Tensor, TensorFlag, new_tensor
 from .types import QK_K, Type

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .backend import Buffer, BufferType, BufferUsage, align_up
-from .ops import VIEW_OPS
+from .opdefs import VIEW_OPS
 from .tensor import Tensor, TensorFlag
 
 

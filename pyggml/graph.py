@@ -1,7 +1,7 @@
 """Compute graphs: the ops needed for some outputs, in an order that respects dependencies."""
 from __future__ import annotations
 
-from .ops import Op
+from .opdefs import Op
 from .tensor import Tensor, TensorFlag
 
 

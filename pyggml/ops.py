@@ -6,105 +6,13 @@ nothing is computed.  Shapes are checked here, when the op is built, and a misma
 """
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 
+from .opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op,  # noqa: F401
+                     PermuteParams, RopeMode, RopeParams, ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
 from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
 from .types import Type
-
-
-class Op(enum.IntEnum):
-    """ggml_op, same numbers (the RPC protocol sends them)."""
-    NONE = 0
-    DUP = 1
-    ADD = 2
-    ADD_ID = 3
-    ADD1 = 4
-    ACC = 5
-    SUB = 6
-    MUL = 7
-    DIV = 8
-    SQR = 9
-    SQRT = 10
-    LOG = 11
-    SIN = 12
-    COS = 13
-    SUM = 14
-    SUM_ROWS = 15
-    CUMSUM = 16
-    MEAN = 17
-    ARGMAX = 18
-    COUNT_EQUAL = 19
-    REPEAT = 20
-    REPEAT_BACK = 21
-    CONCAT = 22
-    SILU_BACK = 23
-    NORM = 24
-    RMS_NORM = 25
-    RMS_NORM_BACK = 26
-    GROUP_NORM = 27
-    L2_NORM = 28
-    MUL_MAT = 29
-    MUL_MAT_ID = 30
-    OUT_PROD = 31
-    SCALE = 32
-    SET = 33
-    CPY = 34
-    CONT = 35
-    RESHAPE = 36
-    VIEW = 37
-    PERMUTE = 38
-    TRANSPOSE = 39
-    GET_ROWS = 40
-    GET_ROWS_BACK = 41
-    SET_ROWS = 42
-    DIAG = 43
-    DIAG_MASK_INF = 44
-    DIAG_MASK_ZERO = 45
-    SOFT_MAX = 46
-    SOFT_MAX_BACK = 47
-    ROPE = 48
-    ROPE_BACK = 49
-    CLAMP = 50
-    FLASH_ATTN_EXT = 79
-    UNARY = 92
-    GLU = 101
-
-
-class UnaryOp(enum.IntEnum):
-    """ggml_unary_op; GELU is the tanh approximation, as in ggml."""
-    ABS = 0
-    SGN = 1
-    NEG = 2
-    STEP = 3
-    TANH = 4
-    ELU = 5
-    RELU = 6
-    SIGMOID = 7
-    GELU = 8
-    GELU_QUICK = 9
-    SILU = 10
-    HARDSWISH = 11
-    HARDSIGMOID = 12
-    EXP = 13
-    GELU_ERF = 14
-    GELU_TANH = 8  # alias: the name the model code uses for clarity
-
-
-class GluOp(enum.IntEnum):
-    REGLU = 0
-    GEGLU = 1
-    SWIGLU = 2
-
-
-class RopeMode(enum.IntEnum):
-    NORMAL = 0  # rotate pairs (x[2i], x[2i+1]) - llama
-    NEOX = 2    # rotate pairs (x[i], x[i + n_dims/2]) - gemma, qwen
-
-
-VIEW_OPS = frozenset({Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
-"""Ops that compute nothing: their result is other bytes seen another way."""
 
 
 def _shapes(*ts: Tensor) -> str:
@@ -118,11 +26,6 @@ def _check(cond: bool, op: str, msg: str, *ts: Tensor) -> None:
 
 def _result(op: Op, type: Type, ne: Sequence[int], src: Sequence[Tensor | None], name: str = "") -> Tensor:
     return Tensor(type, ne, op=op, src=src, name=name)
-
-
-def _f32_params(t: Tensor, start: int, *values: float) -> None:
-    for i, v in enumerate(values):
-        t.set_op_params_f32(start + i, v)
 
 
 def _is_float(t: Tensor) -> bool:
@@ -157,14 +60,14 @@ def scale(a: Tensor, s: float, bias: float = 0.0) -> Tensor:
     """a * s + bias."""
     _check(_is_float(a), "SCALE", "operand must be a float tensor", a)
     t = _result(Op.SCALE, Type.F32, a.ne, [a])
-    _f32_params(t, 0, s, bias)
+    ScaleParams(s, bias).pack(t.op_params)
     return t
 
 
 def unary(a: Tensor, op: UnaryOp) -> Tensor:
     _check(_is_float(a), "UNARY", "operand must be a float tensor", a)
     t = _result(Op.UNARY, Type.F32, a.ne, [a])
-    t.op_params[0] = int(op)
+    UnaryParams(UnaryOp(op)).pack(t.op_params)
     return t
 
 
@@ -189,7 +92,7 @@ def glu(a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False) -> Tensor
         _check(a.ne == b.ne, "GLU", "gate and value must have the same shape", a, b)
         ne = a.ne
     t = _result(Op.GLU, Type.F32, ne, [a, b])
-    t.op_params[0], t.op_params[1] = int(op), int(swapped)
+    GluParams(GluOp(op), bool(swapped)).pack(t.op_params)
     return t
 
 
@@ -206,7 +109,7 @@ def geglu(a: Tensor, b: Tensor | None = None) -> Tensor:
 def _norm(op: Op, a: Tensor, eps: float) -> Tensor:
     _check(_is_float(a), op.name, "operand must be a float tensor", a)
     t = _result(op, Type.F32, a.ne, [a])
-    _f32_params(t, 0, eps)
+    NormParams(eps).pack(t.op_params)
     return t
 
 
@@ -230,7 +133,7 @@ def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_
         _check(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, "SOFT_MAX",
                "mask must broadcast over ne[2] and ne[3]", a, mask)
     t = _result(Op.SOFT_MAX, Type.F32, a.ne, [a, mask])
-    _f32_params(t, 0, scale, max_bias)
+    SoftMaxParams(scale, max_bias).pack(t.op_params)
     return t
 
 
@@ -252,8 +155,8 @@ def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, m
         _check(freq_factors.type == Type.F32 and freq_factors.ne[0] >= n_dims // 2, "ROPE",
                "freq_factors must be F32 with n_dims/2 entries", a, freq_factors)
     t = _result(Op.ROPE, Type.F32, a.ne, [a, pos, freq_factors])
-    t.op_params[1], t.op_params[2], t.op_params[4] = n_dims, int(mode), n_ctx_orig
-    _f32_params(t, 5, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+    RopeParams(n_dims, int(mode), n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast,
+               beta_slow).pack(t.op_params)
     return t
 
 
@@ -345,7 +248,7 @@ def permute(a: Tensor, ax0: int, ax1: int, ax2: int, ax3: int) -> Tensor:
     for i, ax in enumerate(axes):
         ne[ax], nb[ax] = a.ne[i], a.nb[i]
     t = _view(Op.PERMUTE, a, ne, nb, 0)
-    t.op_params[:4] = axes
+    PermuteParams(*axes).pack(t.op_params)
     return t
 
 
@@ -361,7 +264,7 @@ def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
     ne = list(a.ne)
     ne[dim] += b.ne[dim]
     t = _result(Op.CONCAT, a.type, ne, [a, b])
-    t.op_params[0] = dim
+    ConcatParams(dim).pack(t.op_params)
     return t
 
 
@@ -387,7 +290,7 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     if max_bias != 0.0:
         raise ValueError("FLASH_ATTN_EXT: ALiBi (max_bias != 0) is not supported")
     t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), [q, k, v, mask])
-    _f32_params(t, 0, scale, max_bias, logit_softcap)
+    FlashAttnParams(scale, max_bias, logit_softcap).pack(t.op_params)
     return t
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .alloc import GraphAllocator, needs_compute_memory
 from .backend import Backend, tensor_copy
 from .graph import Graph
-from .ops import VIEW_OPS, Op
+from .opdefs import VIEW_OPS, Op
 from .tensor import Tensor
 
 

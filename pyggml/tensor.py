@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .opdefs import MAX_OP_PARAMS, Op
 from .types import Type, as_type
 
 if TYPE_CHECKING:
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 
 MAX_DIMS = 4
 MAX_SRC = 10
-MAX_OP_PARAMS = 16  # int32 slots, like GGML_MAX_OP_PARAMS / sizeof(int32_t)
 
 
 class TensorFlag(enum.IntFlag):
@@ -44,7 +44,6 @@ class Tensor:
                              f"block size {self.type.block_size}")
         self.ne: tuple[int, int, int, int] = ne  # type: ignore[assignment]
         self.nb: tuple[int, int, int, int] = tuple(nb) if nb is not None else contiguous_strides(self.type, ne)  # type: ignore[assignment]
-        from .ops import Op  # local import: ops builds on Tensor
         self.op = Op(op)
         self.op_params = np.zeros(MAX_OP_PARAMS, dtype=np.int32)
         self.src: list[Tensor | None] = list(src)
@@ -78,10 +77,15 @@ class Tensor:
         return self.ne[1] * self.ne[2] * self.ne[3]
 
     def nbytes(self) -> int:
-        """Bytes spanned from the first to one past the last element (ggml_nbytes)."""
+        """Bytes spanned from the first to one past the last element, whatever the strides
+        (ggml_nbytes): one element plus every stride walked to the last, or for a block type
+        the first row's blocks plus the other strides."""
         if any(n == 0 for n in self.ne):
             return 0
-        size = self.ne[0] // self.type.block_size * self.nb[0]  # ne[0] counts elements, nb[0] a block
+        if self.type.block_size == 1:
+            size = self.type.type_size + (self.ne[0] - 1) * self.nb[0]
+        else:
+            size = self.ne[0] // self.type.block_size * self.nb[0]  # ne[0] counts elements, nb[0] a block
         for i in range(1, MAX_DIMS):
             size += (self.ne[i] - 1) * self.nb[i]
         return size
@@ -93,12 +97,6 @@ class Tensor:
         """Rows packed without gaps; strides of dimensions of size 1 do not matter."""
         want = contiguous_strides(self.type, self.ne)
         return self.nb[0] == want[0] and all(n == 1 or s == w for n, s, w in zip(self.ne[1:], self.nb[1:], want[1:]))
-
-    def get_op_params_f32(self, i: int) -> float:
-        return float(self.op_params[i:i + 1].view(np.float32)[0])
-
-    def set_op_params_f32(self, i: int, value: float) -> None:
-        self.op_params[i:i + 1].view(np.float32)[0] = value
 
     def is_view(self) -> bool:
         return self.view_src is not None

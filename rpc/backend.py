@@ -15,7 +15,7 @@ import numpy as np
 
 from pyggml.backend import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType
 from pyggml.graph import Graph
-from pyggml.ops import Op
+from pyggml.opdefs import Op
 from pyggml.tensor import Tensor
 
 from . import protocol as P

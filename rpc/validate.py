@@ -24,7 +24,8 @@ from pyggml import ops
 from pyggml.backend import Buffer
 from pyggml.cpu.qmatmul import supports as quant_supported
 from pyggml.graph import Graph
-from pyggml.ops import VIEW_OPS, GluOp, Op, UnaryOp
+from pyggml.opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
+                           ScaleParams, SoftMaxParams, UnaryParams)
 from pyggml.tensor import Tensor, TensorFlag
 from pyggml.types import Type
 
@@ -42,11 +43,8 @@ BufferLookup = Callable[[int], Buffer]
 
 
 def tensor_extent(t: Tensor) -> int:
-    """Bytes from a tensor's first byte to one past its last, whatever its strides."""
-    if any(n == 0 for n in t.ne):
-        return 0
-    ext = t.type.row_size(t.ne[0]) if t.type.is_quantized else t.type.type_size + (t.ne[0] - 1) * t.nb[0]
-    return ext + sum((t.ne[i] - 1) * t.nb[i] for i in range(1, 4))
+    """Bytes from a tensor's first byte to one past its last, whatever its strides (ggml_nbytes)."""
+    return t.nbytes()
 
 
 def tensor_from_wire(w: WireTensor, lookup: BufferLookup, need_buffer: bool = True) -> Tensor:
@@ -101,14 +99,6 @@ def read_tensor(payload: memoryview | bytes, lookup: BufferLookup, at: int = 0) 
 
 # -- op checks: rebuild the node with the client's own op functions --------------------------------
 
-def _f32(node: Tensor, i: int) -> float:
-    return node.get_op_params_f32(i)
-
-
-def _p(node: Tensor, i: int) -> int:
-    return int(node.op_params[i])
-
-
 def _binary(op: Op) -> Callable[[Tensor], Tensor]:
     return lambda n: ops._binary(op, n.src[0], n.src[1])
 
@@ -118,23 +108,23 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.SUB: _binary(Op.SUB),
     Op.MUL: _binary(Op.MUL),
     Op.DIV: _binary(Op.DIV),
-    Op.SCALE: lambda n: ops.scale(n.src[0], _f32(n, 0), _f32(n, 1)),
-    Op.UNARY: lambda n: ops.unary(n.src[0], UnaryOp(_p(n, 0))),
-    Op.GLU: lambda n: ops.glu(n.src[0], n.src[1], GluOp(_p(n, 0)), bool(_p(n, 1))),
-    Op.RMS_NORM: lambda n: ops.rms_norm(n.src[0], _f32(n, 0)),
-    Op.NORM: lambda n: ops.norm(n.src[0], _f32(n, 0)),
-    Op.SOFT_MAX: lambda n: ops.soft_max_ext(n.src[0], n.src[1], _f32(n, 0), _f32(n, 1)),
-    Op.ROPE: lambda n: ops.rope_ext(n.src[0], n.src[1], n.src[2], _p(n, 1), _p(n, 2), _p(n, 4)),
+    Op.SCALE: lambda n: ops.scale(n.src[0], *ScaleParams.of(n).values()),
+    Op.UNARY: lambda n: ops.unary(n.src[0], *UnaryParams.of(n).values()),
+    Op.GLU: lambda n: ops.glu(n.src[0], n.src[1], *GluParams.of(n).values()),
+    Op.RMS_NORM: lambda n: ops.rms_norm(n.src[0], *NormParams.of(n).values()),
+    Op.NORM: lambda n: ops.norm(n.src[0], *NormParams.of(n).values()),
+    Op.SOFT_MAX: lambda n: ops.soft_max_ext(n.src[0], n.src[1], *SoftMaxParams.of(n).values()),
+    Op.ROPE: lambda n: ops.rope_ext(n.src[0], n.src[1], n.src[2], *RopeParams.of(n).values()),
     Op.MUL_MAT: lambda n: ops.mul_mat(n.src[0], n.src[1]),
     Op.GET_ROWS: lambda n: ops.get_rows(n.src[0], n.src[1]),
     Op.SET_ROWS: lambda n: ops.set_rows(n.src[2], n.src[0], n.src[1]),
     Op.CPY: lambda n: ops.cpy(n.src[0], n.src[1]),
     Op.CONT: lambda n: ops.cont(n.src[0], *n.ne),
     Op.DUP: lambda n: ops.cont(n.src[0], *n.ne),
-    Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], _p(n, 0)),
+    Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], *ConcatParams.of(n).values()),
     Op.ARGMAX: lambda n: ops.argmax(n.src[0]),
-    Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3], _f32(n, 0),
-                                                    _f32(n, 1), _f32(n, 2)),
+    Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3],
+                                                    *FlashAttnParams.of(n).values()),
 }
 """Ops the server can check; an op missing here is refused even if a device could run it."""
 
@@ -155,6 +145,8 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
     if want.ne != node.ne or want.type != node.type:
         raise ProtocolError(f"{label}: result {node.type.name}{list(node.ne)} but its sources give "
                             f"{want.type.name}{list(want.ne)}")
+    if not np.array_equal(want.op_params, node.op_params):  # slots its op's record does not use are 0
+        raise ProtocolError(f"{label}: op parameters {node.op_params.tolist()} are not ones the op builds")
     if node.op in (Op.SET_ROWS, Op.CPY):  # the result is the destination itself
         dst = node.src[2] if node.op == Op.SET_ROWS else node.src[1]
         if node.buffer is not dst.buffer or node.offset != dst.offset or node.nb != dst.nb:

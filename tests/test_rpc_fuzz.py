@@ -141,9 +141,10 @@ def _fit(kind: str, value: int) -> int:
 def records(cmd: int, payload: bytes) -> list[int]:
     """Byte offsets of the tensor records in a payload."""
     if cmd == C.GRAPH_COMPUTE and len(payload) >= P.GRAPH.size:
-        n_nodes, n_tensors = P.GRAPH.unpack_from(payload)[2:]
+        n_nodes, n_tensors = P.GRAPH.unpack_from(payload)[2:]  # as mutated: up to 2**32 - 1 each
         start = P.GRAPH.size + 8 * n_nodes
-        return [start + i * P.TENSOR.size for i in range(n_tensors) if start + (i + 1) * P.TENSOR.size <= len(payload)]
+        fits = max(0, (len(payload) - start) // P.TENSOR.size)
+        return [start + i * P.TENSOR.size for i in range(min(n_tensors, fits))]
     start = P.U32.size if cmd == C.GET_ALLOC_SIZE else 0
     return [o for o in (start, start + P.TENSOR.size) if o + P.TENSOR.size <= len(payload)]
 
@@ -231,10 +232,17 @@ def fuzz_server(tmp_path_factory):
 def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     server, log = fuzz_server
     session = Session(server.endpoint)
+    session.dev.conn.timeout = 600.0  # each request once as sent, to compile the server's kernels (the
+    for cmd, payload, frames in session.requests:  # checked build's cache may be cold) before the clock runs
+        try:
+            session.dev.conn.request(cmd, payload, frames)
+        except RPCError as e:  # some are refused as they are (a copy between sizes, no such handle)
+            assert session.dev.conn.closed_reason is None, str(e)
+    session.dev.conn.timeout = 10.0
     watchdog = Watchdog(server.endpoint)
     watchdog.start()
     counts = {"accepted": 0, "refused": 0}
-    slow, last = [], []
+    last: list = []
     started = time.monotonic()
     deadline = started + 1200  # bounded whatever happens
 
@@ -246,7 +254,6 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     @given(st.data())
     def one_request(data):
         nonlocal session
-        t_draw = time.perf_counter()
         cmd, payload, frames = data.draw(mutation(session))  # drawn even when unused: hypothesis
         if watchdog.failure is not None and not failures:     # checks that a replay draws the same
             failures.append(f"{watchdog.failure}; the request being served: {last}")
@@ -255,15 +262,9 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
         if failures:
             return
         last[:] = [cmd, payload.hex(), [len(f) for f in frames]]
-        t0 = time.perf_counter()
-        counts["draw_s"] = counts.get("draw_s", 0) + (t0 - t_draw)
         try:
             session.dev.conn.request(AnyCommand(cmd), payload, frames)
             counts["accepted"] += 1
-            counts["req_s"] = counts.get("req_s", 0) + time.perf_counter() - t0
-            slow.append((time.perf_counter() - t0, cmd, payload))
-            slow.sort(key=lambda x: -x[0])
-            del slow[5:]
         except RPCError as e:
             counts["refused"] += 1
             if "no answer" in str(e) or "closed the connection" in str(e):
@@ -285,7 +286,5 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     assert "out of bounds" not in text, "a kernel indexed past an array:\n" + text[-3000:]
     assert "unexpected error" not in text, "an error the validation should have caught:\n" + text[-3000:]
     print(f"fuzz: {counts}, {watchdog.greetings} greetings answered")
-    for dt, cmd, payload in slow:
-        print(f"{dt*1000:.1f} ms cmd {cmd}", payload[:16].hex() if cmd == C.GRAPH_COMPUTE else "")
     assert counts["accepted"] + counts["refused"] >= EXAMPLES
     assert counts["accepted"] > EXAMPLES // 20 and counts["refused"] > EXAMPLES // 20, counts

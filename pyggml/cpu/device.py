@@ -6,7 +6,7 @@ import platform
 
 from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
-from ..ops import VIEW_OPS
+from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from .buffer import CPUBufferType
 from .kernels import OP_TABLE
@@ -18,8 +18,8 @@ def configure_threads(n_threads: int | None = None) -> int:
     """Give numba's kernels the cores and keep BLAS to one thread.
 
     numba's OpenMP workers and OpenBLAS's workers both spin while idle; running both
-    pools on the same cores makes each wait for the other (we measured 8x slowdowns),
-    so the numba pool owns the cores and BLAS calls stay single-threaded.
+    pools on the same cores makes each wait for the other, so the numba pool owns the
+    cores and BLAS calls stay single-threaded.
     """
     global _threads_configured
     import numba

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import quants
-from ..ops import GluOp, Op, RopeMode, UnaryOp
+from ..opdefs import (ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode, RopeParams,
+                      ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
 from ..tensor import Tensor
 from ..types import Type
 from . import nn
@@ -68,11 +69,11 @@ def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Kernel:
 
 
 def k_scale(node: Tensor) -> None:
-    s, bias = node.get_op_params_f32(0), node.get_op_params_f32(1)
+    p = ScaleParams.of(node)
     out = tensor_view(node)
-    np.multiply(values(node.src[0]), f32(s), out=out)
-    if bias:
-        out += f32(bias)
+    np.multiply(values(node.src[0]), f32(p.scale), out=out)
+    if p.bias:
+        out += f32(p.bias)
 
 
 def _gelu_erf(x: np.ndarray) -> np.ndarray:
@@ -118,7 +119,7 @@ GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 
 def k_unary(node: Tensor) -> None:
-    tensor_view(node)[...] = UNARY[int(node.op_params[0])](values(node.src[0]))
+    tensor_view(node)[...] = UNARY[UnaryParams.of(node).op](values(node.src[0]))
 
 
 def k_glu(node: Tensor) -> None:
@@ -128,26 +129,26 @@ def k_glu(node: Tensor) -> None:
         a, b = a[..., :half], a[..., half:]
     else:
         b = values(node.src[1])
-    if node.op_params[1]:
+    p = GluParams.of(node)
+    if p.swapped:
         a, b = b, a
-    tensor_view(node)[...] = GLU[int(node.op_params[0])](a, b)
+    tensor_view(node)[...] = GLU[p.op](a, b)
 
 
 def k_rms_norm(node: Tensor) -> None:
-    tensor_view(node)[...] = _by_rows(nn.rms_norm, values(node.src[0]), params=(node.get_op_params_f32(0),))
+    tensor_view(node)[...] = _by_rows(nn.rms_norm, values(node.src[0]), params=(NormParams.of(node).eps,))
 
 
 def k_norm(node: Tensor) -> None:
     x = values(node.src[0]).astype(np.float64)
-    eps = node.get_op_params_f32(0)
+    eps = NormParams.of(node).eps
     centered = x - x.mean(axis=-1, keepdims=True)
     tensor_view(node)[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
 
 
 def k_soft_max(node: Tensor) -> None:
     a, mask = node.src[0], node.src[1]
-    scale = node.get_op_params_f32(0)
-    x = values(a) * f32(scale)
+    x = values(a) * f32(SoftMaxParams.of(node).scale)
     if mask is not None:
         m = values(mask)[:, :, :a.ne[1], :]
         x += _tile(m, x.shape)
@@ -158,15 +159,14 @@ def k_soft_max(node: Tensor) -> None:
 
 def k_rope(node: Tensor) -> None:
     a, pos, ff = node.src[0], node.src[1], node.src[2]
-    p = node.op_params
-    n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
-    fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
+    p = RopeParams.of(node)
     factors = tensor_view(ff).reshape(-1) if ff is not None else np.ones(1, dtype=f32)
-    cos, sin = nn.rope_cache(tensor_view(pos).reshape(-1).astype(np.int64), n_dims, fb, fs, ef, af, bf, bs,
-                             n_ctx_orig, factors, ff is not None)
+    cos, sin = nn.rope_cache(tensor_view(pos).reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale,
+                             p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors,
+                             ff is not None)
     x = np.ascontiguousarray(values(a))  # [ne3, n_tokens, n_head, head_dim]
     res = np.empty(x.shape, dtype=f32)
-    nn.rope_rotate(x, res, cos, sin, n_dims, mode == RopeMode.NEOX)
+    nn.rope_rotate(x, res, cos, sin, p.n_dims, p.mode == RopeMode.NEOX)
     tensor_view(node)[...] = res
 
 
@@ -204,7 +204,8 @@ def k_flash_attn_ext(node: Tensor) -> None:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
     mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention computes it."""
     q, k, v, mask = node.src[:4]
-    scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
+    p = FlashAttnParams.of(node)
+    scale, softcap = p.scale, p.logit_softcap
     n_tokens = q.ne[1]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
     n_cells = k.ne[1]
@@ -279,7 +280,7 @@ def k_cpy(node: Tensor) -> None:
 
 
 def k_concat(node: Tensor) -> None:
-    dim = int(node.op_params[0])
+    dim = ConcatParams.of(node).dim
     tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 

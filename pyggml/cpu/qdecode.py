@@ -36,8 +36,8 @@ def _zero(f16):
     """A zero the compiler cannot see through (the table has 2**16 entries).
 
     OR-ing ``(zero >> j) & 1`` into a value changes nothing, but it makes LLVM vectorize
-    the 16-lane nibble loops instead of unrolling them into scalar code: measured 3x
-    faster for Q4_0 on AVX2 (bench/matmul.py).
+    the 16-lane nibble loops instead of unrolling them into scalar code (bench/matmul.py
+    shows what it is worth).
     """
     return np.int64(f16.size) >> 40
 
@@ -270,10 +270,10 @@ DECODERS = {
 
 
 # -- kernels over rows ----------------------------------------------------------------------------
-# They live in this file because numba's disk cache watches only the file a function is
-# defined in: an edit to a decoder must invalidate the kernels that inline it.  They take the
-# decoder as an integer (an index of DECODERS) rather than as a function, which numba cannot
-# cache: compiled once per machine instead of once per process (~2 s before a first answer).
+# They take the decoder as an integer (an index of DECODERS) rather than as a function, which
+# numba cannot cache: compiled once per machine instead of once per process.  (Stale machine
+# code after an edit to a decoder is kernel_cache.py's concern: the cache folder is keyed by
+# every kernel source.)
 
 KIND = {t: i for i, t in enumerate(DECODERS)}
 
@@ -342,7 +342,7 @@ def decode_rows(kind, w, out, f16):
 @njit(parallel=True, cache=True)
 def f16_values(bits, f16, out):
     """float32 values of float16 bits ([a, b, c, d], any strides) through the 65536-entry
-    table: 4x faster than numpy's conversion, and exact (the KV cache is read every step)."""
+    table: faster than numpy's conversion, and exact (the KV cache is read every step)."""
     n0, n1, n2, n3 = bits.shape
     for i in prange(n0 * n1):
         a, b = i // n1, i % n1

@@ -55,8 +55,8 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 
 # -- weights: one row into exact integers and per-block scales ------------------------------------
 # ``one * float(q) + zero``: the same value, but LLVM vectorizes these loops only when the
-# conversion feeds float arithmetic (measured 5x faster); ``one``/``zero`` come from the half
-# table so that the compiler cannot fold them away.
+# conversion feeds float arithmetic; ``one``/``zero`` come from the half table so that the
+# compiler cannot fold them away.
 
 @_jit
 def _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset):

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..backend import Backend, Buffer, BufferType, Device, DeviceType
 from ..graph import Graph
-from ..ops import VIEW_OPS
+from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from . import replay
 

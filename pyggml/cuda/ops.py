@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..ops import VIEW_OPS, Op, RopeMode, UnaryOp
+from ..opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeMode, RopeParams,
+                      ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .blas import gemm_f16_f32, to_f16_scaled
@@ -48,6 +49,11 @@ def supports(node: Tensor) -> bool:
     readable = (*PLAIN, Type.I32, *QUANT_KERNELS)
     if not (all(s is None or s.type in readable for s in node.src) and node.type in (*PLAIN, Type.I32)):
         return False
+    if node.op == Op.UNARY:  # (a bare probe's zero parameters are ABS)
+        try:
+            return UnaryParams.of(node).op in UNARY
+        except ValueError:
+            return False
     return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
 
 
@@ -100,9 +106,9 @@ def k_binary(node: Tensor) -> None:
 
 def k_scale(node: Tensor) -> None:
     x = values(node.src[0])
+    p = ScaleParams.of(node)
     _into_f32(node, lambda out: function("binary.cu", "scale_f32")(_grid(out.size), (256,), (
-        x, out, np.float32(node.get_op_params_f32(0)), np.float32(node.get_op_params_f32(1)), *_sizes(out),
-        *_strides(x), *_strides(out))))
+        x, out, np.float32(p.scale), np.float32(p.bias), *_sizes(out), *_strides(x), *_strides(out))))
 
 
 def _gelu_tanh(x):
@@ -128,9 +134,10 @@ UNARY: dict[int, Callable] = {
 
 def k_unary(node: Tensor) -> None:
     eager()  # CuPy expressions
-    fn = UNARY.get(int(node.op_params[0]))
+    op = UnaryParams.of(node).op
+    fn = UNARY.get(op)
     if fn is None:
-        raise NotImplementedError(f"CUDA backend: unary op {int(node.op_params[0])} is not implemented")
+        raise NotImplementedError(f"CUDA backend: unary op {op.name} is not implemented")
     tensor_view(node)[...] = fn(values(node.src[0]))
 
 
@@ -189,7 +196,7 @@ def k_rms_norm(node: Tensor, mul: Tensor | None = None) -> None:
     ne3, ne2, ne1, ne0 = x.shape
     _into_f32(mul or node, lambda y: function("norm.cu", "rms_norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
         x, w, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
-        np.float32(node.get_op_params_f32(0)))))
+        np.float32(NormParams.of(node).eps))))
 
 
 def k_norm(node: Tensor) -> None:
@@ -197,7 +204,7 @@ def k_norm(node: Tensor) -> None:
     ne3, ne2, ne1, ne0 = x.shape
     _into_f32(node, lambda y: function("norm.cu", "norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
         x, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
-        np.float32(node.get_op_params_f32(0)))))
+        np.float32(NormParams.of(node).eps))))
 
 
 @contextmanager
@@ -247,7 +254,7 @@ def k_soft_max(node: Tensor) -> None:
     mask_args = (*_rows(m), np.int64(m.shape[1]), np.int64(m.shape[0])) if m is not None else (np.int64(0),) * 5
     _into_f32(node, lambda y: function("softmax.cu", "soft_max_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
         x, m, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *mask_args, *_rows(y),
-        np.float32(node.get_op_params_f32(0)))))
+        np.float32(SoftMaxParams.of(node).scale))))
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
@@ -256,9 +263,9 @@ def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> f
 
 def k_rope(node: Tensor) -> None:
     a, pos, ff = node.src[0], node.src[1], node.src[2]
-    p = node.op_params
-    n_dims, mode, n_ctx_orig = int(p[1]), int(p[2]), int(p[4])
-    fb, fs, ef, af, bf, bs = (node.get_op_params_f32(i) for i in range(5, 11))
+    p = RopeParams.of(node)
+    n_dims, mode, n_ctx_orig = p.n_dims, p.mode, p.n_ctx_orig
+    fb, fs, ef, af, bf, bs = p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow
     low = high = 0.0
     if ef != 0.0:  # YaRN: the dimensions between which extrapolation turns into interpolation
         low = max(0.0, math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, bf, fb)))
@@ -280,12 +287,13 @@ def k_glu(node: Tensor) -> None:
         a, b = a[..., :half], a[..., half:]
     else:
         b = _dense_rows(values(node.src[1]))
-    if node.op_params[1]:
+    p = GluParams.of(node)
+    if p.swapped:
         a, b = b, a
     ne3, ne2, ne1, ne0 = a.shape
     _into_f32(node, lambda y: function("glu.cu", "glu_f32")(_grid(y.size), (256,), (
         a, b, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3), *_rows(a), *_rows(b),
-        *_rows(y), np.int32(node.op_params[0]))))
+        *_rows(y), np.int32(p.op))))
 
 
 ATTN_MAX_D = 512  # kernels/attention.cu
@@ -295,7 +303,8 @@ ATTN_SPLIT = 128  # keys per block of attn_split (kernels/attention.cu)
 def k_flash_attn_ext(node: Tensor) -> None:
     cp = _cp()
     q, k, v, mask = node.src[:4]
-    scale, softcap = node.get_op_params_f32(0), node.get_op_params_f32(2)
+    p = FlashAttnParams.of(node)
+    scale, softcap = p.scale, p.logit_softcap
     if q.ne[0] > ATTN_MAX_D:
         raise NotImplementedError(f"CUDA backend: attention heads of {q.ne[0]} > {ATTN_MAX_D}")
     if k.type != Type.F16 or v.type != Type.F16:
@@ -474,7 +483,7 @@ def k_cpy(node: Tensor) -> None:
 
 def k_concat(node: Tensor) -> None:
     eager()  # CuPy expressions
-    dim = int(node.op_params[0])
+    dim = ConcatParams.of(node).dim
     tensor_view(node)[...] = _cp().concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
