@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pyggml.cpu.activations import Q8_K, quantize
+from pyggml.cpu.activations import quantize
+from pyggml.cpu.kinds import Act
 from pyggml.cpu.simd import expf_v, lane_chain8
 
 f32, f64 = np.float32, np.float64
@@ -52,7 +53,7 @@ def test_ggml_expf_is_within_its_error_bound_and_saturates():
 
 def test_q8_k_bsums_are_sums_of_16():
     x = np.random.default_rng(1).standard_normal((2, 512)).astype(f32)
-    yq, yd, ys = quantize(x, Q8_K)
+    yq, yd, ys = quantize(x, int(Act.Q8_K))
     assert ys.shape == (2, 32)
     assert np.array_equal(ys, yq.reshape(2, 32, 16).sum(-1))
     assert np.all(np.abs(yq) <= 127) and np.array_equal(yq, np.rint(yq))

@@ -15,7 +15,7 @@ import pytest
 
 import pyggml as pg
 from pyggml.cpu.qmatmul import quant_matmul
-from pyggml.cpu.qdot import EXACT
+from pyggml.cpu.kinds import EXACT
 
 DATA = np.load(Path(__file__).parent / "data" / "ggml_vec_dot.npz")
 TYPES = sorted({k.rsplit("_", 1)[0] for k in DATA.files}, key=lambda n: int(pg.Type[n]))
@@ -102,10 +102,11 @@ def test_batched_k_quant_products_follow_llama_cpps_float_steps():
     ``acc = fma(r, d_y, acc)`` per block) and repacked Q4_K for columns in fours
     (ggml_gemm_q4_K_8x8_q8_K: the scales' and the mins' integers of each pair of sub-blocks
     into two accumulators)."""
-    from pyggml.cpu.activations import Q8_K, quantize
+    from pyggml.cpu.activations import quantize
+    from pyggml.cpu.kinds import Act
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 512)).astype(np.float32) * rng.uniform(0.2, 3, (8, 1)).astype(np.float32)
-    yq, yd, bsums = quantize(x, Q8_K)
+    yq, yd, bsums = quantize(x, int(Act.Q8_K))
     y = yq.astype(np.int64).reshape(8, -1, 256)
     bs = bsums.astype(np.int64).reshape(8, -1, 16)
 

@@ -40,4 +40,4 @@ def test_the_kernels_are_cached_in_the_folder_of_their_sources():
     from pyggml.cpu import qdot
     from pyggml.hub import cache_dir
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
-    assert os.path.commonpath([qdot.exact_matmul._cache._cache_path, folder]) == str(folder)
+    assert os.path.commonpath([qdot.exact_quant_matmul._cache._cache_path, folder]) == str(folder)

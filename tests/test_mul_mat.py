@@ -74,8 +74,9 @@ def test_quantized_mul_mat_batched_weights():
 
 
 def test_integer_dispatch_matches_the_decoders():
-    """The cached kernels pick a decoder by number; every number must be its DECODERS entry."""
-    from pyggml.cpu.qdecode import DECODERS, F16_TABLE, KIND, decode_row
+    """The cached kernels pick a decoder by number (kinds.Dec); each number must pick its type's."""
+    from pyggml.cpu.kinds import DECODER
+    from pyggml.cpu.qdecode import DECODERS, F16_TABLE, decode_row
     rng = np.random.default_rng(5)
     for qtype, decoder in DECODERS.items():
         row = rng.integers(0, 256, size=qtype.row_size(512), dtype=np.uint8)
@@ -86,5 +87,5 @@ def test_integer_dispatch_matches_the_decoders():
                     blocks[field] = np.float32(0.01) if blocks.dtype[field] == np.float32 else np.float16(0.01)
         want, got = np.empty(512, np.float32), np.empty(512, np.float32)
         decoder(row, want, F16_TABLE)
-        decode_row(KIND[qtype], row, got, F16_TABLE)
+        decode_row(int(DECODER[qtype]), row, got, F16_TABLE)
         np.testing.assert_array_equal(got, want, err_msg=qtype.name)

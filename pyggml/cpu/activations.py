@@ -21,17 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..types import Type
-
-F32, F16, Q8_0, Q8_1, Q8_K = 0, 1, 2, 3, 4
-
-VEC_DOT_KIND = {
-    Type.Q4_0: Q8_0, Type.Q5_0: Q8_0, Type.Q8_0: Q8_0, Type.IQ4_NL: Q8_0,
-    Type.Q4_1: Q8_1, Type.Q5_1: Q8_1,
-    Type.Q2_K: Q8_K, Type.Q3_K: Q8_K, Type.Q4_K: Q8_K, Type.Q5_K: Q8_K, Type.Q6_K: Q8_K, Type.IQ4_XS: Q8_K,
-    Type.F16: F16,
-}
-
+from .kinds import Act
 
 @njit(cache=True, inline="always")
 def round_f16(v):
@@ -54,11 +44,11 @@ def quantize_q8(x, kind, yq, yd, ys):
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
     [N, K/16]."""
     n_rows, k = x.shape
-    block = 256 if kind == Q8_K else 32
+    block = 256 if kind == Act.Q8_K else 32
     for r in prange(n_rows):
         for b in range(k // block):
             lo = b * block
-            if kind == Q8_K:
+            if kind == Act.Q8_K:
                 amax, vmax = np.float32(0.0), np.float32(0.0)
                 for i in range(lo, lo + block):
                     if abs(x[r, i]) > amax:
@@ -89,25 +79,25 @@ def quantize_q8(x, kind, yq, yd, ys):
                 qsum += q
                 yq[r, i] = q
             yd[r, b] = round_f16(d)
-            ys[r, b] = round_f16(d * qsum) if kind == Q8_1 else qsum
+            ys[r, b] = round_f16(d * qsum) if kind == Act.Q8_1 else qsum
 
 
 def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``quantize_q8`` with its outputs allocated: (integers, scales, sums)."""
     n, k = x.shape
     yq = np.empty((n, k), dtype=np.float32)
-    yd = np.empty((n, k // 256 if kind == Q8_K else k // 32), dtype=np.float32)
-    ys = np.empty((n, k // 16 if kind == Q8_K else k // 32), dtype=np.float32)
+    yd = np.empty((n, k // 256 if kind == Act.Q8_K else k // 32), dtype=np.float32)
+    ys = np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32)
     quantize_q8(x, kind, yq, yd, ys)
     return yq, yd, ys
 
 
 def activation_values(x: np.ndarray, kind: int) -> np.ndarray:
     """The float values ggml's vec_dot_type holds for x (for decode-then-dot products)."""
-    if kind == F32:
+    if kind == Act.F32:
         return x
-    if kind == F16:
+    if kind == Act.F16:
         return x.astype(np.float16).astype(np.float32)
     yq, yd, _ = quantize(x, kind)
-    block = 256 if kind == Q8_K else 32
+    block = 256 if kind == Act.Q8_K else 32
     return (yq.reshape(len(x), -1, block) * yd[:, :, None]).reshape(x.shape)

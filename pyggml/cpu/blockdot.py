@@ -24,7 +24,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import _loop_begin, _loop_end, dot4, hsum8_ir, splat8, target_has_vnni
+from .kinds import Fmt
+from .simd import dot4, hsum8_ir, loop_begin, loop_end, splat8, target_has_vnni
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
@@ -313,7 +314,7 @@ def _row_pair_kernel(fmt: Format):
         ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:-1], args[:-1])]
         rows, (yb, yd, ys) = ptrs[:2], ptrs[2:]
         n_acc = len(fmt.init)
-        b, pre, loop, done = _loop_begin(builder, args[-1], "blocks")
+        b, pre, loop, done = loop_begin(builder, args[-1], "blocks")
         accs = [builder.phi(c.type) for _ in rows for c in fmt.init]  # row r's at r * n_acc
         for phi, c in zip(accs, fmt.init * 2):
             phi.add_incoming(c, pre)
@@ -324,7 +325,7 @@ def _row_pair_kernel(fmt: Format):
             nexts += fmt.block(builder, base, col, accs[r * n_acc:(r + 1) * n_acc])
         for phi, nxt in zip(accs, nexts):
             phi.add_incoming(nxt, loop)
-        _loop_end(builder, b, args[-1], loop, done)
+        loop_end(builder, b, args[-1], loop, done)
         finals = []  # the exit block's phis, before any other instruction
         for nxt, c in zip(nexts, fmt.init * 2):
             phi = builder.phi(c.type)
@@ -336,15 +337,17 @@ def _row_pair_kernel(fmt: Format):
     return intrinsic(typer)
 
 
-# by qdot's unpacker numbers (qdot.EXACT; 8 is Q4_K in rows of whole eights, qdot.Q4_K_X8), and
-# two variants for batches of columns
-Q4_K_X8_GEMM, Q6_K_TILED, Q4_K_TILED, Q5_K_TILED = 9, 10, 11, 12
-FORMATS = {0: _legacy(Legacy(18, 2, False, False, 8, False)), 1: _legacy(Legacy(20, 4, True, False, 0, False)),
-           2: _legacy(Legacy(22, 6, False, True, 16, False)), 3: _legacy(Legacy(24, 8, True, True, 0, False)),
-           4: _legacy(Legacy(34, 2, False, False, 0, True)), 5: _q45_k(five=False), 6: _q45_k(five=True),
-           7: _q6_k(), 8: _q4_k_x8(per_pair=False),
-           Q4_K_X8_GEMM: _q4_k_x8(per_pair=True), Q6_K_TILED: _q6_k_tiled(),
-           Q4_K_TILED: _q45_k_tiled(five=False), Q5_K_TILED: _q45_k_tiled(five=True)}
+# by kinds.Fmt, in its order (the row kernels below are unpacked from these values)
+FORMATS = {Fmt.Q4_0: _legacy(Legacy(18, 2, False, False, 8, False)),
+           Fmt.Q4_1: _legacy(Legacy(20, 4, True, False, 0, False)),
+           Fmt.Q5_0: _legacy(Legacy(22, 6, False, True, 16, False)),
+           Fmt.Q5_1: _legacy(Legacy(24, 8, True, True, 0, False)),
+           Fmt.Q8_0: _legacy(Legacy(34, 2, False, False, 0, True)),
+           Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
+           Fmt.Q4_K_X8: _q4_k_x8(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8(per_pair=True),
+           Fmt.Q6_K_TILED: _q6_k_tiled(), Fmt.Q4_K_TILED: _q45_k_tiled(five=False),
+           Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
+assert list(FORMATS) == list(Fmt)
 (_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q4_kx2, _q5_kx2, _q6_kx2, _q4_k_x8x2, _q4_k_gemmx2, _q6_k_tiledx2,
  _q4_k_tiledx2, _q5_k_tiledx2) = (_row_pair_kernel(f) for f in FORMATS.values())
 
@@ -353,17 +356,17 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 
 @_jit
 def column_format(kind, n, n_cols, tiled_min_cols):
-    """The format of column n of n_cols for weights of qdot's unpacker number ``kind``: what
+    """The format (a kinds.Fmt) of column n of n_cols for weights in format ``kind``: what
     llama.cpp's kernel for that many columns computes."""
-    if kind == 8 and n < n_cols - n_cols % 4:  # repacked Q4_K: columns in whole fours through its gemm
-        return Q4_K_X8_GEMM
+    if kind == Fmt.Q4_K_X8 and n < n_cols - n_cols % 4:  # repacked Q4_K: columns in whole fours (its gemm)
+        return Fmt.Q4_K_X8_GEMM
     if n_cols >= tiled_min_cols:  # the other K-quants: its tiled matmul
-        if kind == 5:
-            return Q4_K_TILED
-        if kind == 6:
-            return Q5_K_TILED
-        if kind == 7:
-            return Q6_K_TILED
+        if kind == Fmt.Q4_K:
+            return Fmt.Q4_K_TILED
+        if kind == Fmt.Q5_K:
+            return Fmt.Q5_K_TILED
+        if kind == Fmt.Q6_K:
+            return Fmt.Q6_K_TILED
     return kind
 
 
@@ -372,28 +375,28 @@ def row_pair_dots(fmt, row0, row1, yb, yd, ys):
     """Two weight rows in a format of FORMATS times one activation column (yb: its integers as
     int8, yd/ys: per block), their chains interleaved."""
     nb = yd.size
-    if fmt == 0:
+    if fmt == Fmt.Q4_0:
         return _q4_0x2(row0, row1, yb, yd, ys, nb)
-    if fmt == 1:
+    if fmt == Fmt.Q4_1:
         return _q4_1x2(row0, row1, yb, yd, ys, nb)
-    if fmt == 2:
+    if fmt == Fmt.Q5_0:
         return _q5_0x2(row0, row1, yb, yd, ys, nb)
-    if fmt == 3:
+    if fmt == Fmt.Q5_1:
         return _q5_1x2(row0, row1, yb, yd, ys, nb)
-    if fmt == 5:
+    if fmt == Fmt.Q4_K:
         return _q4_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == 6:
+    if fmt == Fmt.Q5_K:
         return _q5_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == 7:
+    if fmt == Fmt.Q6_K:
         return _q6_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == 8:
+    if fmt == Fmt.Q4_K_X8:
         return _q4_k_x8x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Q4_K_X8_GEMM:
+    if fmt == Fmt.Q4_K_X8_GEMM:
         return _q4_k_gemmx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Q6_K_TILED:
+    if fmt == Fmt.Q6_K_TILED:
         return _q6_k_tiledx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Q4_K_TILED:
+    if fmt == Fmt.Q4_K_TILED:
         return _q4_k_tiledx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Q5_K_TILED:
+    if fmt == Fmt.Q5_K_TILED:
         return _q5_k_tiledx2(row0, row1, yb, yd, ys, nb)
     return _q8_0x2(row0, row1, yb, yd, ys, nb)

@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..types import Type
+from .kinds import DECODER, Dec
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -22,17 +23,17 @@ _jit = njit(cache=True, fastmath=False, boundscheck=False, inline="always")
 
 
 @_jit
-def _u(row, i):
+def u8_at(row, i):
     return np.int64(row[i])
 
 
 @_jit
-def _h(row, p, f16):
-    return f16[_u(row, p) | (_u(row, p + 1) << 8)]
+def f16_at(row, p, f16):
+    return f16[u8_at(row, p) | (u8_at(row, p + 1) << 8)]
 
 
 @_jit
-def _zero(f16):
+def opaque_zero(f16):
     """A zero the compiler cannot see through (the table has 2**16 entries).
 
     OR-ing ``(zero >> j) & 1`` into a value changes nothing, but it makes LLVM vectorize
@@ -44,41 +45,41 @@ def _zero(f16):
 
 @_jit
 def dec_q4_0(row, out, f16):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     for b in range(out.size // 32):
         p, o = b * 18, b * 32
-        d = _h(row, p, f16)
+        d = f16_at(row, p, f16)
         for j in range(16):
-            q = _u(row, p + 2 + j)
+            q = u8_at(row, p + 2 + j)
             out[o + j] = d * np.float32(((q & 15) | ((z >> j) & 1)) - 8)
             out[o + 16 + j] = d * np.float32(((q >> 4) | ((z >> (j + 16)) & 1)) - 8)
 
 
 @_jit
 def dec_q4_1(row, out, f16):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     for b in range(out.size // 32):
         p, o = b * 20, b * 32
-        d, m = _h(row, p, f16), _h(row, p + 2, f16)
+        d, m = f16_at(row, p, f16), f16_at(row, p + 2, f16)
         for j in range(16):
-            q = _u(row, p + 4 + j)
+            q = u8_at(row, p + 4 + j)
             out[o + j] = d * np.float32((q & 15) | ((z >> j) & 1)) + m
             out[o + 16 + j] = d * np.float32((q >> 4) | ((z >> (j + 16)) & 1)) + m
 
 
 @_jit
-def _qh32(row, p):
-    return _u(row, p) | (_u(row, p + 1) << 8) | (_u(row, p + 2) << 16) | (_u(row, p + 3) << 24)
+def u32_at(row, p):
+    return u8_at(row, p) | (u8_at(row, p + 1) << 8) | (u8_at(row, p + 2) << 16) | (u8_at(row, p + 3) << 24)
 
 
 @_jit
 def dec_q5_0(row, out, f16):
     for b in range(out.size // 32):
         p, o = b * 22, b * 32
-        d = _h(row, p, f16)
-        qh = _qh32(row, p + 2)
+        d = f16_at(row, p, f16)
+        qh = u32_at(row, p + 2)
         for j in range(16):
-            q = _u(row, p + 6 + j)
+            q = u8_at(row, p + 6 + j)
             out[o + j] = d * np.float32(((q & 15) | (((qh >> j) & 1) << 4)) - 16)
             out[o + 16 + j] = d * np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16)
 
@@ -87,22 +88,22 @@ def dec_q5_0(row, out, f16):
 def dec_q5_1(row, out, f16):
     for b in range(out.size // 32):
         p, o = b * 24, b * 32
-        d, m = _h(row, p, f16), _h(row, p + 2, f16)
-        qh = _qh32(row, p + 4)
+        d, m = f16_at(row, p, f16), f16_at(row, p + 2, f16)
+        qh = u32_at(row, p + 4)
         for j in range(16):
-            q = _u(row, p + 8 + j)
+            q = u8_at(row, p + 8 + j)
             out[o + j] = d * np.float32((q & 15) | (((qh >> j) & 1) << 4)) + m
             out[o + 16 + j] = d * np.float32((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m
 
 
 @_jit
 def _dec_q8(row, out, f16, size, skip):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     for b in range(out.size // 32):
         p, o = b * size, b * 32
-        d = _h(row, p, f16)
+        d = f16_at(row, p, f16)
         for j in range(32):
-            out[o + j] = np.float32(np.int8(_u(row, p + skip + j) | ((z >> j) & 1))) * d
+            out[o + j] = np.float32(np.int8(u8_at(row, p + skip + j) | ((z >> j) & 1))) * d
 
 
 @_jit
@@ -119,9 +120,9 @@ def dec_q8_1(row, out, f16):
 def dec_iq4_nl(row, out, f16):
     for b in range(out.size // 32):
         p, o = b * 18, b * 32
-        d = _h(row, p, f16)
+        d = f16_at(row, p, f16)
         for j in range(16):
-            q = _u(row, p + 2 + j)
+            q = u8_at(row, p + 2 + j)
             out[o + j] = d * KV_IQ4NL[q & 15]
             out[o + 16 + j] = d * KV_IQ4NL[q >> 4]
 
@@ -130,19 +131,19 @@ def dec_iq4_nl(row, out, f16):
 def dec_q2_k(row, out, f16):
     for b in range(out.size // 256):
         p, o = b * 84, b * 256
-        d, dmin = _h(row, p + 80, f16), _h(row, p + 82, f16)
+        d, dmin = f16_at(row, p + 80, f16), f16_at(row, p + 82, f16)
         for g in range(16):  # 16 groups of 16: scale byte g, plane (g // 2) % 4 of half g // 8
-            sc = _u(row, p + g)
+            sc = u8_at(row, p + g)
             dl, ml = d * np.float32(sc & 15), dmin * np.float32(sc >> 4)
             qs, shift = p + 16 + (g // 8) * 32 + (g % 2) * 16, 2 * ((g // 2) % 4)
             for j in range(16):
-                out[o + g * 16 + j] = dl * np.float32((_u(row, qs + j) >> shift) & 3) - ml
+                out[o + g * 16 + j] = dl * np.float32((u8_at(row, qs + j) >> shift) & 3) - ml
 
 
 @_jit
 def _q3k_scale(row, p, i):
-    low = (_u(row, p + i) & 15) if i < 8 else (_u(row, p + i - 8) >> 4)
-    high = (_u(row, p + 8 + i % 4) >> (2 * (i // 4))) & 3
+    low = (u8_at(row, p + i) & 15) if i < 8 else (u8_at(row, p + i - 8) >> 4)
+    high = (u8_at(row, p + 8 + i % 4) >> (2 * (i // 4))) & 3
     return np.int64(low | (high << 4)) - 32
 
 
@@ -150,37 +151,37 @@ def _q3k_scale(row, p, i):
 def dec_q3_k(row, out, f16):
     for b in range(out.size // 256):
         p, o = b * 110, b * 256
-        d = _h(row, p + 108, f16)
+        d = f16_at(row, p + 108, f16)
         for g in range(16):
             dl = d * np.float32(_q3k_scale(row, p + 96, g))
             half, plane = g // 8, (g // 2) % 4
             qs, hm, l0 = p + 32 + half * 32, p, (g % 2) * 16
             shift, hshift = 2 * plane, half * 4 + plane
             for j in range(16):
-                low = (_u(row, qs + l0 + j) >> shift) & 3
-                hbit = (_u(row, hm + l0 + j) >> hshift) & 1
+                low = (u8_at(row, qs + l0 + j) >> shift) & 3
+                hbit = (u8_at(row, hm + l0 + j) >> hshift) & 1
                 out[o + g * 16 + j] = dl * np.float32(low - ((hbit ^ 1) << 2))
 
 
 @_jit
 def _k4_scale_min(row, p, j):
     if j < 4:
-        return _u(row, p + j) & 63, _u(row, p + j + 4) & 63
-    return (_u(row, p + j + 4) & 15) | ((_u(row, p + j - 4) >> 6) << 4), (_u(row, p + j + 4) >> 4) | ((_u(row, p + j) >> 6) << 4)
+        return u8_at(row, p + j) & 63, u8_at(row, p + j + 4) & 63
+    return (u8_at(row, p + j + 4) & 15) | ((u8_at(row, p + j - 4) >> 6) << 4), (u8_at(row, p + j + 4) >> 4) | ((u8_at(row, p + j) >> 6) << 4)
 
 
 @_jit
 def dec_q4_k(row, out, f16):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     for b in range(out.size // 256):
         p, o = b * 144, b * 256
-        d, dmin = _h(row, p, f16), _h(row, p + 2, f16)
+        d, dmin = f16_at(row, p, f16), f16_at(row, p + 2, f16)
         for s in range(8):
             sc, mn = _k4_scale_min(row, p + 4, s)
             ds, dm = d * np.float32(sc), dmin * np.float32(mn)
             shift = 4 * (s & 1)
             for l in range(32):
-                q = ((_u(row, p + 16 + (s // 2) * 32 + l) >> shift) & 15) | ((z >> l) & 1)
+                q = ((u8_at(row, p + 16 + (s // 2) * 32 + l) >> shift) & 15) | ((z >> l) & 1)
                 out[o + s * 32 + l] = ds * np.float32(q) - dm
 
 
@@ -188,13 +189,13 @@ def dec_q4_k(row, out, f16):
 def dec_q5_k(row, out, f16):
     for b in range(out.size // 256):
         p, o = b * 176, b * 256
-        d, dmin = _h(row, p, f16), _h(row, p + 2, f16)
+        d, dmin = f16_at(row, p, f16), f16_at(row, p + 2, f16)
         for s in range(8):
             sc, mn = _k4_scale_min(row, p + 4, s)
             ds, dm = d * np.float32(sc), dmin * np.float32(mn)
             shift = 4 * (s & 1)
             for l in range(32):
-                q = ((_u(row, p + 48 + (s // 2) * 32 + l) >> shift) & 15) | (((_u(row, p + 16 + l) >> s) & 1) << 4)
+                q = ((u8_at(row, p + 48 + (s // 2) * 32 + l) >> shift) & 15) | (((u8_at(row, p + 16 + l) >> s) & 1) << 4)
                 out[o + s * 32 + l] = ds * np.float32(q) - dm
 
 
@@ -202,16 +203,16 @@ def dec_q5_k(row, out, f16):
 def dec_q6_k(row, out, f16):
     for b in range(out.size // 256):
         p, o = b * 210, b * 256
-        d = _h(row, p + 208, f16)
+        d = f16_at(row, p + 208, f16)
         for half in range(2):
             ql, qh, sc, oo = p + half * 64, p + 128 + half * 32, p + 192 + half * 8, o + half * 128
             for plane in range(4):
                 lo_off, lo_shift = (plane % 2) * 32, 4 * (plane // 2)
                 for g in range(2):
-                    ds = d * np.float32(np.int8(_u(row, sc + plane * 2 + g)))
+                    ds = d * np.float32(np.int8(u8_at(row, sc + plane * 2 + g)))
                     for j in range(16):
                         l = g * 16 + j
-                        q = ((_u(row, ql + lo_off + l) >> lo_shift) & 15) | (((_u(row, qh + l) >> (2 * plane)) & 3) << 4)
+                        q = ((u8_at(row, ql + lo_off + l) >> lo_shift) & 15) | (((u8_at(row, qh + l) >> (2 * plane)) & 3) << 4)
                         out[oo + plane * 32 + l] = ds * np.float32(q - 32)
 
 
@@ -221,13 +222,13 @@ def dec_q8_k(row, out, f16):
         p, o = b * 292, b * 256
         d = _f32(row, p)
         for j in range(256):
-            out[o + j] = np.float32(np.int8(_u(row, p + 4 + j))) * d
+            out[o + j] = np.float32(np.int8(u8_at(row, p + 4 + j))) * d
 
 
 @_jit
 def _f32(row, p):
     """Little-endian IEEE float32 from 4 bytes (numba cannot reinterpret a scalar)."""
-    bits = _qh32(row, p)
+    bits = u32_at(row, p)
     exp, man = (bits >> 23) & 255, bits & 0x7FFFFF
     if exp == 255:
         val = np.inf if man == 0 else np.nan
@@ -242,23 +243,23 @@ def _f32(row, p):
 def dec_iq4_xs(row, out, f16):
     for b in range(out.size // 256):
         p, o = b * 136, b * 256
-        d = _h(row, p, f16)
-        sh = _u(row, p + 2) | (_u(row, p + 3) << 8)
+        d = f16_at(row, p, f16)
+        sh = u8_at(row, p + 2) | (u8_at(row, p + 3) << 8)
         for s in range(8):
-            lo = (_u(row, p + 4 + s // 2) >> (4 * (s % 2))) & 15
+            lo = (u8_at(row, p + 4 + s // 2) >> (4 * (s % 2))) & 15
             ls = np.int64(lo | (((sh >> (2 * s)) & 3) << 4)) - 32
             dl = d * np.float32(ls)
             for j in range(16):
-                q = _u(row, p + 8 + s * 16 + j)
+                q = u8_at(row, p + 8 + s * 16 + j)
                 out[o + s * 32 + j] = dl * KV_IQ4NL[q & 15]
                 out[o + s * 32 + 16 + j] = dl * KV_IQ4NL[q >> 4]
 
 
 @_jit
 def dec_f16(row, out, f16):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     for i in range(out.size):
-        out[i] = f16[_u(row, 2 * i) | (_u(row, 2 * i + 1) << 8) | ((z >> (i & 31)) & 1)]
+        out[i] = f16[u8_at(row, 2 * i) | (u8_at(row, 2 * i + 1) << 8) | ((z >> (i & 31)) & 1)]
 
 
 DECODERS = {
@@ -270,44 +271,44 @@ DECODERS = {
 
 
 # -- kernels over rows ----------------------------------------------------------------------------
-# They take the decoder as an integer (an index of DECODERS) rather than as a function, which
+# They take the decoder as an integer (a kinds.Dec) rather than as a function, which
 # numba cannot cache: compiled once per machine instead of once per process.  (Stale machine
 # code after an edit to a decoder is kernel_cache.py's concern: the cache folder is keyed by
 # every kernel source.)
 
-KIND = {t: i for i, t in enumerate(DECODERS)}
+assert set(DECODER) == set(DECODERS), "every decoder has its number in kinds.Dec"
 
 
 @njit(cache=True)
 def decode_row(kind, row, out, f16):
-    """``DECODERS[kind]`` applied to one row (the order of DECODERS, tested)."""
-    if kind == 0:
+    """The decoder of ``kind`` (a :class:`kinds.Dec`) applied to one row."""
+    if kind == Dec.Q4_0:
         dec_q4_0(row, out, f16)
-    elif kind == 1:
+    elif kind == Dec.Q4_1:
         dec_q4_1(row, out, f16)
-    elif kind == 2:
+    elif kind == Dec.Q5_0:
         dec_q5_0(row, out, f16)
-    elif kind == 3:
+    elif kind == Dec.Q5_1:
         dec_q5_1(row, out, f16)
-    elif kind == 4:
+    elif kind == Dec.Q8_0:
         dec_q8_0(row, out, f16)
-    elif kind == 5:
+    elif kind == Dec.Q8_1:
         dec_q8_1(row, out, f16)
-    elif kind == 6:
+    elif kind == Dec.IQ4_NL:
         dec_iq4_nl(row, out, f16)
-    elif kind == 7:
+    elif kind == Dec.Q2_K:
         dec_q2_k(row, out, f16)
-    elif kind == 8:
+    elif kind == Dec.Q3_K:
         dec_q3_k(row, out, f16)
-    elif kind == 9:
+    elif kind == Dec.Q4_K:
         dec_q4_k(row, out, f16)
-    elif kind == 10:
+    elif kind == Dec.Q5_K:
         dec_q5_k(row, out, f16)
-    elif kind == 11:
+    elif kind == Dec.Q6_K:
         dec_q6_k(row, out, f16)
-    elif kind == 12:
+    elif kind == Dec.F16:
         dec_f16(row, out, f16)
-    elif kind == 13:
+    elif kind == Dec.Q8_K:
         dec_q8_k(row, out, f16)
     else:
         dec_iq4_xs(row, out, f16)

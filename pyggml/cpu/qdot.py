@@ -19,7 +19,7 @@ Two ways through: blockdot.py reads the GGUF blocks in registers, one row and co
 (every single column - a decode step - and every batch of K-quants); batches of the 32-element
 types unpack each weight row into bytes once and use it for every column (``_chain32`` here).
 
-``EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
+``kinds.EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
 """
 from __future__ import annotations
@@ -27,28 +27,22 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..types import Type
 from .blockdot import FORMATS, column_format, row_pair_dots
-from .qdecode import _h, _qh32, _u, _zero
+from .kinds import Fmt
+from .qdecode import f16_at, opaque_zero, u32_at, u8_at
 from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
 
 f32 = np.float32
 
-# unpacker numbers (the order of the if-chain in ``unpack``; blockdot.FORMATS has them all)
-EXACT = {Type.Q4_0: 0, Type.Q4_1: 1, Type.Q5_0: 2, Type.Q5_1: 3, Type.Q8_0: 4,
-         Type.Q4_K: 5, Type.Q5_K: 6, Type.Q6_K: 7}
-# llama.cpp repacks Q4_K weights of a multiple of 8 rows (its CPU_REPACK buffer, q4_K_8x8 on
-# AVX2 machines) and multiplies them with other code: whole-block integer sums, no lanes
-Q4_K_X8 = 8
-LEGACY = 4  # unpacker numbers up to this one: the 32-element block types
 # from this many columns the legacy types' integers are unpacked once per row for all columns
 INT8_MIN_COLS = 4
-# weights with signed values (Q4_0: q - 8, Q5_0: q - 16, Q8_0) go through lane_dots_signed
+# weights with signed values (Q4_0: q - 8, Q5_0: q - 16, Q8_0) go through lane_dots_signed;
+# indexed by the 32-element formats (Fmt.Q4_0 .. Fmt.Q8_0)
 SIGNED = (True, False, True, False, True)
 WITH_MIN = (False, True, False, True, False)
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
-assert {*EXACT.values(), Q4_K_X8} <= set(FORMATS), "blockdot.py lacks a single-column format"
+assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
@@ -62,42 +56,42 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 def _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset):
     """Q4_0/Q4_1 (four bits in nibbles) and Q5_0/Q5_1 (a fifth from the 32-bit qh): q - offset;
     d (and m) per block.  Without a fifth bit the opaque zero is OR-ed in its place."""
-    z = _zero(f16)
+    z = opaque_zero(f16)
     one, zero = f16[15360], f16[0]
     qs = (4 if has_min else 2) + (4 if five else 0)
     shift = 4 if five else 0
     for b in range(wd.size):  # the row's blocks: wq may be longer (zero padding to 64)
         p, o = b * size, b * 32
-        wd[b] = _h(row, p, f16)
+        wd[b] = f16_at(row, p, f16)
         if has_min:
-            wm[b] = _h(row, p + 2, f16)
-        hi = _qh32(row, p + qs - 4) if five else z
+            wm[b] = f16_at(row, p + 2, f16)
+        hi = u32_at(row, p + qs - 4) if five else z
         for j in range(16):
-            q = _u(row, p + qs + j)
+            q = u8_at(row, p + qs + j)
             wq[o + j] = one * np.float32(((q & 15) | (((hi >> j) & 1) << shift)) - offset) + zero
             wq[o + 16 + j] = one * np.float32(((q >> 4) | (((hi >> (j + 16)) & 1) << shift)) - offset) + zero
 
 
 @_jit
 def _int_q8_0(row, wq, wd, f16):
-    z = _zero(f16)
+    z = opaque_zero(f16)
     one, zero = f16[15360], f16[0]
     for b in range(wd.size):
         p, o = b * 34, b * 32
-        wd[b] = _h(row, p, f16)
+        wd[b] = f16_at(row, p, f16)
         for j in range(32):
-            wq[o + j] = one * np.float32(np.int8(_u(row, p + 2 + j) | ((z >> j) & 1))) + zero
+            wq[o + j] = one * np.float32(np.int8(u8_at(row, p + 2 + j) | ((z >> j) & 1))) + zero
 
 
 @_jit
 def unpack(kind, row, wq, wd, wm, f16):
-    if kind == 0:
+    if kind == Fmt.Q4_0:
         _int_nibbles(row, wq, wd, wm, f16, 18, False, False, 8)
-    elif kind == 1:
+    elif kind == Fmt.Q4_1:
         _int_nibbles(row, wq, wd, wm, f16, 20, True, False, 0)
-    elif kind == 2:
+    elif kind == Fmt.Q5_0:
         _int_nibbles(row, wq, wd, wm, f16, 22, False, True, 16)
-    elif kind == 3:
+    elif kind == Fmt.Q5_1:
         _int_nibbles(row, wq, wd, wm, f16, 24, True, True, 0)
     else:
         _int_q8_0(row, wq, wd, f16)
@@ -162,7 +156,7 @@ def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def exact_matmul(kind, w, yq, yd, ys, out, f16):
+def exact_quant_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
     activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block).
 
@@ -183,7 +177,7 @@ def exact_matmul(kind, w, yq, yd, ys, out, f16):
     per = (m_rows + n_chunks - 1) // n_chunks
     per += per % 2  # whole pairs of rows: only the last chunk may end on an odd one
     n_chunks = (m_rows + per - 1) // per
-    if not batched or kind > LEGACY:  # straight from the GGUF blocks (blockdot.py)
+    if not batched or kind > Fmt.Q8_0:  # straight from the GGUF blocks (blockdot.py)
         for c in prange(n_chunks):
             _rows_from_blocks(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out)
         return

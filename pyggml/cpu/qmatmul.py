@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import Type
-from .activations import F32, VEC_DOT_KIND, activation_values, quantize
-from .qdecode import DECODERS, F16_TABLE, KIND, decode_rows, fused_matmul
-from .qdot import EXACT, Q4_K_X8, exact_matmul
+from .activations import activation_values, quantize
+from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
+from .qdecode import F16_TABLE, decode_rows, fused_matmul
+from .qdot import exact_quant_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -25,7 +26,7 @@ def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
     """Decode quantized rows (uint8 [M, row_bytes]) to float32 [M, k]."""
     out = np.empty((w.shape[0], k), dtype=np.float32)
     if w.shape[0]:
-        decode_rows(KIND[qtype], np.ascontiguousarray(w), out, F16_TABLE)
+        decode_rows(int(DECODER[qtype]), np.ascontiguousarray(w), out, F16_TABLE)
     return out
 
 
@@ -36,15 +37,15 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     if m_rows == 0 or n_cols == 0:
         return np.zeros((n_cols, m_rows), dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    kind = VEC_DOT_KIND.get(qtype, F32)
+    kind = int(VEC_DOT.get(qtype, Act.F32))
     out = np.empty((n_cols, m_rows), dtype=np.float32)
     if qtype in EXACT:
         yq, yd, ys = quantize(x, kind)
-        exact = Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
-        exact_matmul(exact, w, yq, yd, ys, out, F16_TABLE)
+        exact = Fmt.Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
+        exact_quant_matmul(int(exact), w, yq, yd, ys, out, F16_TABLE)
         return out
     x = activation_values(x, kind)
-    dec = KIND[qtype]
+    dec = int(DECODER[qtype])
     if n_cols <= FUSED_MAX_COLS:
         fused_matmul(dec, w, x, out, F16_TABLE)
         return out
@@ -60,4 +61,4 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
 
 
 def supports(qtype: Type) -> bool:
-    return qtype in DECODERS
+    return qtype in DECODER

@@ -38,7 +38,7 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
-def _loop_begin(builder, n, name: str):
+def loop_begin(builder, n, name: str):
     """Open ``for i in range(n)`` (skipped when n <= 0) as one basic block; returns (i, pre,
     loop, done) with the builder in the loop body.  More phis may follow i's at once."""
     i64 = ir.IntType(64)
@@ -52,8 +52,8 @@ def _loop_begin(builder, n, name: str):
     return i, pre, loop, done
 
 
-def _loop_end(builder, i, n, loop, done) -> None:
-    """Close the loop _loop_begin opened; the builder continues after it."""
+def loop_end(builder, i, n, loop, done) -> None:
+    """Close the loop loop_begin opened; the builder continues after it."""
     i_next = builder.add(i, ir.Constant(ir.IntType(64), 1))
     i.add_incoming(i_next, loop)
     builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
@@ -81,7 +81,7 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
     v8 = ir.VectorType(f32t, 8)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
     zero = ir.Constant(v8, [0.0] * 8)
-    b, pre, loop, done = _loop_begin(builder, nb, "lanes")
+    b, pre, loop, done = loop_begin(builder, nb, "lanes")
     accs = [builder.phi(v8) for _ in s_rows]  # phis first in the block
     for acc in accs:
         acc.add_incoming(zero, pre)
@@ -94,7 +94,7 @@ def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
         nexts.append(builder.call(fma, [splat, lanes, acc]))
     for acc, nacc in zip(accs, nexts):
         acc.add_incoming(nacc, loop)
-    _loop_end(builder, b, nb, loop, done)
+    loop_end(builder, b, nb, loop, done)
     results = [builder.phi(v8) for _ in nexts]
     for res, nacc in zip(results, nexts):
         res.add_incoming(zero, pre)
@@ -198,14 +198,14 @@ def _lane_dots(signed_weights: bool):
         c_ptr, y_ptr, o_ptr = (context.make_array(t)(context, builder, a).data
                                for t, a in zip(signature.args[:3], args[:3]))
         n = args[3]
-        g, _, loop, done = _loop_begin(builder, n, "dots")
+        g, _, loop, done = loop_begin(builder, n, "dots")
         at = builder.mul(g, ir.Constant(i64, 64))
         wb = builder.load(builder.bitcast(builder.gep(c_ptr, [at]), v64b.as_pointer()), align=1)
         yb = builder.load(builder.bitcast(builder.gep(y_ptr, [at]), v64b.as_pointer()), align=1)
         sums = dot4(builder, wb, yb, signed_weights, vnni)
         dst = builder.bitcast(builder.gep(o_ptr, [builder.mul(g, ir.Constant(i64, 16))]), v16f.as_pointer())
         builder.store(builder.sitofp(sums, v16f), dst, align=4)
-        _loop_end(builder, g, n, loop, done)
+        loop_end(builder, g, n, loop, done)
         return context.get_dummy_value()
     return intrinsic(typer)
 

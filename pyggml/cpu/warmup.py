@@ -10,21 +10,22 @@ import numpy as np
 
 from ..types import Type
 from . import nn
-from .activations import Q8_0, Q8_1, Q8_K, quantize
-from .qdecode import F16_TABLE, KIND, decode_rows, f16_values, fused_matmul
-from .qdot import EXACT, exact_matmul
+from .activations import quantize
+from .kinds import DECODER, EXACT, Act
+from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
+from .qdot import exact_quant_matmul
 
 
 def warm_up() -> None:
     f32 = np.float32
     x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
-    for kind in (Q8_0, Q8_1, Q8_K):
-        quantize(x, kind)
+    for kind in (Act.Q8_0, Act.Q8_1, Act.Q8_K):
+        quantize(x, int(kind))
     w = np.zeros((2, Type.Q4_K.row_size(256)), dtype=np.uint8)
-    yq, yd, ys = quantize(x, Q8_K)
-    exact_matmul(EXACT[Type.Q4_K], w, yq, yd, ys, np.empty((2, 2), dtype=f32), F16_TABLE)
-    decode_rows(KIND[Type.Q4_K], w, np.empty((2, 256), dtype=f32), F16_TABLE)
-    fused_matmul(KIND[Type.Q4_K], w, x, np.empty((2, 2), dtype=f32), F16_TABLE)
+    yq, yd, ys = quantize(x, int(Act.Q8_K))
+    exact_quant_matmul(int(EXACT[Type.Q4_K]), w, yq, yd, ys, np.empty((2, 2), dtype=f32), F16_TABLE)
+    decode_rows(int(DECODER[Type.Q4_K]), w, np.empty((2, 256), dtype=f32), F16_TABLE)
+    fused_matmul(int(DECODER[Type.Q4_K]), w, x, np.empty((2, 2), dtype=f32), F16_TABLE)
     f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
     out = np.empty_like(x)
     nn.softmax_rows(x.copy())

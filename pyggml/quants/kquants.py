@@ -12,7 +12,7 @@ import numpy as np
 from ..types import QK_K, Type
 from .layouts import (KVALUES_IQ4NL, empty_blocks, k4_pack_scales_mins, k4_scales_mins, low_high_nibbles,
                       pack_nibbles, q3k_scales)
-from .legacy import _inverse
+from .legacy import inverse
 
 f32 = np.float32
 
@@ -103,7 +103,7 @@ def quant_q8_k(x: np.ndarray) -> np.ndarray:
     b = empty_blocks(len(x), Type.Q8_K)
     b["qs"] = q
     b["bsums"] = q.reshape(-1, 16, 16).astype(np.int16).sum(axis=-1, dtype=np.int16)
-    b["d"] = np.where(amax[:, 0] == 0, f32(0), _inverse(iscale[:, 0]))
+    b["d"] = np.where(amax[:, 0] == 0, f32(0), inverse(iscale[:, 0]))
     return b
 
 

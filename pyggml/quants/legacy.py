@@ -57,7 +57,7 @@ def dequant_iq4_nl(b: np.ndarray) -> np.ndarray:
 
 # -- quantize (ggml's reference quantizers, bit for bit) ----------------------------------
 
-def _inverse(d: np.ndarray) -> np.ndarray:
+def inverse(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, f32(0), f32(1) / d).astype(f32)
 
@@ -78,7 +78,7 @@ def _scale_offset_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndar
     """Q4_1/Q5_1: q = trunc((x - min) / d + 0.5) with d = (max - min) / (levels - 1)."""
     mn = x.min(axis=-1, keepdims=True)
     d = (x.max(axis=-1, keepdims=True) - mn) / f32(levels - 1)
-    q = np.trunc((x - mn) * _inverse(d) + f32(0.5)).astype(np.uint8).clip(0, levels - 1)
+    q = np.trunc((x - mn) * inverse(d) + f32(0.5)).astype(np.uint8).clip(0, levels - 1)
     return d, mn, q
 
 
@@ -86,7 +86,7 @@ def _symmetric_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray
     """Q4_0/Q5_0: d = absmax / -(levels/2), q = trunc(x / d + levels/2 + 0.5)."""
     half = levels // 2
     d = _signed_absmax(x) / f32(-half)
-    q = np.trunc(x * _inverse(d) + f32(half + 0.5)).astype(np.uint8).clip(0, levels - 1)
+    q = np.trunc(x * inverse(d) + f32(half + 0.5)).astype(np.uint8).clip(0, levels - 1)
     return d, q
 
 
@@ -130,7 +130,7 @@ def quant_q5_1(x: np.ndarray) -> np.ndarray:
 
 def _q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = np.abs(x).max(axis=-1, keepdims=True) / f32(127)
-    return d, round_half_away(x * _inverse(d)).astype(np.int8)
+    return d, round_half_away(x * inverse(d)).astype(np.int8)
 
 
 def quant_q8_0(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,78 @@
+"""The numberings the CPU kernels dispatch on, one ``IntEnum`` each.
+
+A compiled kernel cannot take a Python function or a type object as its argument and be
+cached, so the products and decoders are chosen by a small integer; numba reads the members
+of these enums as constants, so ``kind == Fmt.Q4_K_X8`` costs what ``kind == 8`` did, and a
+number means one thing wherever it appears.
+
+- :class:`Act`: the form an activation row takes for a weight type's product (ggml's
+  ``vec_dot_type``), activations.py.
+- :class:`Dec`: the row decoders of qdecode.py (decode-then-dot products, GET_ROWS).
+- :class:`Fmt`: the block formats that blockdot.py and qdot.py multiply straight from the GGUF
+  blocks, with the variants llama.cpp's batched kernels compute.
+"""
+from __future__ import annotations
+
+import enum
+
+from ..types import Type
+
+
+class Act(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+    Q8_0 = 2
+    Q8_1 = 3
+    Q8_K = 4
+
+
+class Dec(enum.IntEnum):
+    Q4_0 = 0
+    Q4_1 = 1
+    Q5_0 = 2
+    Q5_1 = 3
+    Q8_0 = 4
+    Q8_1 = 5
+    IQ4_NL = 6
+    Q2_K = 7
+    Q3_K = 8
+    Q4_K = 9
+    Q5_K = 10
+    Q6_K = 11
+    F16 = 12
+    Q8_K = 13
+    IQ4_XS = 14
+
+
+class Fmt(enum.IntEnum):
+    Q4_0 = 0      # the 32-element block types: Q4_0 .. Q8_0
+    Q4_1 = 1
+    Q5_0 = 2
+    Q5_1 = 3
+    Q8_0 = 4
+    Q4_K = 5
+    Q5_K = 6
+    Q6_K = 7
+    # llama.cpp repacks Q4_K weights of a multiple of 8 rows (its CPU_REPACK buffer, q4_K_8x8 on
+    # AVX2 machines) and multiplies them with other code: whole-block integer sums, no lanes
+    Q4_K_X8 = 8
+    Q4_K_X8_GEMM = 9   # repacked Q4_K, columns in whole fours (its gemm)
+    Q6_K_TILED = 10    # the tiled K-quant matmul llama.cpp takes from 8 columns
+    Q4_K_TILED = 11
+    Q5_K_TILED = 12
+
+
+VEC_DOT = {
+    Type.Q4_0: Act.Q8_0, Type.Q5_0: Act.Q8_0, Type.Q8_0: Act.Q8_0, Type.IQ4_NL: Act.Q8_0,
+    Type.Q4_1: Act.Q8_1, Type.Q5_1: Act.Q8_1,
+    Type.Q2_K: Act.Q8_K, Type.Q3_K: Act.Q8_K, Type.Q4_K: Act.Q8_K, Type.Q5_K: Act.Q8_K, Type.Q6_K: Act.Q8_K,
+    Type.IQ4_XS: Act.Q8_K,
+    Type.F16: Act.F16,
+}
+"""The activations' form for each weight type's product (the others: F32)."""
+
+DECODER = {Type[d.name]: d for d in Dec}
+"""The row decoder of each weight type that has one."""
+
+EXACT = {Type[f.name]: f for f in Fmt if f <= Fmt.Q6_K}
+"""The weight types multiplied with ggml's exact arithmetic from their blocks."""
