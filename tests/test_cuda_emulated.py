@@ -22,10 +22,10 @@ FAKE_CUPY = ROOT / "tests" / "cuda" / "fake"
 pytestmark = pytest.mark.skipif(not emulator.available, reason="no C++ compiler (g++ or clang++) for the emulator")
 
 
-def run_gpu_tests(select: str) -> str:
+def run_gpu_tests(select: str, path: str = "tests/test_cuda.py") -> str:
     env = {k: v for k, v in os.environ.items() if k != "PYGGML_NO_CUDA"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_CUPY), str(ROOT), env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/test_cuda.py",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", path,
                         "-k", select], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000, check=False)
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
@@ -39,3 +39,7 @@ def test_ops_and_weight_types_on_the_emulated_gpu():
 
 def test_real_models_on_the_emulated_gpu(smollm2_path, gemma3_path):  # (fetched here, once)
     print(run_gpu_tests("real_model"))
+
+
+def test_the_backend_ops_table_on_the_emulated_gpu():
+    print(run_gpu_tests("CUDA", "tests/test_backend_ops.py"))

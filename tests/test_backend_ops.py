@@ -1,0 +1,380 @@
+"""One table of op cases, run on every device present, against float64 numpy references
+(ggml's test-backend-ops): ``-k "ROPE and RPC"`` picks cases by op and device.
+
+Each case builds one op from inputs of its own (types, shapes, non-contiguous views,
+parameters).  On a device, the op's first input (a copy's destination) is placed on that device and the
+others on the CPU, so the scheduler runs the op there and copies the rest in; the result is compared by
+normalized mean squared error with the case's tolerance (ggml's: 1e-7 for float ops, 5e-4
+where 8-bit activations or F16 probabilities are part of the op's definition; 0 for exact ops).
+
+Devices: the CPU; a second CPU device (the scheduler's copies between devices); a loopback
+``pyggml-rpc-server``; CUDA when CuPy finds a GPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import Type, ops
+from pyggml.cpu import CPUDevice
+from pyggml.opdefs import GluOp, RopeMode, UnaryOp
+
+from .rpc_helpers import ServerProcess
+from .test_quants import random_blocks
+
+f64 = np.float64
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable  # rng -> (output tensor, [(input tensor, values)])
+    reference: Callable  # input values (float64, numpy order) -> expected output
+    nmse: float = 1e-7
+    on_device: int = 0   # the input placed on the device under test (a copy's is its destination)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def leaf(type: Type, *ne: int, name: str = "x") -> pg.Tensor:
+    return pg.new_tensor(type, ne, name)
+
+
+def normal(rng, t: pg.Tensor, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(t.ne[::-1]) * scale).astype(np.float32)
+
+
+# -- references ------------------------------------------------------------------------------------
+
+def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+UNARY = {UnaryOp.ABS: np.abs, UnaryOp.NEG: np.negative, UnaryOp.TANH: np.tanh, UnaryOp.RELU: lambda x: np.maximum(x, 0),
+         UnaryOp.SIGMOID: lambda x: 1 / (1 + np.exp(-x)), UnaryOp.GELU: gelu, UnaryOp.SILU: silu, UnaryOp.EXP: np.exp,
+         UnaryOp.GELU_QUICK: lambda x: x / (1 + np.exp(-1.702 * x)), UnaryOp.SGN: np.sign,
+         UnaryOp.STEP: lambda x: (x > 0).astype(f64), UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(x)),
+         UnaryOp.HARDSIGMOID: lambda x: np.clip((x + 3) / 6, 0, 1),
+         UnaryOp.HARDSWISH: lambda x: x * np.clip((x + 3) / 6, 0, 1)}
+GLU = {GluOp.REGLU: lambda x: np.maximum(x, 0), GluOp.GEGLU: gelu, GluOp.SWIGLU: silu}
+# GELU comes from ggml's table of halves: two F16 roundings away from the function
+UNARY_NMSE = {UnaryOp.GELU: 1e-6}
+
+
+def rope_ref(x, pos, n_dims, neox, base=10000.0):
+    """x [1, n_tokens, n_head, head_dim] (numpy order of ne [head_dim, n_head, n_tokens])."""
+    x, pos = x[0], pos.reshape(-1)
+    out = x.copy()
+    half = n_dims // 2
+    theta = pos[:, None] * base ** (-2 * np.arange(half) / n_dims)  # [tokens, half]
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + half if neox else i0 + 1
+    x0, x1 = x[..., i0], x[..., i1]
+    out[..., i0], out[..., i1] = x0 * c - x1 * s, x0 * s + x1 * c
+    return out[None]
+
+
+def attention_ref(q, k, v, mask, scale, softcap=0.0):
+    """q [1, heads, tokens, d], k/v [1, kv_heads, cells, d] -> [1, tokens, heads, dv]."""
+    q16 = q[0].astype(np.float16).astype(f64)
+    group = q.shape[1] // k.shape[1]
+    out = np.empty((q.shape[2], q.shape[1], v.shape[3]))
+    for h in range(q.shape[1]):
+        s = q16[h] @ k[0, h // group].T * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        s = s + mask
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[0, h // group]
+    return out[None]
+
+
+def quantized(type: Type):
+    """A weight builder: normal values quantized to ``type`` (random blocks for a type we cannot
+    quantize to), and their float values."""
+    def make(rng, k: int, m: int):
+        w = leaf(type, k, m, name=f"w_{type.name}")
+        try:
+            raw = pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), type)
+        except NotImplementedError:
+            raw = random_blocks(type, n_rows=m, blocks_per_row=k // type.block_size, seed=int(rng.integers(1 << 30)))
+        return w, raw, pg.quants.dequantize(np.asarray(raw).view(np.uint8).reshape(m, -1), type).astype(f64)
+    return make
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+def _binary_cases():
+    fns = {"ADD": (ops.add, np.add), "SUB": (ops.sub, np.subtract), "MUL": (ops.mul, np.multiply),
+           "DIV": (ops.div, np.divide)}
+    for name, (op, ref) in fns.items():
+        for a_ne, b_ne in (((32, 4, 3), (32, 1, 3)), ((16, 6), (16, 6)), ((8, 4, 2, 2), (8, 1, 1, 1))):
+            def build(rng, op=op, a_ne=a_ne, b_ne=b_ne):
+                a, b = leaf(Type.F32, *a_ne), leaf(Type.F32, *b_ne, name="b")
+                bv = normal(rng, b) + (4 if op is ops.div else 0)
+                return op(a, b), [(a, normal(rng, a)), (b, bv)]
+            yield Case(f"{name}-{a_ne}-{b_ne}", build, lambda a, b, ref=ref: ref(a, b))
+    def permuted(rng):
+        a, b = leaf(Type.F32, 8, 6, 4), leaf(Type.F32, 6, 8, 4, name="b")
+        return ops.add(a, ops.permute(b, 1, 0, 2, 3)), [(a, normal(rng, a)), (b, normal(rng, b))]
+    yield Case("ADD-permuted-view", permuted, lambda a, b: a + b.swapaxes(-1, -2))
+
+
+def _cases():
+    yield from _binary_cases()
+
+    def scale(rng):
+        a = leaf(Type.F32, 32, 5)
+        return ops.scale(a, 0.75, -1.5), [(a, normal(rng, a))]
+    yield Case("SCALE", scale, lambda a: a * 0.75 - 1.5)
+
+    for u, ref in UNARY.items():
+        def build(rng, u=u):
+            a = leaf(Type.F32, 48, 3)
+            return ops.unary(a, u), [(a, normal(rng, a, 3))]
+        yield Case(f"UNARY-{u.name}", build, ref, UNARY_NMSE.get(u, 1e-7))
+
+    for g, act in GLU.items():
+        for fused in (False, True):
+            for swapped in (False, True):
+                def build(rng, g=g, fused=fused, swapped=swapped):
+                    if fused:
+                        a = leaf(Type.F32, 64, 3)
+                        return ops.glu(a, None, g, swapped), [(a, normal(rng, a))]
+                    a, b = leaf(Type.F32, 32, 3), leaf(Type.F32, 32, 3, name="b")
+                    return ops.glu(a, b, g, swapped), [(a, normal(rng, a)), (b, normal(rng, b))]
+
+                def ref(a, b=None, act=act, swapped=swapped):
+                    if b is None:
+                        a, b = a[..., :a.shape[-1] // 2], a[..., a.shape[-1] // 2:]
+                    if swapped:
+                        a, b = b, a
+                    return act(a) * b
+                yield Case(f"GLU-{g.name}-{'fused' if fused else 'split'}{'-swapped' if swapped else ''}", build, ref,
+                           1e-6 if g == GluOp.GEGLU else 1e-7)
+
+    for name, op in (("RMS_NORM", ops.rms_norm), ("NORM", ops.norm)):
+        def build(rng, op=op):
+            a = leaf(Type.F32, 64, 5, 2)
+            return op(a, 1e-5), [(a, normal(rng, a, 2) + 1)]
+        if name == "RMS_NORM":
+            yield Case(name, build, lambda a: a / np.sqrt((a ** 2).mean(-1, keepdims=True) + 1e-5))
+        else:
+            yield Case(name, build, lambda a: (a - a.mean(-1, keepdims=True))
+                       / np.sqrt(a.var(-1, keepdims=True) + 1e-5))
+
+    for mask_type in (None, Type.F32, Type.F16):
+        def build(rng, mask_type=mask_type):
+            a = leaf(Type.F32, 32, 4, 3)
+            inputs = [(a, normal(rng, a, 2))]
+            mask = None
+            if mask_type is not None:
+                mask = leaf(mask_type, 32, 4, name="mask")
+                mv = np.where(np.arange(32)[None, :] <= 20 + np.arange(4)[:, None], 0, -np.inf)
+                inputs.append((mask, mv.astype(mask_type.np_dtype)))
+            return ops.soft_max_ext(a, mask, 0.5), inputs
+
+        def ref(a, mask=None):
+            s = a * 0.5 + (mask if mask is not None else 0)
+            e = np.exp(s - s.max(-1, keepdims=True))
+            return e / e.sum(-1, keepdims=True)
+        yield Case(f"SOFT_MAX-mask-{mask_type.name if mask_type else 'none'}", build, ref)
+
+    for mode in (RopeMode.NORMAL, RopeMode.NEOX):
+        for n_dims in (32, 16):
+            def build(rng, mode=mode, n_dims=n_dims):
+                x, pos = leaf(Type.F32, 32, 4, 5), leaf(Type.I32, 5, name="pos")
+                return (ops.rope_ext(x, pos, None, n_dims, mode),
+                        [(x, normal(rng, x)), (pos, np.array([0, 3, 7, 100, 4095], np.int32))])
+            yield Case(f"ROPE-{mode.name}-dims{n_dims}", build,
+                       lambda x, pos, n_dims=n_dims, mode=mode: rope_ref(x, pos, n_dims, mode == RopeMode.NEOX), 1e-6)
+
+    for wtype in (Type.F32, Type.F16, Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q8_0, Type.Q4_K, Type.Q5_K, Type.Q6_K):
+        for n in (1, 5, 12):
+            def build(rng, wtype=wtype, n=n):
+                k = 256
+                if wtype.is_quantized:
+                    w, raw, _ = quantized(wtype)(rng, k, 24)
+                else:
+                    w, raw = leaf(wtype, k, 24, name="w"), normal(rng, leaf(Type.F32, k, 24)).astype(wtype.np_dtype)
+                x = leaf(Type.F32, k, n)
+                return ops.mul_mat(w, x), [(w, raw), (x, normal(rng, x))]
+
+            def ref(w, x, wtype=wtype):
+                if wtype.is_quantized:
+                    w = pg.quants.dequantize(np.asarray(w, np.uint8).reshape(24, -1), wtype).astype(f64)
+                else:
+                    w = w.reshape(24, 256)
+                return (x.reshape(-1, 256) @ w.T).reshape(1, 1, -1, 24)
+            yield Case(f"MUL_MAT-{wtype.name}-n{n}", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
+
+    def batched(rng):
+        a, b = leaf(Type.F32, 32, 6, 2), leaf(Type.F32, 32, 3, 4, name="b")
+        return ops.mul_mat(a, b), [(a, normal(rng, a)), (b, normal(rng, b))]
+    yield Case("MUL_MAT-broadcast", batched, lambda a, b: b @ np.repeat(a, 2, axis=1).swapaxes(-1, -2))
+
+    def transposed_b(rng):
+        a, b = leaf(Type.F32, 16, 8), leaf(Type.F32, 5, 16, name="b")
+        return ops.mul_mat(a, ops.cont(ops.transpose(b))), [(a, normal(rng, a)), (b, normal(rng, b))]
+    yield Case("MUL_MAT-transposed-b", transposed_b, lambda a, b: b.swapaxes(-1, -2) @ a.swapaxes(-1, -2))
+
+    for ttype in (Type.F32, Type.F16, Type.Q4_0, Type.Q8_0):
+        def build(rng, ttype=ttype):
+            if ttype.is_quantized:
+                t, raw, _ = quantized(ttype)(rng, 64, 10)
+            else:
+                t, raw = leaf(ttype, 64, 10, name="table"), normal(rng, leaf(Type.F32, 64, 10)).astype(ttype.np_dtype)
+            idx = leaf(Type.I32, 4, name="idx")
+            return ops.get_rows(t, idx), [(t, raw), (idx, np.array([9, 0, 3, 3], np.int32))]
+
+        def ref(t, idx, ttype=ttype):
+            if ttype.is_quantized:
+                t = pg.quants.dequantize(np.asarray(t, np.uint8).reshape(10, -1), ttype).astype(f64)
+            return t.reshape(10, 64)[idx.reshape(-1).astype(int)]
+        yield Case(f"GET_ROWS-{ttype.name}", build, ref, 0.0 if ttype == Type.F32 else 1e-7)
+
+    for dtype in (Type.F32, Type.F16):
+        def build(rng, dtype=dtype):
+            dst, src, idx = leaf(dtype, 16, 8, name="dst"), leaf(Type.F32, 16, 3), leaf(Type.I32, 3, name="idx")
+            base = np.zeros(dst.ne[::-1], dtype.np_dtype)
+            return (ops.set_rows(dst, src, idx),
+                    [(dst, base), (src, normal(rng, src)), (idx, np.array([6, 1, 2], np.int32))])
+
+        def ref(dst, src, idx, dtype=dtype):
+            out = dst.copy()
+            out[0, 0, idx.reshape(-1).astype(int)] = src[0, 0].astype(dtype.np_dtype).astype(f64)
+            return out
+        yield Case(f"SET_ROWS-{dtype.name}", build, ref, 0.0)
+
+    for src_t, dst_t in ((Type.F32, Type.F16), (Type.F16, Type.F32), (Type.F32, Type.F32)):
+        def build(rng, src_t=src_t, dst_t=dst_t):
+            a, b = leaf(src_t, 24, 5), leaf(dst_t, 24, 5, name="dst")
+            return ops.cpy(a, b), [(a, normal(rng, leaf(Type.F32, 24, 5)).astype(src_t.np_dtype)),
+                                   (b, np.zeros((5, 24), dst_t.np_dtype))]
+        yield Case(f"CPY-{src_t.name}-{dst_t.name}", build,
+                   lambda a, b, dst_t=dst_t: a.astype(dst_t.np_dtype).astype(f64), 0.0, on_device=1)
+
+    def cont(rng):
+        a = leaf(Type.F32, 8, 6, 3)
+        return ops.cont(ops.permute(a, 2, 0, 1, 3)), [(a, normal(rng, a))]
+    yield Case("CONT-permuted", cont, lambda a: a.transpose(0, 3, 1, 2), 0.0)
+
+    for dim in (0, 1, 2):
+        def build(rng, dim=dim):
+            ne_b = [8, 4, 2]
+            ne_b[dim] = 3
+            a, b = leaf(Type.F32, 8, 4, 2), leaf(Type.F32, *ne_b, name="b")
+            return ops.concat(a, b, dim), [(a, normal(rng, a)), (b, normal(rng, b))]
+        yield Case(f"CONCAT-dim{dim}", build, lambda a, b, dim=dim: np.concatenate([a, b], axis=a.ndim - 1 - dim), 0.0)
+
+    def argmax(rng):
+        a = leaf(Type.F32, 100, 6)
+        return ops.argmax(a), [(a, normal(rng, a))]
+    yield Case("ARGMAX", argmax, lambda a: a.argmax(-1).astype(f64), 0.0)
+
+    for d, softcap, with_mask, n_tok in ((64, 0.0, True, 1), (64, 0.0, True, 4), (40, 0.0, True, 3),
+                                         (128, 30.0, False, 2)):
+        def build(rng, d=d, softcap=softcap, with_mask=with_mask, n_tok=n_tok):
+            q, k, v = leaf(Type.F32, d, n_tok, 4, name="q"), leaf(Type.F16, d, 64, 2, name="k"), \
+                leaf(Type.F16, d, 64, 2, name="v")
+            inputs = [(q, normal(rng, q)), (k, normal(rng, k).astype(np.float16)), (v, normal(rng, v).astype(np.float16))]
+            mask = None
+            if with_mask:
+                mask = leaf(Type.F16, 64, n_tok, name="mask")
+                mv = np.where(np.arange(64)[None, :] <= 40 + np.arange(n_tok)[:, None], 0, -np.inf)
+                inputs.append((mask, mv.astype(np.float16)))
+            return ops.flash_attn_ext(q, k, v, mask, d ** -0.5, logit_softcap=softcap), inputs
+
+        def ref(q, k, v, mask=None, d=d, softcap=softcap):
+            m = mask.reshape(mask.shape[-2:]) if mask is not None else 0.0
+            return attention_ref(q, k, v, m, d ** -0.5, softcap)
+        yield Case(f"FLASH_ATTN_EXT-d{d}-t{n_tok}{'-softcap' if softcap else ''}{'' if with_mask else '-nomask'}",
+                   build, ref, 5e-4)
+
+
+CASES = list(_cases())
+
+
+# -- devices ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    server = ServerProcess("--mem", "256")
+    yield server
+    server.stop()
+
+
+def _cuda_device():
+    try:
+        return next(d for d in pg.devices() if d.get_type() == pg.DeviceType.GPU)
+    except StopIteration:
+        return None
+
+
+DEVICES = ["CPU", "CPU_B", "RPC", "CUDA"]
+_open: dict = {}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """(device the op's first input lives on, backends for the scheduler)."""
+    cpu = pg.cpu_device()
+    name = request.param
+    if name == "CPU":
+        return cpu, [cpu.init_backend()]
+    if name == "CPU_B":
+        dev = _open.setdefault("CPU_B", CPUDevice("CPU_B"))
+        return dev, [dev.init_backend(), cpu.init_backend()]
+    if name == "RPC":
+        from pyggml.rpc import connect
+        server = request.getfixturevalue("rpc_server")
+        if "RPC" not in _open or _open["RPC"][0] is not server:
+            _open["RPC"] = (server, connect(server.endpoint)[0])
+        dev = _open["RPC"][1]
+        return dev, [dev.init_backend(), cpu.init_backend()]
+    dev = _cuda_device()
+    if dev is None:
+        pytest.skip("no CUDA device here (CuPy or a GPU missing); tests/test_cuda.py runs on the emulator")
+    return dev, [dev.init_backend(), cpu.init_backend()]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_op(case: Case, device):
+    dev, backends = device
+    rng = np.random.default_rng(abs(hash(case.name)) % 2**32)
+    out, inputs = case.build(rng)
+    first = inputs[case.on_device][0]
+    rest = [t for t, _ in inputs if t is not first]
+    buffers = [pg.alloc_tensors([first], dev.get_buffer_type())]
+    if rest:
+        buffers.append(pg.alloc_tensors(rest, pg.cpu_device().get_buffer_type()))
+    for t, v in inputs:
+        pg.tensor_set(t, np.ascontiguousarray(v))
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler(backends)
+    sched.alloc_graph(graph)
+    # where the device lacks the op (CUDA's unary ops, say) the scheduler runs it on the CPU, and
+    # the result must still be right
+    runs_on = backends[0] if backends[0].get_device().supports_op(out) else backends[-1]
+    assert sched.get_tensor_backend(out) is runs_on, f"the op ran on {sched.get_tensor_backend(out)}"
+    sched.graph_compute(graph)
+    got = pg.tensor_array(out).astype(f64)
+    values = [np.asarray(v, dtype=f64) if np.asarray(v).dtype != np.uint8 else v for _, v in inputs]
+    want = np.asarray(case.reference(*values), dtype=f64).reshape(got.shape)
+    for b in buffers:
+        b.free()
+    if case.nmse == 0.0:
+        assert np.array_equal(got, want, equal_nan=True), f"{case.name}: not exact"
+        return
+    err = float(((got - want) ** 2).sum() / max((want ** 2).sum(), 1e-30))
+    assert err < case.nmse, f"{case.name}: nmse {err:.3g} > {case.nmse:g}"
