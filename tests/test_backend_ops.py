@@ -12,6 +12,7 @@ Devices: the CPU; a second CPU device (the scheduler's copies between devices); 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,7 +65,8 @@ UNARY = {UnaryOp.ABS: np.abs, UnaryOp.NEG: np.negative, UnaryOp.TANH: np.tanh, U
          UnaryOp.GELU_QUICK: lambda x: x / (1 + np.exp(-1.702 * x)), UnaryOp.SGN: np.sign,
          UnaryOp.STEP: lambda x: (x > 0).astype(f64), UnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(x)),
          UnaryOp.HARDSIGMOID: lambda x: np.clip((x + 3) / 6, 0, 1),
-         UnaryOp.HARDSWISH: lambda x: x * np.clip((x + 3) / 6, 0, 1)}
+         UnaryOp.HARDSWISH: lambda x: x * np.clip((x + 3) / 6, 0, 1),
+         UnaryOp.GELU_ERF: lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))}
 GLU = {GluOp.REGLU: lambda x: np.maximum(x, 0), GluOp.GEGLU: gelu, GluOp.SWIGLU: silu}
 # GELU comes from ggml's table of halves: two F16 roundings away from the function
 UNARY_NMSE = {UnaryOp.GELU: 1e-6}
