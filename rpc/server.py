@@ -7,7 +7,7 @@ socket's monitor for disconnects and frees that client's buffers - so a client k
 mid-command leaves nothing behind.  Every request is checked (see :mod:`.validate`)
 before memory is touched; a bad one gets an error reply and the server carries on.
 
-Routing ids are the server's alone.  libzmq lets a connecting peer choose its own id and
+Routing ids.  libzmq lets a connecting peer choose its own id and
 numbers the others itself, from a counter that starts at C's ``rand()``; it aborts the whole
 process when a number it hands out is one a peer already chose.  libzmq never seeds
 ``rand()``, so the numbers were the same in every server, and a client that chose the next one
@@ -15,7 +15,9 @@ could take the server down with the next honest client's connection.  The server
 ``rand()`` from the operating system's secrets before it makes its socket, so the numbers are a
 secret 32-bit sequence; knowing where it starts and counting handshakes, it refuses a session
 to any peer whose id is not one libzmq has handed out (a client-chosen id), and a request that
-comes in on another connection than its session's HELLO.
+comes in on another connection than its session's HELLO.  This makes the abort a guess, not
+impossible: a client holding many chosen ids while it sweeps the counter with connections of
+its own can still hit one.  Only a transport whose ids peers cannot choose ends it.
 
 What one session may hold is bounded (:class:`Limits`): buffers, graph slots, unread replies
 (a client that stops reading loses its session instead of stalling the server), frames and
