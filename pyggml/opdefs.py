@@ -135,16 +135,19 @@ class OpParams:
 
     @classmethod
     def unpack(cls, op_params: np.ndarray):
-        """The record stored in int32 slots (an enum field of an unknown value: ValueError)."""
-        floats = op_params.view(np.float32)
-        values = []
-        for f, (slot, kind) in zip(dataclasses.fields(cls), cls.SLOTS):
-            if kind == "f":
-                values.append(float(floats[slot]))
-            else:
-                raw = int(op_params[slot])
-                values.append(_FIELD_TYPES[f.type](raw) if f.type in _FIELD_TYPES else raw)
-        return cls(*values)
+        """The record stored in int32 slots (an enum field of an unknown value: ValueError).
+        Kernels call this for every op they run, and a model has a handful of distinct
+        parameter sets: records are kept by their slots' bytes."""
+        key = (cls, op_params.tobytes())
+        record = _RECORDS.get(key)
+        if record is None:
+            ints, floats = op_params.tolist(), op_params.view(np.float32).tolist()
+            values = [floats[slot] if kind == "f" else _FIELD_TYPES.get(f.type, int)(ints[slot])
+                      for f, (slot, kind) in zip(dataclasses.fields(cls), cls.SLOTS)]
+            if len(_RECORDS) >= 4096:  # bounded, whatever graphs come (an RPC server's clients')
+                _RECORDS.clear()
+            record = _RECORDS[key] = cls(*values)
+        return record
 
     @classmethod
     def of(cls, node):
@@ -157,6 +160,7 @@ class OpParams:
 
 # field annotations (strings, with postponed evaluation) that unpack turns into enums
 _FIELD_TYPES = {"UnaryOp": UnaryOp, "GluOp": GluOp, "bool": bool}
+_RECORDS: dict[tuple, OpParams] = {}  # (record class, slot bytes) -> record (frozen: safe to share)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ def _gelu_erf(x: np.ndarray) -> np.ndarray:
     return (f32(0.5) * x * (f32(1) + np.vectorize(erf, otypes=[np.float64])(x / math.sqrt(2)))).astype(f32)
 
 
+def _hardsigmoid(x: np.ndarray) -> np.ndarray:
+    return np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6)))
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
 
@@ -107,8 +111,8 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.SGN: np.sign,
     UnaryOp.STEP: lambda x: (x > f32(0)).astype(f32),
     UnaryOp.ELU: lambda x: np.where(x > f32(0), x, np.expm1(x)),
-    UnaryOp.HARDSIGMOID: lambda x: np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6))),
-    UnaryOp.HARDSWISH: lambda x: x * np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6))),
+    UnaryOp.HARDSIGMOID: lambda x: _hardsigmoid(x),
+    UnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
 }
 
 GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
