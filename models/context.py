@@ -4,6 +4,11 @@ A graph is built per (batch size, cells read, rows of logits) and kept: while th
 not change - every generated token for KV_PAD positions at a time - decoding only writes
 the new inputs (token, position, cache cell, mask) and computes the same graph again,
 so the scheduler's split and allocation are reused as well.
+
+``decode`` appends to one sequence (sequence 0, whose tokens the context remembers for
+prefix reuse); ``decode_batch`` takes tokens of several sequences at once (llama_batch:
+token, position, sequence, and whether its logits are wanted), which is how a server
+decodes every running sequence's next token in one step.
 """
 from __future__ import annotations
 
@@ -26,6 +31,33 @@ MAX_CACHED_GRAPHS = 4
 
 class ContextFullError(ValueError):
     pass
+
+
+@dataclass
+class Batch:
+    """Tokens to decode together (llama_batch): per token its id, position, sequence and
+    whether its logits are wanted."""
+    tokens: np.ndarray   # int32 [n]
+    pos: np.ndarray      # int32 [n]
+    seq: np.ndarray      # int32 [n]
+    output: np.ndarray   # bool [n]
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], pos0: int, seq: int = 0, output: str = "last") -> Batch:
+        """One sequence's tokens from position ``pos0``; logits of the ``last`` or ``all``."""
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        out = np.zeros(ids.size, dtype=bool)
+        if output == "all":
+            out[:] = True
+        elif ids.size:
+            out[-1] = True
+        return cls(ids, np.arange(pos0, pos0 + ids.size, dtype=np.int32), np.full(ids.size, seq, np.int32), out)
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch(self.tokens[start:stop], self.pos[start:stop], self.seq[start:stop], self.output[start:stop])
 
 
 @dataclass
@@ -60,7 +92,8 @@ class Context:
 
     @property
     def n_past(self) -> int:
-        return self.kv.n_past
+        """Tokens cached for sequence 0 (the one ``decode`` appends to)."""
+        return len(self.tokens)
 
     def clear(self) -> None:
         self.truncate(0)
@@ -71,10 +104,10 @@ class Context:
         self._graphs.clear()
 
     def truncate(self, n: int) -> None:
-        """Forget every cached token after the first ``n``."""
+        """Forget every token of sequence 0 cached after the first ``n``."""
         n = max(0, min(n, len(self.tokens)))
         self.tokens = self.tokens[:n]
-        self.kv.n_past = n
+        self.kv.seq_rm(0, n)
 
     # -- graphs -------------------------------------------------------------------------------------
     def _graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> GraphBuilder:
@@ -91,48 +124,62 @@ class Context:
             self._graphs.popitem(last=False)
         return b
 
-    def _set_inputs(self, b: GraphBuilder, tokens: np.ndarray, n_outputs: int) -> None:
-        n, n_past, n_kv = len(tokens), self.kv.n_past, b.n_kv
-        pos = np.arange(n_past, n_past + n, dtype=np.int32)
+    def _set_inputs(self, b: GraphBuilder, batch: Batch, cells: np.ndarray) -> None:
         inp = b.inputs
-        tensor_set(inp.tokens, tokens.astype(np.int32))
-        tensor_set(inp.pos, pos)
-        tensor_set(inp.kv_idxs, pos)  # cell i holds position i
-        distance = pos[:, None] - np.arange(n_kv, dtype=np.int32)[None, :]  # query pos - cell pos
-        tensor_set(inp.kq_mask, np.where(distance >= 0, 0.0, -np.inf).astype(np.float32))
-        if inp.kq_mask_swa is not None:
-            visible = (distance >= 0) & (distance < self.hp.n_swa)
-            tensor_set(inp.kq_mask_swa, np.where(visible, 0.0, -np.inf).astype(np.float32))
+        tensor_set(inp.tokens, batch.tokens)
+        tensor_set(inp.pos, batch.pos)
+        tensor_set(inp.kv_idxs, cells)
+        causal, swa = self.kv.masks(batch.seq, batch.pos, b.n_kv, inp.kq_mask_swa is not None)
+        tensor_set(inp.kq_mask, causal)
+        if swa is not None:
+            tensor_set(inp.kq_mask_swa, swa)
         if inp.out_ids is not None:
-            tensor_set(inp.out_ids, np.arange(n - n_outputs, n, dtype=np.int32))
+            tensor_set(inp.out_ids, np.flatnonzero(batch.output).astype(np.int32))
 
     # -- decoding -----------------------------------------------------------------------------------
+    def check_tokens(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hp.n_vocab):
+            bad = int(ids[(ids < 0) | (ids >= self.hp.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
+
+    def decode_batch(self, batch: Batch) -> np.ndarray:
+        """Decode a batch of tokens of any sequences (each must follow its sequence's cached
+        positions); return float32 logits [number of outputs, n_vocab], in batch order.
+        Runs in ubatches of at most ``n_ubatch`` tokens; raises ContextFullError, leaving the
+        cache as it was, when too few cells are free."""
+        if len(batch) == 0:
+            raise ValueError("decode: no tokens")
+        self.check_tokens(batch.tokens)
+        if self.kv.n_free < len(batch):
+            raise ContextFullError(f"the context of {self.n_ctx} tokens is full ({self.kv.n_used} cached + "
+                                   f"{len(batch)} new); use a larger n_ctx")
+        outs = []
+        for start in range(0, len(batch), self.n_ubatch):
+            ub = batch.slice(start, start + self.n_ubatch)
+            cells = self.kv.find_cells(len(ub))
+            self.kv.occupy(cells, ub.seq, ub.pos)
+            n_outputs = max(1, int(ub.output.sum()))  # a graph has an output: a row nobody asked for is dropped
+            if not ub.output.any():
+                ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
+            b = self._graph(len(ub), self.kv.n_kv(), n_outputs)
+            self.sched.alloc_graph(b.graph)
+            self._set_inputs(b, ub, cells)
+            self.sched.graph_compute(b.graph)
+            if batch.output[start:start + self.n_ubatch].any():
+                outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
+        if not outs:
+            return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append ``tokens`` to the sequence; return float32 logits [n, n_vocab] for every
+        """Append ``tokens`` to sequence 0; return float32 logits [n, n_vocab] for every
         token (``all_logits``) or [1, n_vocab] for the last one."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("decode: no tokens")
-        if ids.min() < 0 or ids.max() >= self.hp.n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= self.hp.n_vocab)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
-        if self.kv.n_past + ids.size > self.n_ctx:
-            raise ContextFullError(f"the context of {self.n_ctx} tokens is full ({self.kv.n_past} cached + "
-                                   f"{ids.size} new); use a larger n_ctx")
         t0 = time.perf_counter()
-        outs = []
-        for start in range(0, ids.size, self.n_ubatch):
-            chunk = ids[start:start + self.n_ubatch]
-            last = start + chunk.size == ids.size
-            n_outputs = chunk.size if all_logits else 1  # earlier chunks' single row is dropped
-            b = self._graph(chunk.size, self.kv.n_kv(chunk.size), n_outputs)
-            self.sched.alloc_graph(b.graph)
-            self._set_inputs(b, chunk, n_outputs)
-            self.sched.graph_compute(b.graph)
-            self.kv.n_past += chunk.size
-            self.tokens.extend(int(t) for t in chunk)
-            if all_logits or last:
-                outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
+        logits = self.decode_batch(Batch.of(ids, len(self.tokens), 0, "all" if all_logits else "last"))
+        self.tokens.extend(int(t) for t in ids)
         dt = time.perf_counter() - t0
         if ids.size == 1:
             self.timings.gen_tokens += 1
@@ -140,17 +187,21 @@ class Context:
         else:
             self.timings.prompt_tokens += ids.size
             self.timings.prompt_seconds += dt
-        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+        return logits
 
-    def eval_prefix(self, tokens: Sequence[int]) -> np.ndarray:
-        """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return
-        the logits after the last token (as decode does)."""
-        tokens = list(tokens)
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` sequence 0 already holds."""
         common = 0
         for a, b in zip(self.tokens, tokens):
             if a != b:
                 break
             common += 1
-        common = min(common, len(tokens) - 1)  # the last token is always evaluated, for its logits
+        return common
+
+    def eval_prefix(self, tokens: Sequence[int]) -> np.ndarray:
+        """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return
+        the logits after the last token (as decode does)."""
+        tokens = list(tokens)
+        common = min(self.common_prefix(tokens), len(tokens) - 1)  # the last token is always evaluated, for its logits
         self.truncate(common)
         return self.decode(tokens[common:])

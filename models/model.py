@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
-import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,6 +11,7 @@ import numpy as np
 from pyggml import hub
 
 from .chat import ChatTemplate
+from .completion import Shape, TextStream, Usage, stop_list
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
 from .sampling import Sampler, SamplingParams
@@ -40,38 +39,6 @@ def connect_rpc(rpc: str | Sequence[str] | None, key: str | bytes | os.PathLike 
     elif isinstance(key, str):
         key = key.encode()
     return connect(rpc, server_key=key)
-
-
-class _TextStream:
-    """Turns generated token ids into text pieces that are safe to show: no half UTF-8
-    characters, and nothing that might be the start of a stop string."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.ids: list[int] = []
-        self.emitted = 0   # characters of the text already handed out
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.detokenize(self.ids)
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-            return ""
-        for s in self.stop:
-            at = text.find(s, max(0, self.emitted - len(s)))
-            if at >= 0:
-                self.stopped = True
-                return self._take(text[:at])
-        hold = max((k for s in self.stop for k in range(len(s), 0, -1) if text.endswith(s[:k])), default=0)
-        return self._take(text[:len(text) - hold])
-
-    def flush(self) -> str:
-        return "" if self.stopped else self._take(self.tokenizer.detokenize(self.ids))
-
-    def _take(self, text: str) -> str:
-        piece = text[self.emitted:]
-        self.emitted = max(self.emitted, len(text))
-        return piece
 
 
 class Model:
@@ -172,13 +139,13 @@ class Model:
 
     # -- OpenAI-shaped completions ------------------------------------------------------------------
     def _stream(self, ids: list[int], max_tokens: int | None, stop: str | Sequence[str] | None,
-                **sampling: Any) -> Iterator[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        stream = _TextStream(self.tokenizer, stops)
+                usage: Usage, **sampling: Any) -> Iterator[str]:
+        stream = TextStream(self.tokenizer, stop_list(stop))
         limit = max_tokens if max_tokens is not None and max_tokens > 0 else self.n_ctx
-        self.completion_tokens = 0
+        usage.prompt_tokens = len(ids)
+        usage.cached_tokens = min(self.context.common_prefix(ids), len(ids) - 1)
         for token in self.generate(ids, max_tokens=limit, **sampling):
-            self.completion_tokens += 1
+            usage.completion_tokens += 1
             piece = stream.push(token)
             if piece:
                 yield piece
@@ -190,40 +157,21 @@ class Model:
             yield tail
 
     def _completion(self, kind: str, ids: list[int], stream: bool, max_tokens: int | None, stop, **sampling):
-        cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = self.path.name
-        pieces = self._stream(ids, max_tokens, stop, **sampling)
-
-        def usage() -> dict[str, int]:
-            return {"prompt_tokens": len(ids), "completion_tokens": self.completion_tokens,
-                    "total_tokens": len(ids) + self.completion_tokens}
-
-        if kind == "chat":
-            def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
-                if delta:
-                    return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
-                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            obj, chunk_obj = "chat.completion", "chat.completion.chunk"
-        else:
-            def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            obj, chunk_obj = "text_completion", "text_completion"
-
+        shape = Shape(kind, self.path.name)
+        usage = Usage()
+        self.usage = usage
+        pieces = self._stream(ids, max_tokens, stop, usage, **sampling)
         if not stream:
             text = "".join(pieces)
-            return {"id": cid, "object": obj, "created": created, "model": model,
-                    "choices": [choice(text, self.finish_reason, False)], "usage": usage()}
+            return shape.reply(text, self.finish_reason, usage)
 
         def chunks() -> Iterator[dict[str, Any]]:
-            if kind == "chat":
-                yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
-                       "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            first = shape.role_chunk()
+            if first is not None:
+                yield first
             for piece in pieces:
-                yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
-                       "choices": [choice(piece, None, True)]}
-            yield {"id": cid, "object": chunk_obj, "created": created, "model": model,
-                   "choices": [choice(None, self.finish_reason, True)], "usage": usage()}
+                yield shape.chunk(piece)
+            yield {**shape.chunk(None, self.finish_reason), "usage": usage.as_dict()}
         return chunks()
 
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,

@@ -1,5 +1,6 @@
-"""Picking the next token from logits, in llama.cpp's default order: repetition penalty,
-top-k, top-p, min-p, temperature, then a draw.  Temperature <= 0 means greedy."""
+"""Picking the next token from logits, in llama.cpp's default order: penalties (repetition,
+frequency, presence, over the last ``repeat_last_n`` tokens), top-k, top-p, min-p,
+temperature, then a draw.  Temperature <= 0 means greedy."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,7 +16,14 @@ class SamplingParams:
     top_p: float = 0.95       # 1.0: off
     min_p: float = 0.05       # 0.0: off
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64   # 0: no penalties, -1: the whole history
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
 
 
 class Sampler:
@@ -26,11 +34,15 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         p = self.params
         logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-        if p.repeat_penalty != 1.0 and history and p.repeat_last_n != 0:
-            recent = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))
+        if p.penalizes and len(history):
+            recent, count = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history),
+                                      return_counts=True)
             logits = logits.copy()
             vals = logits[recent]
-            logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            if p.repeat_penalty != 1.0:
+                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            logits[recent] = vals - (count.astype(np.float32) * np.float32(p.frequency_penalty)
+                                    + np.float32(p.presence_penalty))
         if p.temperature <= 0:
             return int(np.argmax(logits))
         ids = np.arange(logits.size)

@@ -18,11 +18,16 @@ def test_model_is_exported():
 
 
 def test_completion_dict(m):
+    m.context.clear()
     r = m.create_completion("The capital of France is", max_tokens=8, temperature=0)
     assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
     choice = r["choices"][0]
     assert choice["finish_reason"] == "length" and "Paris" in choice["text"]
-    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    again = m.create_completion("The capital of France is", max_tokens=8, temperature=0)
+    assert again["choices"][0]["text"] == choice["text"]
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}  # the last token is always evaluated
 
 
 def test_streaming_gives_the_same_text(m):
@@ -54,7 +59,7 @@ def test_chat_completion(m):
     assert msg["role"] == "assistant" and "Paris" in msg["content"]
     assert r["choices"][0]["finish_reason"] == "stop"  # the model ended its turn with <|im_end|>
     chunks = list(m.create_chat_completion(messages, max_tokens=30, temperature=0, stream=True))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == msg["content"]
 
 

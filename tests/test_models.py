@@ -87,11 +87,11 @@ def test_decode_graph_is_reused(any_model):
     ctx.clear()
     ctx.decode(any_model.tokenize("Hello there, how are"))
     ctx.decode([ctx.tokens[-1]])
-    graph = ctx._graph(1, ctx.kv.n_kv(1), 1).graph
+    graph = ctx._graph(1, ctx.kv.n_kv(), 1).graph
     key = ctx.sched._key
     for t in (11, 12, 13):
         ctx.decode([t])
-    assert ctx._graph(1, ctx.kv.n_kv(1), 1).graph is graph and ctx.sched._key == key
+    assert ctx._graph(1, ctx.kv.n_kv(), 1).graph is graph and ctx.sched._key == key
 
 
 def test_prefix_reuse(any_model):

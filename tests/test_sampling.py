@@ -41,3 +41,16 @@ def test_repeat_penalty_discourages_recent_tokens():
     logits = np.array([2.0, 1.9, -1.0], dtype=np.float32)
     assert s.sample(logits, history=[0]) == 1
     assert s.sample(logits, history=[2]) == 0
+
+
+def test_frequency_and_presence_penalties_are_llama_cpps():
+    """logit -= count * frequency + (count > 0) * presence, over the last repeat_last_n tokens."""
+    logits = np.array([2.0, 1.7, 1.0], dtype=np.float32)
+    freq = Sampler(SamplingParams(temperature=0, frequency_penalty=0.2))
+    assert freq.sample(logits, history=[0]) == 0          # 2.0 - 0.2 = 1.8 still beats 1.7
+    assert freq.sample(logits, history=[0, 0]) == 1       # 2.0 - 0.4 = 1.6 does not
+    pres = Sampler(SamplingParams(temperature=0, presence_penalty=0.5))
+    assert pres.sample(logits, history=[0, 0, 0]) == 1    # once, however often it occurred
+    assert pres.sample(np.array([2.0, 1.0, 0.0], dtype=np.float32), history=[0, 0, 0]) == 0
+    window = Sampler(SamplingParams(temperature=0, frequency_penalty=1.0, repeat_last_n=2))
+    assert window.sample(logits, history=[0, 2, 2]) == 0  # token 0 fell out of the window

@@ -1,0 +1,109 @@
+"""OpenAI-shaped completions, shared by ``Model`` (one sequence) and ``Engine`` (many):
+the text stream that holds back half characters and stop strings, and the reply and
+chunk objects of ``/v1/completions`` and ``/v1/chat/completions``."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tokenizer import Tokenizer
+
+
+class TextStream:
+    """Turns generated token ids into text pieces that are safe to show: no half UTF-8
+    characters, and nothing that might be the start of a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0   # characters of the text already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.detokenize(self.ids)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return ""
+        for s in self.stop:
+            at = text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.stopped = True
+                return self._take(text[:at])
+        hold = max((k for s in self.stop for k in range(len(s), 0, -1) if text.endswith(s[:k])), default=0)
+        return self._take(text[:len(text) - hold])
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._take(self.tokenizer.detokenize(self.ids))
+
+    def _take(self, text: str) -> str:
+        piece = text[self.emitted:]
+        self.emitted = max(self.emitted, len(text))
+        return piece
+
+
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Shape:
+    """The objects of one reply: ``kind`` is "chat" (chat.completion) or "text"
+    (text_completion); one id for the whole reply, as OpenAI's streams have."""
+    kind: str
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _obj(self, chunk: bool) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self._obj(chunk), "created": self.created, "model": self.model}
+
+    def reply(self, text: str, finish: str | None, usage: Usage, logprobs: Any = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head(False), "choices": [choice], "usage": usage.as_dict()}
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """The first chunk of a chat stream (None for completions, which have no roles)."""
+        if self.kind != "chat":
+            return None
+        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]}
+
+    def chunk(self, text: str | None, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+        return {**self._head(True), "choices": [], "usage": usage.as_dict()}
