@@ -150,13 +150,14 @@ class Context:
         if len(batch) == 0:
             raise ValueError("decode: no tokens")
         self.check_tokens(batch.tokens)
-        if self.kv.n_free < len(batch):
+        all_cells = self.kv.find_cells(batch.seq, batch.pos)
+        if all_cells is None:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full ({self.kv.n_used} cached + "
                                    f"{len(batch)} new); use a larger n_ctx")
         outs = []
         for start in range(0, len(batch), self.n_ubatch):
             ub = batch.slice(start, start + self.n_ubatch)
-            cells = self.kv.find_cells(len(ub))
+            cells = all_cells[start:start + self.n_ubatch]
             self.kv.occupy(cells, ub.seq, ub.pos)
             n_outputs = max(1, int(ub.output.sum()))  # a graph has an output: a row nobody asked for is dropped
             if not ub.output.any():

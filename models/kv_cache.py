@@ -3,10 +3,17 @@ the device that runs the layer - llama.cpp's unified cache.
 
 Every cell is tagged with the sequence and position of the token whose key and value it
 holds (sequence -1: free), and the attention mask is built from the tags, so several
-sequences share one cache and never see each other.  A batch takes the lowest free cells;
-one sequence alone therefore fills cells 0, 1, 2 ... and cell i holds position i, exactly
-as a single-sequence cache would.  New keys and values are written by SET_ROWS at the cells
-given as a graph input, so one decode graph serves every position (llama.cpp does the same).
+sequences share one cache and never see each other.  New keys and values are written by
+SET_ROWS at the cells given as a graph input, so one decode graph serves every position
+(llama.cpp does the same).
+
+Cells are handed out in pages of PAGE cells, each page owned by one sequence: position p
+of a sequence lives at offset p % PAGE of the sequence's page for block p // PAGE, pages
+taken lowest first.  So one sequence alone fills cells 0, 1, 2 ... (cell i holds position
+i, as a single-sequence cache would), and in a shared cache every sequence's cells sit at
+the same offsets modulo PAGE as they would alone.  That matters for the bits: the
+attention's sums run in lanes picked by cell index modulo 64 (ggml's vector width times
+its unrolling), so a sequence decoded beside others gets exactly its solo logits.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from pyggml.backend import Buffer, BufferType, BufferUsage, alloc_tensors
 from .hparams import HParams
 
 KV_PAD = 256  # attention reads the first multiple of KV_PAD cells, so the graph changes rarely
+PAGE = 64     # a multiple of the attention kernels' 64 lanes
 FREE = -1
 
 
@@ -44,13 +52,49 @@ class KVCache:
         return int(np.count_nonzero(self.cell_seq != FREE))
 
     @property
-    def n_free(self) -> int:
-        return self.n_ctx - self.n_used
+    def n_pages(self) -> int:
+        return (self.n_ctx + PAGE - 1) // PAGE
 
-    def find_cells(self, n: int) -> np.ndarray | None:
-        """The lowest ``n`` free cells, or None when fewer are free."""
-        free = np.flatnonzero(self.cell_seq == FREE)
-        return free[:n].astype(np.int32) if free.size >= n else None
+    def _page_cells(self, g: int) -> slice:
+        return slice(g * PAGE, min(self.n_ctx, (g + 1) * PAGE))
+
+    def _owned(self) -> dict[tuple[int, int], int]:
+        """(sequence, block) -> page, for every page holding a cell."""
+        used = np.flatnonzero(self.cell_seq != FREE)
+        return {(int(self.cell_seq[c]), int(self.cell_pos[c]) // PAGE): int(c) // PAGE for c in used}
+
+    @property
+    def free_pages(self) -> int:
+        return self.n_pages - len(set(self._owned().values()))
+
+    def pages_for(self, seq: int, p0: int, p1: int, owned: dict | None = None) -> int:
+        """Pages sequence ``seq`` must take to hold positions p0 .. p1 - 1."""
+        owned = self._owned() if owned is None else owned
+        return sum((seq, blk) not in owned for blk in range(p0 // PAGE, (p1 - 1) // PAGE + 1)) if p1 > p0 else 0
+
+    def seq_pages(self, seq: int) -> int:
+        return sum(s == seq for s, _ in self._owned())
+
+    def find_cells(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        """A cell for each (sequence, position), taking free pages lowest first; None when the
+        pages run out or a position's offset lies past the cache's end (nothing is taken)."""
+        owned = self._owned()
+        taken = set(owned.values())
+        free = (g for g in range(self.n_pages) if g not in taken)
+        new: dict[tuple[int, int], int] = {}
+        cells = np.empty(seq.size, dtype=np.int32)
+        for i, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+            key = (s, p // PAGE)
+            g = owned.get(key, new.get(key))
+            if g is None:
+                g = new[key] = next(free, None)
+                if g is None:
+                    return None
+            c = g * PAGE + p % PAGE
+            if c >= self.n_ctx:
+                return None
+            cells[i] = c
+        return cells
 
     def occupy(self, cells: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
         self.cell_seq[cells] = seq

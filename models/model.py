@@ -76,6 +76,7 @@ class Model:
                                           tk.token_text(tk.eos_id) if tk.eos_id is not None else "")
         self.seed = seed
         self.finish_reason: str | None = None
+        self.engine = None  # an Engine serving this model owns its context
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -104,6 +105,7 @@ class Model:
     # -- evaluation ---------------------------------------------------------------------------------
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 [len(ids), n_vocab]: the next-token logits after each token of a fresh sequence."""
+        self._check_free()
         self.context.clear()
         return self.context.decode(list(ids), all_logits=True)
 
@@ -112,6 +114,7 @@ class Model:
                  seed: int | None = None) -> Iterator[int]:
         """Yield sampled token ids after ``ids``; stops at an end-of-generation token, after
         ``max_tokens``, or when the context is full (``finish_reason`` says which)."""
+        self._check_free()
         ids = list(ids)
         if not ids:
             raise ValueError("generate: the prompt has no tokens")
@@ -136,6 +139,10 @@ class Model:
                 return
             logits = self.context.decode([token])[-1]
         self.finish_reason = "length"
+
+    def _check_free(self) -> None:
+        if self.engine is not None:
+            raise RuntimeError("this model's context belongs to the Engine serving it: submit requests there")
 
     # -- OpenAI-shaped completions ------------------------------------------------------------------
     def _stream(self, ids: list[int], max_tokens: int | None, stop: str | Sequence[str] | None,

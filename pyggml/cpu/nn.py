@@ -248,6 +248,25 @@ def _dot_vec_f16(kh, c, q16, lanes):
     return f32(total)
 
 
+@_jit
+def _alone_rows(mask):
+    """Rows that share no visible cell with another row: the only token of their sequence in
+    the batch (rows of one sequence always share cells, those of others never do)."""
+    n_tok, n_kv = mask.shape
+    seen_by = np.zeros(n_kv, dtype=np.int32)
+    for t in range(n_tok):
+        for c in range(n_kv):
+            if mask[t, c] != -np.inf:
+                seen_by[c] += 1
+    alone = np.ones(n_tok, dtype=np.bool_)
+    for t in range(n_tok):
+        for c in range(n_kv):
+            if mask[t, c] != -np.inf and seen_by[c] > 1:
+                alone[t] = False
+                break
+    return alone
+
+
 @njit(cache=True, parallel=True, boundscheck=False)
 def attention(q, k, v, mask, scale, softcap, out):
     """q [n_head, n_tokens, d] (F32, rounded to F16 here), k [n_head_kv, n_kv, d] and
@@ -256,17 +275,21 @@ def attention(q, k, v, mask, scale, softcap, out):
 
     ggml computes both products with tinyBLAS when there are several tokens and with
     ggml_vec_dot_f16 for a single one (llama.cpp's decoding step); the two sum in different
-    lane orders.  The cache is taken as padded with zeros to a multiple of 64 cells (llama.cpp
+    lane orders.  "A single one" is taken per sequence: a row that shares no visible cell
+    with another row is the only token of its sequence here and is summed as a single
+    token, so a sequence's next token gets the same bits decoded alone or in a batch with
+    other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as padded with zeros to a multiple of 64 cells (llama.cpp
     pads it to 256).  Cells the mask hides are skipped: their probability is exactly 0."""
     n_head, n_tok, d = q.shape
     n_kv, dv = k.shape[1], v.shape[2]
     group = n_head // k.shape[0]
-    single = n_tok == 1
-    # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
-    # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
-    tiny_kq = not single and d % 16 == 0
+    alone = _alone_rows(mask)
     for r in prange(n_head * n_tok):
         h, t = r // n_tok, r % n_tok
+        single = alone[t]
+        # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
+        # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
+        tiny_kq = not single and d % 16 == 0
         kh, vh = k[h // group], v[h // group]
         q16 = np.empty(d, dtype=np.float32)
         for i in range(d):
