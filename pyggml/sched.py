@@ -15,6 +15,8 @@ object, same node count) is computed again, as a decode loop does.
 """
 from __future__ import annotations
 
+import time
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,7 @@ class Scheduler:
         # graph's id can come back for a new graph of the same size
         self._key: tuple[Graph, int] | None = None
         self.n_copies = 0  # bytes copied between backends in the last graph_compute
+        self.busy_seconds: dict[str, float] = {}  # compute time per backend name, since creation
 
     # -- assignment ---------------------------------------------------------------------------
     def set_tensor_backend(self, tensor: Tensor, backend: Backend) -> None:
@@ -162,8 +165,11 @@ class Scheduler:
                 tensor_copy(src, copy)
                 copied += src.nbytes()
             backend = self.backends[split.backend_id]
+            t0 = time.perf_counter()
             backend.graph_compute(split.graph)
             backend.synchronize()
+            name = backend.get_name()
+            self.busy_seconds[name] = self.busy_seconds.get(name, 0.0) + time.perf_counter() - t0
         self.n_copies = copied
 
     @property

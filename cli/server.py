@@ -1,0 +1,99 @@
+"""pyggml-server: an OpenAI-compatible HTTP server with continuous batching (llama-server's flags)."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import click
+
+from .common import fail, model_options, setup_logging
+from .rpc_server import LOCAL_HOSTS
+
+CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Any other than 127.0.0.1 is reachable from the network: set --api-key.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port to listen on.")
+@click.option("-np", "--parallel", "n_parallel", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Slots: requests decoded together; more wait in the queue.")
+@click.option("-b", "--batch-size", "n_batch", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most tokens per step (every generating slot's next token plus chunks of prompts).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; beyond that the server answers 503.")
+@click.option("--api-key", default=None, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+@click.option("--alias", default=None, help="Model name shown by /v1/models and in replies (default: the file name).")
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, host, port, n_parallel, n_batch, max_queue,
+         api_key, alias) -> None:
+    """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
+    (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
+    /tokenize and /detokenize.
+
+    -c is the size of the whole KV cache, shared by the -np slots (default 4096). The model
+    may be placed on GPUs and RPC servers with -ngl and --rpc as in pyggml-chat.
+
+    \b
+    Example:
+      pyggml-server -m smollm2 -c 4096 -np 4
+      curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+           -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+    """
+    setup_logging(log_level)
+    try:
+        import uvicorn
+
+        from pyggml.server import State, create_app
+    except ImportError as e:
+        fail(f"pyggml-server needs the server extra: pip install 'pyggml[server]' ({e})")
+    if n_batch < n_parallel:
+        fail(f"-b/--batch-size ({n_batch}) must be at least -np/--parallel ({n_parallel})")
+    n_ctx = -(-(ctx_size or 4096) // CTX_PAD) * CTX_PAD
+    if host not in LOCAL_HOSTS:
+        click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
+                   f"connect may use it" + ("" if api_key else "; consider --api-key"), err=True)
+    state = State(alias, api_key, model)
+    app = create_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level if log_level != "warning" else "warning",
+                            lifespan="off", access_log=log_level in ("debug", "info"))
+    server = uvicorn.Server(config)
+
+    def load() -> None:
+        from pyggml.gguf import GGUFError
+        from pyggml.models import Model, PlacementError
+        from pyggml.models.engine import Engine
+        try:
+            m = Model(model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads,
+                      n_batch=max(n_batch, 256), progress=None)
+            state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
+        except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+            state.load_error = str(e)
+            click.echo(f"error: {e}", err=True)
+            server.should_exit = True
+            return
+        while not server.started and not server.should_exit:
+            threading.Event().wait(0.05)
+        if server.started:
+            bound = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)
+            e = state.engine
+            click.echo(f"pyggml-server: {e.model.path.name} ({n_ctx} cells, {n_parallel} slots) "
+                       f"listening on http://{host}:{bound[1]}", err=True)
+            sys.stderr.flush()
+
+    threading.Thread(target=load, name="pyggml-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.close()
+            state.engine.model.close()
+    if state.load_error is not None:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    logging.captureWarnings(True)
+    main()

@@ -1,0 +1,289 @@
+"""The HTTP face of an Engine: OpenAI's endpoints and llama-server's extras, as a Starlette app.
+
+Handlers never touch the model: they parse and check the request, submit it to the
+engine and relay its events, so a slow client never stalls decoding.  Events cross from
+the engine's thread into the event loop through ``call_soon_threadsafe``; a client that
+goes away (mid-stream, or while waiting for a whole reply) cancels its request and frees
+its slot at the engine's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pyggml.models.completion import Shape
+from pyggml.models.engine import Engine, EngineStopped, Event, QueueFullError, Replies
+
+from .requests import BadRequest, Completion, parse_completion
+
+log = logging.getLogger("pyggml.server")
+
+MAX_BODY = 8 << 20  # bytes of one request body
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+               503: "unavailable_error"}
+
+
+def error(status: int, message: str) -> JSONResponse:
+    """An error in OpenAI's shape."""
+    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                                   "code": status}}, status_code=status)
+
+
+class State:
+    """What the handlers share: the engine once the model is loaded, or why there is none."""
+
+    def __init__(self, alias: str | None, api_key: str | None, model_arg: str | None = None) -> None:
+        self.alias = alias
+        self.model_arg = model_arg  # what -m said (a path or a known alias): a name clients may use
+        self.api_key = api_key
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.started = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        if self.alias:
+            return self.alias
+        return self.engine.model.path.name if self.engine is not None else "loading"
+
+    def names(self) -> set[str]:
+        names = {self.model_id} | ({self.model_arg} if self.model_arg else set())
+        if self.engine is not None:
+            names |= {self.engine.model.path.name, self.engine.model.path.stem}
+        return names
+
+    def unavailable(self) -> JSONResponse | None:
+        """The 503 to answer while there is no working engine."""
+        if self.load_error is not None:
+            return error(503, f"the model failed to load: {self.load_error}")
+        if self.engine is None:
+            return error(503, "Loading model")
+        if self.engine.failure is not None:
+            return error(503, self.engine.failure)
+        return None
+
+
+class EngineMetrics:
+    """Prometheus collector reading the engine's counters when scraped."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def collect(self):
+        e = self.state.engine
+        if e is None:
+            return
+        st = e.stats
+        yield CounterMetricFamily("pyggml_prompt_tokens", "Prompt tokens evaluated", value=st.prompt_tokens)
+        yield CounterMetricFamily("pyggml_cached_prompt_tokens", "Prompt tokens reused from the KV cache",
+                                  value=st.cached_tokens)
+        yield CounterMetricFamily("pyggml_generated_tokens", "Tokens generated", value=st.generated_tokens)
+        yield CounterMetricFamily("pyggml_decode_steps", "Batches decoded", value=st.steps)
+        yield CounterMetricFamily("pyggml_decode_seconds", "Time spent decoding batches", value=st.step_seconds)
+        yield GaugeMetricFamily("pyggml_tokens_per_second", "Generated tokens per second of decoding",
+                                value=st.generated_tokens / st.step_seconds if st.step_seconds else 0.0)
+        yield GaugeMetricFamily("pyggml_busy_slots", "Slots serving a request", value=e.busy_slots)
+        yield GaugeMetricFamily("pyggml_slots", "Slots (-np)", value=e.n_parallel)
+        yield GaugeMetricFamily("pyggml_queued_requests", "Requests waiting for a slot", value=e.queued)
+        yield GaugeMetricFamily("pyggml_kv_cells_used", "KV cache cells in use", value=e.ctx.kv.n_used)
+        yield GaugeMetricFamily("pyggml_kv_cells", "KV cache cells (-c)", value=e.n_ctx)
+        dev = CounterMetricFamily("pyggml_device_seconds", "Compute time per device", labels=["device"])
+        for name, seconds in sorted(e.ctx.sched.busy_seconds.items()):
+            dev.add_metric([name], seconds)
+        yield dev
+
+
+def create_app(state: State) -> Starlette:
+    registry = CollectorRegistry()
+    requests_total = Counter("pyggml_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                             registry=registry)
+    registry.register(EngineMetrics(state))
+
+    async def body_of(request: Request) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
+            raise HTTPException(413, f"the request body is larger than {MAX_BODY} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY:
+                raise HTTPException(413, f"the request body is larger than {MAX_BODY} bytes")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+    def endpoint(name: str, needs_engine: bool = True, needs_key: bool = True) -> Callable:
+        """Wrap a handler with the key check, the 503 while loading, errors in OpenAI's shape
+        and the request counter."""
+        def wrap(handler: Callable) -> Callable:
+            async def run(request: Request) -> Response:
+                response = await _run(request)
+                requests_total.labels(name, str(response.status_code)).inc()
+                return response
+
+            async def _run(request: Request) -> Response:
+                if needs_key and state.api_key is not None:
+                    auth = request.headers.get("authorization", "")
+                    given = auth[7:] if auth.lower().startswith("bearer ") else ""
+                    if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                        return error(401, "invalid or missing API key (Authorization: Bearer ...)")
+                if needs_engine:
+                    down = state.unavailable()
+                    if down is not None:
+                        return down
+                try:
+                    return await handler(request)
+                except BadRequest as e:
+                    return error(400, str(e))
+                except HTTPException as e:
+                    return error(e.status_code, e.detail)
+                except QueueFullError as e:
+                    return error(503, str(e))
+                except EngineStopped as e:
+                    return error(503, str(e))
+                except Exception as e:  # a bug: say so, keep serving
+                    log.exception("%s failed", name)
+                    return error(500, f"internal error: {type(e).__name__}: {e}")
+            return run
+        return wrap
+
+    async def completion(request: Request, kind: str) -> Response:
+        c: Completion = parse_completion(await body_of(request), kind)
+        engine = state.engine
+        if c.model is not None and c.model not in state.names():
+            return error(404, f"model {c.model!r} not found; this server serves {state.model_id!r}")
+        try:
+            ids = await asyncio.to_thread(engine.prompt_ids, c.prompt, c.messages)
+            engine.check_prompt(ids)
+        except ValueError as e:  # template errors, ids outside the vocabulary, too long
+            raise BadRequest(str(e)) from None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        req = engine.start(ids, c.options, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        replies = Replies(Shape(c.kind, state.model_id), c.kind, engine.model.tokenizer, c.include_usage)
+        if not c.stream:
+            try:
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return Response(status_code=499)
+                        continue
+                    if ev.kind == "error":
+                        return error(503 if engine.failure else 500, ev.error)
+                    replies.add(ev)
+                    if ev.kind == "done":
+                        return JSONResponse(replies.reply())
+            finally:
+                req.cancel()
+
+        async def sse() -> AsyncIterator[bytes]:
+            try:
+                for chunk in replies.first():
+                    yield _sse(chunk)
+                while True:
+                    ev = await events.get()
+                    if ev.kind == "error":
+                        yield _sse({"error": {"message": ev.error, "type": "server_error", "code": 500}})
+                        return
+                    for chunk in replies.chunks(ev):
+                        yield _sse(chunk)
+                    if ev.kind == "done":
+                        yield b"data: [DONE]\n\n"
+                        return
+            finally:
+                req.cancel()  # the client went away, or the reply ended: the slot is free either way
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @endpoint("chat_completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, "chat")
+
+    @endpoint("completions")
+    async def completions(request: Request) -> Response:
+        return await completion(request, "text")
+
+    @endpoint("models", needs_engine=False)
+    async def models(request: Request) -> Response:
+        data = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "pyggml"}
+        if state.engine is not None:
+            m = state.engine.model
+            data["meta"] = {"n_ctx": state.engine.n_ctx, "n_ctx_train": m.model.hp.n_ctx_train,
+                            "n_vocab": m.n_vocab, "n_parallel": state.engine.n_parallel, "file": m.path.name}
+        return JSONResponse({"object": "list", "data": [data]})
+
+    @endpoint("health", needs_engine=False, needs_key=False)
+    async def health(request: Request) -> Response:
+        down = state.unavailable()
+        return down if down is not None else JSONResponse({"status": "ok"})
+
+    @endpoint("metrics", needs_engine=False)
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @endpoint("tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+            raise BadRequest("'content' must be a string")
+        add_special = body.get("add_special", False)
+        if not isinstance(add_special, bool):
+            raise BadRequest("'add_special' must be true or false")
+        m = state.engine.model
+        ids = await asyncio.to_thread(m.tokenize, body["content"], add_special or None, True)
+        if body.get("with_pieces"):
+            return JSONResponse({"tokens": [{"id": t, "piece": m.detokenize([t], special=True)} for t in ids]})
+        return JSONResponse({"tokens": ids})
+
+    @endpoint("detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await body_of(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest("'tokens' must be a list of token ids")
+        m = state.engine.model
+        bad = [t for t in ids if not 0 <= t < m.n_vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{m.n_vocab - 1})")
+        return JSONResponse({"content": m.detokenize(ids)})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        if status == 405:
+            return error(405, f"{request.method} is not allowed on {request.url.path}")
+        return error(status, f"no such endpoint: {request.method} {request.url.path}")
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
