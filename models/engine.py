@@ -20,11 +20,14 @@ and may be called from any thread; ``start`` is the lower level that delivers ev
 callback (what the HTTP server uses).  When a device is lost (an RPC server died) the
 requests in flight end with an error naming it, and the engine refuses new ones, saying why.
 
-Greedy output does not depend on what else is in the batch, but the logits' last bits may:
-ggml's attention takes another product kernel for one token than for several (tinyBLAS, or
-ggml_vec_dot_f16 with a different lane order), and its lanes follow the cache cells a
-sequence happens to occupy, so a sequence decoded beside others rounds differently from
-the same sequence alone (llama.cpp's server behaves the same way).
+A sequence decoded beside others gets the bits it gets alone where the kernels allow it:
+the KV cache hands out cells in pages so that every sequence's cells sit at their solo
+offsets, and the attention takes its single-token path per sequence (kv_cache.py,
+cpu/nn.py::attention).  The K-quant products are the exception: llama.cpp computes them
+with another kernel once a batch has enough columns (repacked Q4_K in whole fours, the
+tiled Q5_K/Q6_K kernels from 8), whose rounding differs, so for those files the batch
+around a sequence moves its logits' last bits - argmax and greedy text stay equal in
+practice, as they do in llama.cpp's server.
 """
 from __future__ import annotations
 

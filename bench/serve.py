@@ -1,0 +1,159 @@
+"""Serving benchmark: aggregate throughput and latency of pyggml-server under concurrent streams.
+
+Starts ``pyggml-server`` (and, with ``--llama-server PATH``, llama.cpp's ``llama-server`` on
+the same model, threads, context and slot count), then for 1, 2, 4 and 8 concurrent
+clients streams chat completions and prints: aggregate generated tokens/s, time to first
+token and inter-token latency (p50, p99), the speedup over one stream, and the ratio to
+llama-server's aggregate.
+
+    python bench/serve.py [--model smollm2 --model gemma3-270m] [--tokens 64] [--llama-server BIN]
+
+Every request asks for exactly ``--tokens`` tokens (``ignore_eos`` is not in OpenAI's API,
+so the prompts ask for long answers and the counts come from the usage the server reports).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyggml import hub  # noqa: E402
+
+PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain in detail how bread is made.",
+           "Describe a journey across the ocean.", "Tell me about the history of clocks.",
+           "Write a long letter to a friend about autumn.", "Explain how rivers shape valleys.",
+           "Describe a busy market in the morning.", "Tell a tale of a dragon and a baker."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cmd: list[str], url: str, log: Path) -> None:
+        self.url, self.log = url, log
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"{cmd[0]} did not become healthy: {log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def one_stream(url: str, prompt: str, n: int, out: list) -> None:
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    out.append((t0, times, tokens))
+
+
+def measure(url: str, concurrency: int, n: int) -> dict:
+    results: list = []
+    threads = [threading.Thread(target=one_stream, args=(url, PROMPTS[i % len(PROMPTS)], n, results))
+               for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [ts[0] - start for start, ts, _ in results if ts]
+    itl = [b - a for _, ts, _ in results for a, b in zip(ts, ts[1:])]
+    total = sum(tok for _, _, tok in results)
+
+    def pct(xs, q):
+        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else (xs[0] if xs else float("nan"))
+    return {"tok_s": total / wall, "tokens": total, "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99),
+            "itl50": pct(itl, 50), "itl99": pct(itl, 99)}
+
+
+def run(name: str, url: str, levels: list[int], n: int) -> dict[int, dict]:
+    measure(url, 1, 8)  # warm-up: kernels compiled, graphs built
+    rows = {}
+    for c in levels:
+        r = rows[c] = measure(url, c, n)
+        print(f"{name:<13} {c:>3} streams: {r['tok_s']:7.1f} tok/s aggregate ({r['tokens']} tokens)  "
+              f"TTFT p50 {r['ttft50'] * 1e3:6.0f} ms p99 {r['ttft99'] * 1e3:6.0f} ms  "
+              f"ITL p50 {r['itl50'] * 1e3:6.1f} ms p99 {r['itl99'] * 1e3:6.1f} ms", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", help="alias or GGUF path (repeatable; default: both test models)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--parallel", type=int, default=8, help="slots (-np)")
+    ap.add_argument("--levels", default="1,2,4,8", help="concurrent streams to measure")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    for alias in args.model or ["smollm2", "gemma3-270m"]:
+        path = hub.resolve(alias)
+        print(f"== {path.name}: {args.tokens} tokens per request, {args.parallel} slots, {args.threads} threads, "
+              f"context {args.ctx}")
+        port = free_port()
+        ours = Server([sys.executable, "-m", "pyggml.cli.server", "-m", str(path), "--port", str(port),
+                       "-c", str(args.ctx), "-np", str(args.parallel), "-t", str(args.threads)],
+                      f"http://127.0.0.1:{port}", logs / f"pyggml-{path.stem}.log")
+        try:
+            mine = run("pyggml", ours.url, levels, args.tokens)
+        finally:
+            ours.stop()
+        base = mine[levels[0]]["tok_s"]
+        print("pyggml scaling: " + ", ".join(f"{c}: {mine[c]['tok_s'] / base:.2f}x" for c in levels))
+        if args.llama_server:
+            port = free_port()
+            theirs = Server([args.llama_server, "-m", str(path), "--port", str(port), "-c", str(args.ctx),
+                             "-np", str(args.parallel), "-t", str(args.threads), "--no-webui"],
+                            f"http://127.0.0.1:{port}", logs / f"llama-{path.stem}.log")
+            try:
+                ref = run("llama-server", theirs.url, levels, args.tokens)
+            finally:
+                theirs.stop()
+            print("pyggml / llama-server aggregate: " +
+                  ", ".join(f"{c}: {mine[c]['tok_s'] / ref[c]['tok_s']:.2f}" for c in levels))
+    print(f"server logs: {logs}")
+
+
+if __name__ == "__main__":
+    main()
