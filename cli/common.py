@@ -1,6 +1,7 @@
 """What the command-line tools share: model options, errors as one line, logging."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -16,11 +17,24 @@ def fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
-def load_model_or_exit(**kwargs: Any):
-    """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1."""
+class _DryRun(Exception):
+    pass
+
+
+def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kwargs: Any):
+    """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1;
+    ``show_placement`` prints the plan before loading, ``dry_run`` exits there."""
     from pyggml.models import Model, PlacementError
+
+    def on_plan(description: str) -> None:
+        if show_placement or dry_run:
+            click.echo(description)
+        if dry_run:
+            raise _DryRun
     try:
-        return Model(**kwargs)
+        return Model(on_plan=on_plan, **kwargs)
+    except _DryRun:
+        sys.exit(0)
     except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError) as e:  # RPCError included
         fail(str(e))
 
@@ -40,7 +54,13 @@ def setup_logging(level: str) -> None:
 
 
 def model_options(f: Callable) -> Callable:
-    """-m, -c, -ngl, --rpc, --rpc-key, --threads, --log-level (shared by pyggml-chat and pyggml-perplexity)."""
+    """-m, -c, -ngl, -ts, --show-placement, --dry-run, --rpc, --rpc-key, --threads, --log-level
+    (shared by the tools that load a model).  The three placement flags reach the command as
+    one ``placement`` dict, for load_model_or_exit."""
+    @functools.wraps(f)
+    def command(*args: Any, tensor_split: str | None, show_placement: bool, dry_run: bool, **kwargs: Any) -> Any:
+        return f(*args, placement={"tensor_split": tensor_split, "show_placement": show_placement,
+                                   "dry_run": dry_run}, **kwargs)
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -49,7 +69,13 @@ def model_options(f: Callable) -> Callable:
         click.option("-ngl", "--n-gpu-layers", "ngl", default=None, metavar="SPEC",
                      help="Layer placement, '[id:]spec[;id:spec]...' with spec = N | prolog | epilog | all "
                           "(comma-joined). Device ids: RPC endpoints, then GPUs, then the CPU. "
-                          "Example: '0:prolog,epilog;1:all'. Unplaced layers run on the CPU."),
+                          "Example: '0:prolog,epilog;1:all'. Unplaced layers run on the CPU. 'auto' (the "
+                          "default with --rpc) spreads the layers over the devices by their free memory."),
+        click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="P0,P1,...",
+                     help="Spread the layers over the devices before the CPU in these proportions, e.g. '3,1'."),
+        click.option("--show-placement", is_flag=True,
+                     help="Print which device gets which layers (weights, KV cache, free memory) before loading."),
+        click.option("--dry-run", is_flag=True, help="Print the placement and exit without loading."),
         click.option("--rpc", default=None, metavar="ENDPOINTS",
                      help="RPC servers (pyggml-rpc-server), e.g. '8080;8081' or '10.0.0.2:8080'; a bare port "
                           "means 127.0.0.1. Their devices get the first ids."),
@@ -60,5 +86,5 @@ def model_options(f: Callable) -> Callable:
                      show_default=True, help="Logging detail on stderr."),
     ]
     for opt in reversed(opts):
-        f = opt(f)
-    return f
+        command = opt(command)
+    return command

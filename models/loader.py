@@ -3,6 +3,7 @@ tensor lives (``-ngl``), and load the weights into those devices' buffers."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -13,7 +14,7 @@ from pyggml.gguf import GGUFError, GGUFFile
 
 from . import gemma3, llama, qwen2, qwen3
 from .hparams import HParams
-from .placement import Placement, parse_ngl
+from .placement import Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
 
 ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3}
 
@@ -88,14 +89,54 @@ def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, ModuleType]:
     return f, ARCHITECTURES[arch]
 
 
+def model_sizes(f: GGUFFile, hp: HParams, n_ctx: int, n_ubatch: int) -> Sizes:
+    """What each part of the model in ``f`` needs on its device (for -ngl auto)."""
+    layer = [0] * hp.n_layer
+    prolog = epilog = 0
+    for name in f.tensors:
+        size = f.new_tensor(name).nbytes()
+        if name.startswith("blk."):
+            layer[int(name.split(".", 2)[1])] += size
+        elif name.startswith("token_embd"):
+            prolog += size
+        else:
+            epilog += size
+    tied = f.new_tensor("token_embd.weight").nbytes() if "output.weight" not in f.tensors else 0
+    kv = n_ctx * (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * 2  # F16 keys and values
+    # activations of one ubatch (a few rows of n_embd and n_ff), float32, as the allocator reuses them
+    compute = n_ubatch * (6 * hp.n_embd + 3 * hp.n_ff) * 4
+    return Sizes(layer, [kv] * hp.n_layer, prolog, epilog, tied, compute, n_ubatch * hp.n_vocab * 4)
+
+
+def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device], n_ctx: int = 2048,
+         n_ubatch: int = 256, tensor_split: str | None = None) -> tuple[Placement, str]:
+    """The placement (``-ngl``; ``auto`` or ``-ts`` spread layers by free memory or by the
+    given proportions) and its description, one row per device used."""
+    names = [d.get_name() for d in devices]
+    sizes = model_sizes(f, hp, n_ctx, n_ubatch)
+    free = [d.get_memory()[0] for d in devices]
+    if str(ngl).strip().lower() == "auto" or tensor_split is not None:
+        if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
+            raise PlacementError(f"-ts/--tensor-split spreads every layer; it cannot be combined with -ngl {ngl}")
+        placement = plan_auto(sizes, names, free, parse_split(tensor_split, len(devices) - 1))
+    else:
+        placement = parse_ngl(ngl, hp.n_layer, names)
+    return placement, describe(placement, sizes, names, free)
+
+
 def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
-               progress: bool | None = None) -> LoadedModel:
+               progress: bool | None = None, n_ctx: int = 2048, n_ubatch: int = 256,
+               tensor_split: str | None = None, on_plan: Callable[[str], None] | None = None) -> LoadedModel:
+    """Open ``path``, place it (``on_plan`` hears the plan's description before any weight
+    moves) and load its weights."""
     f, arch = open_gguf(path)
     hp = HParams.from_gguf(f, f.architecture)
     if hasattr(arch, "adjust_hparams"):
         arch.adjust_hparams(hp)
     devices = devices or default_devices()
-    placement = parse_ngl(ngl, hp.n_layer, [d.get_name() for d in devices])
+    placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split)
+    if on_plan is not None:
+        on_plan(description)
     model = LoadedModel(Path(path), f, hp, arch, devices, placement)
 
     weights = {name: f.new_tensor(name) for name in f.tensors}

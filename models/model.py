@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,21 +46,27 @@ class Model:
 
     ``path_or_alias``: a GGUF file or a known alias (``smollm2``, ``gemma3-270m``; None =
     the default model, downloaded once).  ``ngl``: layer placement as in ``pyggml-chat -ngl``
-    (None: everything on the CPU).  ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"``
-    or a list), whose devices come first in the device ids; ``rpc_key``: the servers'
-    CurveZMQ public key (file or Z85 text) when they use one.  ``seed``: default seed of
-    sampling (None: random).
+    (``"auto"``: spread by free memory, the default when ``rpc`` is given; otherwise None:
+    everything on the CPU).  ``tensor_split``: proportions per device, as ``-ts 3,1``.
+    ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"`` or a list), whose devices come
+    first in the device ids; ``rpc_key``: the servers' CurveZMQ public key (file or Z85
+    text) when they use one.  ``seed``: default seed of sampling (None: random).
+    ``on_plan``: called with the placement's description before any weight moves.
     """
 
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
                  ngl: str | int | None = None, rpc: str | Sequence[str] | None = None, seed: int | None = None,
                  n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
-                 rpc_key: str | bytes | os.PathLike | None = None) -> None:
+                 rpc_key: str | bytes | os.PathLike | None = None, tensor_split: str | None = None,
+                 on_plan: Callable[[str], None] | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
         self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
+        if ngl is None and self.rpc_devices:
+            ngl = "auto"
         try:
             self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
-                                                 progress=progress)
+                                                 progress=progress, n_ctx=n_ctx, n_ubatch=n_batch,
+                                                 tensor_split=tensor_split, on_plan=on_plan)
         except BaseException:
             self._disconnect()
             raise

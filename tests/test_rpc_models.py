@@ -50,6 +50,39 @@ def test_logits_and_greedy_tokens_equal_the_local_run(alias, rpc_pair):
                 assert list(remote.generate(ids[:12], max_tokens=16, temperature=0)) == want_tokens
 
 
+def test_auto_placement_over_servers_of_different_memory(start_server):
+    """-ngl auto (the default with --rpc): layers in proportion to each server's --mem, the
+    embedding with the first layer and the head with the last; logits equal the local run."""
+    servers = [start_server("--mem", "100M"), start_server("--mem", "300M")]
+    endpoints = [s.endpoint for s in servers]
+    local = shared_model("smollm2")
+    ids = prompt_ids("smollm2")[:24]
+    plans = []
+    with pg.Model("smollm2", n_ctx=256, rpc=endpoints, progress=False, on_plan=plans.append) as m:
+        layers = m.model.placement.layers
+        first = layers.count(0)
+        assert 0 < first < layers.count(1) and layers == [0] * first + [1] * (30 - first)
+        assert (m.model.placement.prolog, m.model.placement.epilog) == (0, 1)
+        assert np.array_equal(m.logits(ids), local.logits(ids))
+    rows = plans[0].splitlines()
+    assert f"RPC[{endpoints[0]}]" in rows[1] and f"0-{first - 1},prolog" in rows[1]
+    assert f"{first}-29,epilog" in rows[2] and "300 M" in rows[2]
+
+
+def test_show_placement_dry_run_and_too_large(start_server):
+    server = start_server("--mem", "60M")
+    r = subprocess.run([sys.executable, "-m", "pyggml.cli.chat", "-m", "smollm2", "--rpc", server.endpoint,
+                        "-ts", "1", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "does not fit" in r.stderr and "MiB missing" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pyggml.cli.chat", "-m", "smollm2", "--rpc", server.endpoint,
+                        "-ngl", "0:prolog,4", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()
+    assert rows[0].split() == ["id", "device", "layers", "weights", "KV", "free"]
+    assert f"RPC[{server.endpoint}]" in rows[1] and "0-3,prolog" in rows[1] and "60 M" in rows[1]
+    assert "CPU" in rows[2] and "4-29,epilog" in rows[2]
+
+
 def test_decode_reuses_the_graph_on_the_server(rpc_pair):
     with pg.Model("smollm2", n_ctx=256, rpc=rpc_pair[0].endpoint, ngl="all", progress=False) as m:
         ids = m.tokenize("Once upon a time")
