@@ -82,6 +82,9 @@ def generate_key(path: str) -> None:
 @click.option("-c", "--cache", "use_cache", is_flag=True, help=f"Use the tensor cache in {DEFAULT_CACHE}.")
 @click.option("--cache-max", default="20G", show_default=True, metavar="SIZE",
               help="Largest size of the tensor cache; the entries used least recently are evicted past it.")
+@click.option("--gguf", "gguf_paths", multiple=True, metavar="PATH",
+              help="A GGUF file (or a folder of them) this server holds: clients loading the same file "
+                   "(known by its SHA-256) have the weights read here instead of sending them. Repeatable.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads for computing.")
 @click.option("--curve-secret-key", default=None, metavar="FILE",
               help="Encrypt and authenticate with CurveZMQ: only clients given the matching public key can connect.")
@@ -92,14 +95,15 @@ def generate_key(path: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
-def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, threads, curve_secret_key,
-         gen_key, max_message, list_devices, log_level) -> None:
+def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
+         curve_secret_key, gen_key, max_message, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over ZeroMQ, as ggml's rpc-server does.
 
     \b
     Examples:
       pyggml-rpc-server --device 0 --port 8080
       pyggml-rpc-server 8080@1                  # chatllm.cpp's form: port 8080, device 1
+      pyggml-rpc-server 8080 --gguf ~/models/   # clients with the same files send no weights
       pyggml-chat -m model.gguf --rpc "8080;8081" -ngl "0:prolog,epilog;1:all"
     """
     setup_logging(log_level)
@@ -143,12 +147,17 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     import zmq
 
     from pyggml.rpc.protocol import PROTOCOL_VERSION
+    from pyggml.rpc.files import ServerFiles
     from pyggml.rpc.server import RPCServer
+    try:
+        files = ServerFiles(list(gguf_paths)) if gguf_paths else None  # hashed once, remembered after
+    except (OSError, ValueError) as e:
+        fail(str(e))
     try:
         server = RPCServer(chosen, host=host, port=l_port, mem=parse_size(mem) if mem else None,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
                            max_message=parse_size(max_message), curve_secret_key=key,
-                           cache_max=parse_size(cache_max))
+                           cache_max=parse_size(cache_max), files=files)
     except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
     click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"
@@ -158,6 +167,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     if server.cache:
         click.echo(f"  tensor cache: {server.cache.dir} ({server.cache.size / 2**20:.0f} MiB of at most "
                    f"{server.cache.max_bytes / 2**20:.0f} MiB)")
+    for f in (files.files.values() if files else ()):
+        click.echo(f"  holds {f.path} ({f.path.stat().st_size / 2**20:.0f} MiB, sha256 {f.identity.hex()[:16]}...)")
     click.echo("", nl=True)
     sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

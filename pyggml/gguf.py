@@ -9,6 +9,7 @@ end) is a :class:`GGUFError` that names the file and the problem.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -21,6 +22,8 @@ import numpy as np
 from .backend import Buffer, BufferType, BufferUsage, alloc_tensors
 from .tensor import Tensor
 from .types import Type
+
+log = logging.getLogger("pyggml.gguf")
 
 GGUF_MAGIC = b"GGUF"
 
@@ -131,12 +134,30 @@ class GGUFFile:
         tensors = [t for _, ts in groups.values() for t in ts]
         total = sum(self.tensors[source(t)].nbytes for t in tensors)
         show = progress if progress is not None else total > 32 << 20 and sys.stderr.isatty()
+        identity: bytes | None = None
+        summaries: dict[str, Callable[[], str]] = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar:
             for t in tensors:
                 info = self.tensors[source(t)]
-                t.buffer.set_tensor(t, info.data)
+                buf = t.buffer
+                if hasattr(buf, "load_summary"):
+                    summaries.setdefault(buf.get_type().get_name(), buf.load_summary)
+                # a remote device whose server holds this very file fills the tensor from its copy
+                if hasattr(buf, "holds_file") and buf.holds_any_file():
+                    if identity is None:
+                        from .file_identity import file_identity
+                        identity = file_identity(self.path)
+                    if buf.holds_file(identity, self.path.name):
+                        buf.set_tensor_from_file(t, identity, info.offset, info.nbytes)
+                        bar.update(info.nbytes)
+                        continue
+                buf.set_tensor(t, info.data)
                 bar.update(info.nbytes)
+                if summaries:
+                    bar.set_postfix_str("; ".join(f"{n}: {f()}" for n, f in summaries.items()), refresh=False)
+        for name, summary in summaries.items():
+            log.info("%s: weights %s", name, summary())
         return buffers
 
     def _map_into(self, tensors: list[Tensor], buft: BufferType, source: Callable[[Tensor], str]) -> Buffer:

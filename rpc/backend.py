@@ -9,6 +9,8 @@ and the allocator all of this looks exactly like a local device.
 """
 from __future__ import annotations
 
+import logging
+
 from collections import OrderedDict
 
 import numpy as np
@@ -22,6 +24,8 @@ from . import protocol as P
 from .cache import digest
 from .client import Connection
 from .protocol import Codec, Command, RPCError, WireTensor
+
+log = logging.getLogger("pyggml.rpc")
 
 HASH_THRESHOLD = 64 << 10  # weights at least this large are offered to the server's cache by hash first
 
@@ -89,6 +93,7 @@ class RPCBuffer(Buffer):
         head = self._packed(tensor)
         cacheable = self.usage == BufferUsage.WEIGHTS and len(view) >= HASH_THRESHOLD and self.conn.server_has_cache
         step = self.conn.chunk_bytes
+        loaded = self.conn.loaded if self.usage == BufferUsage.WEIGHTS else {}
         for start in range(0, max(len(view), 1), step):
             piece = view[start:start + step]
             if cacheable:
@@ -96,11 +101,40 @@ class RPCBuffer(Buffer):
                                           head + P.SET_TENSOR_HASH.pack(offset + start, len(piece), digest(piece)),
                                           reply=P.U8)[0][0]
                 if found:
+                    loaded["cache"] = loaded.get("cache", 0) + len(piece)
                     continue
+            loaded["wire"] = loaded.get("wire", 0) + len(piece)
             codec, body = P.compress(piece)
             self.conn.send(Command.SET_TENSOR,
                            head + P.SET_TENSOR.pack(offset + start, len(piece), codec, P.FLAG_CACHE if cacheable else 0),
                            [body])
+
+    def holds_any_file(self) -> bool:
+        return bool(self.conn.server_files)
+
+    def load_summary(self) -> str:
+        """Where this server's weights came from: its files, its tensor cache, the wire."""
+        mib = {k: v / (1 << 20) for k, v in self.conn.loaded.items()}
+        return f"{mib['disk']:.0f} MiB from its disk, {mib['cache']:.0f} from its cache, {mib['wire']:.0f} sent"
+
+    def holds_file(self, identity: bytes, name: str) -> bool:
+        """Whether the server holds the GGUF ``identity`` (``--gguf``); a file of the same
+        name in another version is said once, and its tensors are uploaded."""
+        if identity in self.conn.server_files:
+            return True
+        if name in self.conn.server_files.values() and name not in self.conn.warned_versions:
+            self.conn.warned_versions.add(name)
+            log.warning("%s holds another version of %s: its tensors are uploaded", self.buft.get_name(), name)
+        return False
+
+    def set_tensor_from_file(self, tensor: Tensor, identity: bytes, file_offset: int, size: int,
+                             offset: int = 0) -> None:
+        """Fill ``size`` bytes of ``tensor`` from the server's own copy of the file: nothing
+        but the request travels (the server checks the range against the file's tensors)."""
+        self._check(tensor, offset, size)
+        self.conn.request(Command.SET_TENSOR_FILE,
+                          self._packed(tensor) + P.SET_TENSOR_FILE.pack(offset, size, identity, file_offset))
+        self.conn.loaded["disk"] = self.conn.loaded.get("disk", 0) + size
 
     def _packed(self, tensor: Tensor) -> bytes:
         """The tensor's wire form for data requests, kept: a decode loop writes the same

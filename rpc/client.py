@@ -19,6 +19,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import protocol as P
+from .files import parse_listing
 from .protocol import Command, RPCError, Status
 
 log = logging.getLogger("pyggml.rpc.client")
@@ -86,11 +87,19 @@ class Connection:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.sock.connect(f"tcp://{endpoint}")
         self._await_connection(connect_timeout)
-        _, self.n_devices, max_message, flags = self.request(
-            Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION), reply=P.HELLO_REPLY, timeout=connect_timeout)[0]
+        (_, self.n_devices, max_message, flags), listing = self.request(
+            Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION), reply=P.HELLO_REPLY, timeout=connect_timeout)
         # tensor data goes in pieces well under the server's cap (a bigger request would be dropped)
         self.chunk_bytes = max(1 << 16, min(P.CHUNK_BYTES, max_message // 2))
         self.server_has_cache = bool(flags & P.SERVER_HAS_CACHE)
+        try:  # identity -> name of the GGUF files the server holds (--gguf)
+            self.server_files = parse_listing(listing[0]) if flags & P.SERVER_HAS_FILES and listing else {}
+        except ValueError as e:
+            self.close(f"malformed HELLO reply: {e}")
+            raise RPCError(self.endpoint, self.closed_reason) from None
+        # where the weights of loads came from: the server's files, its tensor cache, the wire
+        self.loaded = {"disk": 0, "cache": 0, "wire": 0}
+        self.warned_versions: set[str] = set()
 
     def _await_connection(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

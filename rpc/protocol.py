@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"PYGM"
 
 
@@ -43,6 +43,7 @@ class Command(enum.IntEnum):
     GRAPH_COMPUTE = 15
     GRAPH_RECOMPUTE = 16
     GET_DEVICE_INFO = 17
+    SET_TENSOR_FILE = 18
 
 
 class Status(enum.IntEnum):
@@ -58,6 +59,7 @@ class Codec(enum.IntEnum):
 FLAG_NO_REPLY = 1   # header flag: the client does not wait for an answer
 FLAG_CACHE = 1      # SET_TENSOR flag: weights worth keeping in the server's tensor cache
 SERVER_HAS_CACHE = 1  # HELLO reply flag: the server keeps a tensor cache (SET_TENSOR_HASH can hit)
+SERVER_HAS_FILES = 2  # HELLO reply flag: a frame lists the GGUF files the server holds (SET_TENSOR_FILE)
 
 HEADER = struct.Struct("<BBHI")      # command (or status), flags, reserved, sequence number
 HELLO = struct.Struct("<4sI")        # magic, protocol version
@@ -72,6 +74,7 @@ ALLOC_REPLY = struct.Struct("<QQ")                   # handle, size
 BUFFER_CLEAR = struct.Struct("<QB")                  # handle, value
 SET_TENSOR = struct.Struct("<QQBB")                  # offset, size, codec, flags
 SET_TENSOR_HASH = struct.Struct("<QQ32s")            # offset, size, digest
+SET_TENSOR_FILE = struct.Struct("<QQ32sQ")           # offset, size, file identity, offset in the file
 GET_TENSOR = struct.Struct("<QQB")                   # offset, size, accepted codec
 GET_REPLY = struct.Struct("<QB")                     # size, codec
 MEMSET = struct.Struct("<QQB")                       # offset, size, value

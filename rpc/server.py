@@ -45,6 +45,7 @@ from pyggml.types import Type
 
 from . import protocol as P
 from .cache import TensorCache
+from .files import ServerFiles
 from .protocol import Command, ProtocolError, Status, unpack
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
@@ -136,11 +137,12 @@ class RPCServer:
     def __init__(self, devices: list[Device], host: str = "127.0.0.1", port: int = 0, mem: int | None = None,
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
                  curve_secret_key: bytes | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), files: ServerFiles | None = None) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
         self.cache = TensorCache(cache_dir, cache_max) if cache_dir else None
+        self.files = files if files is not None and files.files else None
         self.max_message = max_message
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
@@ -181,6 +183,7 @@ class RPCServer:
             Command.INIT_TENSOR: self._init_tensor,
             Command.SET_TENSOR: self._set_tensor,
             Command.SET_TENSOR_HASH: self._set_tensor_hash,
+            Command.SET_TENSOR_FILE: self._set_tensor_file,
             Command.GET_TENSOR: self._get_tensor,
             Command.COPY_TENSOR: self._copy_tensor,
             Command.MEMSET_TENSOR: self._memset_tensor,
@@ -345,8 +348,9 @@ class RPCServer:
         if session is None:
             self.sessions[identity] = Session(identity, fd, peer)
             log.info("client %s connected from %s", identity.hex(), peer)
-        flags = P.SERVER_HAS_CACHE if self.cache is not None else 0
-        return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices), self.max_message, flags), []
+        flags = (P.SERVER_HAS_CACHE if self.cache is not None else 0) | (P.SERVER_HAS_FILES if self.files else 0)
+        listing = [self.files.listing()] if self.files else []
+        return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices), self.max_message, flags), listing
 
     def _device_count(self, s: Session, payload: memoryview, data: list) -> Reply:
         if len(payload):
@@ -448,6 +452,15 @@ class RPCServer:
             return P.U8.pack(0), []
         t.buffer.set_tensor(t, raw, offset)
         return P.U8.pack(1), []
+
+    def _set_tensor_file(self, s: Session, payload: memoryview, data: list) -> Reply:
+        t, (offset, size, identity, file_offset) = self._tensor_and(s, payload, P.SET_TENSOR_FILE)
+        self._frames(data, 0)
+        self._range(t, offset, size)
+        if self.files is None:
+            raise ProtocolError("this server holds no files (start it with --gguf)")
+        t.buffer.set_tensor(t, self.files.get(identity).data(file_offset, size), offset)
+        return b"", []
 
     def _get_tensor(self, s: Session, payload: memoryview, data: list) -> Reply:
         t, (offset, size, codec) = self._tensor_and(s, payload, P.GET_TENSOR)
