@@ -3,8 +3,9 @@
 Starts its own ``pyggml-rpc-server`` processes on 127.0.0.1 and prints, for one model:
 generation tokens/s locally, with every layer on one server, and split over two servers
 (embedding and head on one, the layers on the other); the time added per token per
-server; bytes on the wire per generated token; upload MB/s of the first load; and the
-time of a second load that the servers' tensor caches answer.
+server; bytes on the wire per generated token; upload MB/s of the first load; the time of
+a second load that the servers' tensor caches answer; and a cold load from a server that
+holds the file itself (``--gguf``).
 
     python bench/rpc.py [--model smollm2] [--tokens 64]
 
@@ -100,6 +101,15 @@ def main() -> None:
         finally:
             for s in servers:
                 s.stop()
+        holder = ServerProcess("--gguf", str(pg.hub.resolve(args.model)), env=env)  # hashes it once (remembered)
+        try:
+            t0 = time.perf_counter()
+            disk = pg.Model(args.model, n_ctx=args.ctx, rpc=holder.endpoint, ngl="all", progress=False)
+            disk_load = time.perf_counter() - t0
+            disk_upload = disk.rpc_devices[0].conn.bytes_sent
+            disk.close()
+        finally:
+            holder.stop()
 
     print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens x "
           f"{args.rounds} rounds, "
@@ -115,6 +125,8 @@ def main() -> None:
           f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")
     print(f"cached second load:       {cached_load:.2f} s, {cached_upload / 2**20:.2f} MiB sent "
           f"({first_load / cached_load:.1f}x faster)")
+    print(f"from the server's --gguf: {disk_load:.2f} s, {disk_upload / 2**20:.2f} MiB sent "
+          f"({disk_upload / weights:.2%} of the weights; {first_load / disk_load:.1f}x faster than uploading)")
 
 
 if __name__ == "__main__":
