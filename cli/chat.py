@@ -54,7 +54,7 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
 @click.option("--show-devices", is_flag=True, help="List the devices (with their ids for -ngl) and exit.")
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
-def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, prompt, system, n_predict, temp, top_k,
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt, system, n_predict, temp, top_k,
          top_p, min_p, repeat_penalty, seed, show_devices, timings) -> None:
     """Chat with a GGUF model (llama, qwen2, qwen3, gemma3).
 
@@ -66,7 +66,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, prom
         click.echo("devices:")
         _show_devices(rpc, rpc_key)
         return
-    m = load_model_or_exit(**placement, path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, rpc=rpc,
+    m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, rpc=rpc,
                            rpc_key=rpc_key, seed=seed, n_threads=threads)
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,
                     min_p=min_p, repeat_penalty=repeat_penalty)

@@ -54,13 +54,14 @@ def setup_logging(level: str) -> None:
 
 
 def model_options(f: Callable) -> Callable:
-    """-m, -c, -ngl, -ts, --show-placement, --dry-run, --rpc, --rpc-key, --threads, --log-level
-    (shared by the tools that load a model).  The three placement flags reach the command as
-    one ``placement`` dict, for load_model_or_exit."""
+    """-m, -c, -ngl, -ts, --show-placement, --dry-run, --rpc, --rpc-key, --rpc-spare, --failover,
+    --threads, --log-level (shared by the tools that load a model).  The placement and
+    failover flags reach the command as one ``loading`` dict, for load_model_or_exit."""
     @functools.wraps(f)
-    def command(*args: Any, tensor_split: str | None, show_placement: bool, dry_run: bool, **kwargs: Any) -> Any:
-        return f(*args, placement={"tensor_split": tensor_split, "show_placement": show_placement,
-                                   "dry_run": dry_run}, **kwargs)
+    def command(*args: Any, tensor_split: str | None, show_placement: bool, dry_run: bool, failover: bool,
+                rpc_spare: str | None, **kwargs: Any) -> Any:
+        return f(*args, loading={"tensor_split": tensor_split, "show_placement": show_placement,
+                                 "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare}, **kwargs)
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -81,6 +82,11 @@ def model_options(f: Callable) -> Callable:
                           "means 127.0.0.1. Their devices get the first ids."),
         click.option("--rpc-key", default=None, metavar="FILE",
                      help="The RPC servers' CurveZMQ public key (from pyggml-rpc-server --gen-key)."),
+        click.option("--failover", is_flag=True,
+                     help="When an RPC server dies, move its layers onto the devices left, rebuild the cache "
+                          "and go on generating (the output is that of an uninterrupted run)."),
+        click.option("--rpc-spare", default=None, metavar="ENDPOINTS",
+                     help="RPC servers held in reserve for --failover: the first one takes a lost server's place."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
                      show_default=True, help="Logging detail on stderr."),

@@ -28,7 +28,7 @@ def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 @click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
               help="Text file to score.")
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Most chunks to score (-1: all).")
-def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, path, chunks) -> None:
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, path, chunks) -> None:
     """Perplexity of a text file (-c: chunk size, default 512)."""
     setup_logging(log_level)
     try:
@@ -37,7 +37,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, path
     except OSError as e:
         fail(f"{path}: {e.strerror or e}")
     n_ctx = ctx_size or 512
-    m = load_model_or_exit(**placement, path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads)
+    m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key,
+                           n_threads=threads)
     tokens = m.tokenize(text, add_bos=False)
     n_chunk = len(tokens) // n_ctx
     if chunks > 0:

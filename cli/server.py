@@ -27,7 +27,7 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
 @click.option("--api-key", default=None, metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
 @click.option("--alias", default=None, help="Model name shown by /v1/models and in replies (default: the file name).")
-def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, host, port, n_parallel, n_batch, max_queue,
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, max_queue,
          api_key, alias) -> None:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
@@ -53,9 +53,11 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, host
         fail(f"-b/--batch-size ({n_batch}) must be at least -np/--parallel ({n_parallel})")
     n_ctx = -(-(ctx_size or 4096) // CTX_PAD) * CTX_PAD
     model_args = dict(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads,
-                      n_batch=max(n_batch, 256), tensor_split=placement["tensor_split"])
-    if placement["dry_run"]:
-        load_model_or_exit(**placement, **model_args)  # prints the plan and exits
+                      n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"])
+    if loading["failover"] or loading["rpc_spare"]:
+        fail("--failover is not yet supported by pyggml-server (pyggml-chat and pyggml.Model have it)")
+    if loading["dry_run"]:
+        load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits
     if host not in LOCAL_HOSTS:
         click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
                    f"connect may use it" + ("" if api_key else "; consider --api-key"), err=True)
@@ -70,7 +72,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, placement, host
         from pyggml.models import Model, PlacementError
         from pyggml.models.engine import Engine
         try:
-            m = Model(**model_args, on_plan=click.echo if placement["show_placement"] else None)
+            m = Model(**model_args, on_plan=click.echo if loading["show_placement"] else None)
             state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
         except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             state.load_error = str(e)

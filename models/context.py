@@ -87,6 +87,10 @@ class Context:
         self.sched = Scheduler(self.backends)
         self.kv = KVCache(self.hp, n_ctx, [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        # the decode() calls that wrote them, as (first position, tokens): replaying these calls
+        # rebuilds the cache bit for bit elsewhere (failover), as each call's batch shape decides
+        # which kernels ran
+        self.calls: list[tuple[int, list[int]]] = []
         self._graphs: OrderedDict[tuple[int, int, int], GraphBuilder] = OrderedDict()
         self.timings = Timings()
 
@@ -108,6 +112,16 @@ class Context:
         n = max(0, min(n, len(self.tokens)))
         self.tokens = self.tokens[:n]
         self.kv.seq_rm(0, n)
+        self.calls = [c for c in self.calls if c[0] < n]
+
+    def replay(self, calls: list[tuple[int, list[int]]], n: int) -> None:
+        """Rebuild sequence 0's cache from another context's ``calls``, keeping ``n`` tokens:
+        the same calls in the same order give the same bits."""
+        self.clear()
+        for start, tokens in calls:
+            self.truncate(start)
+            self.decode(tokens)
+        self.truncate(n)
 
     # -- graphs -------------------------------------------------------------------------------------
     def _graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> GraphBuilder:
@@ -180,6 +194,7 @@ class Context:
             raise ValueError("decode: no tokens")
         t0 = time.perf_counter()
         logits = self.decode_batch(Batch.of(ids, len(self.tokens), 0, "all" if all_logits else "last"))
+        self.calls.append((len(self.tokens), [int(t) for t in ids]))
         self.tokens.extend(int(t) for t in ids)
         dt = time.perf_counter() - t0
         if ids.size == 1:

@@ -1,7 +1,9 @@
 """The high-level Python API: ``pyggml.Model`` (shaped like llama-cpp-python's ``Llama``)."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -14,8 +16,11 @@ from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
+from .placement import spans
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("pyggml.models")
 
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -52,30 +57,32 @@ class Model:
     first in the device ids; ``rpc_key``: the servers' CurveZMQ public key (file or Z85
     text) when they use one.  ``seed``: default seed of sampling (None: random).
     ``on_plan``: called with the placement's description before any weight moves.
+    ``failover``: when an RPC server dies mid-generation, move its layers onto the devices
+    left (``rpc_spare`` endpoints first), rebuild the cache and go on; the output is that
+    of an uninterrupted run.
     """
 
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
                  ngl: str | int | None = None, rpc: str | Sequence[str] | None = None, seed: int | None = None,
                  n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
                  rpc_key: str | bytes | os.PathLike | None = None, tensor_split: str | None = None,
-                 on_plan: Callable[[str], None] | None = None) -> None:
+                 on_plan: Callable[[str], None] | None = None, failover: bool = False,
+                 rpc_spare: str | Sequence[str] | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
+        self.rpc_key = rpc_key
+        self.failover = failover
+        self.lost_endpoints: list[str] = []
+        if rpc_spare:
+            from pyggml.rpc import parse_endpoints
+            self.spare_endpoints = parse_endpoints(rpc_spare)
+        else:
+            self.spare_endpoints = []
+        self.n_threads, self.progress = n_threads, progress
         self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
         if ngl is None and self.rpc_devices:
             ngl = "auto"
-        try:
-            self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
-                                                 progress=progress, n_ctx=n_ctx, n_ubatch=n_batch,
-                                                 tensor_split=tensor_split, on_plan=on_plan)
-        except BaseException:
-            self._disconnect()
-            raise
+        self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
         self.tokenizer = _tokenizer_of(self.model.gguf)
-        self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
-        if n_threads:
-            for backend in self.context.backends:
-                if hasattr(backend, "set_n_threads"):
-                    backend.set_n_threads(n_threads)
         tk = self.tokenizer
         self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,
                                           tk.token_text(tk.bos_id) if tk.bos_id is not None else "",
@@ -83,6 +90,96 @@ class Model:
         self.seed = seed
         self.finish_reason: str | None = None
         self.engine = None  # an Engine serving this model owns its context
+
+    def _place(self, ngl, tensor_split, n_ctx: int, n_batch: int, on_plan=None) -> None:
+        """Load the weights onto the devices by the plan, and make a fresh context."""
+        try:
+            self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
+                                                 progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
+                                                 tensor_split=tensor_split, on_plan=on_plan)
+        except BaseException:
+            self._disconnect()
+            raise
+        self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
+        if self.n_threads:
+            for backend in self.context.backends:
+                if hasattr(backend, "set_n_threads"):
+                    backend.set_n_threads(self.n_threads)
+
+    # -- failover -----------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Place the model anew over the RPC devices now connected (and the local ones), load
+        it, and rebuild sequence 0's cache by replaying the calls that built it."""
+        old = self.context
+        calls, n = old.calls, len(old.tokens)
+        old.free()
+        for buf in old.kv.buffers:
+            buf.free()
+        self.model.free()
+        self._place("auto", None, old.n_ctx, old.n_ubatch)
+        self.context.timings = old.timings
+        self.context.replay(calls, n)
+
+    def reconnect(self) -> list[str]:
+        """Attach again the servers lost to failover that answer now; the model is placed
+        anew over every device and goes on where it was.  Returns the endpoints attached."""
+        back = []
+        for endpoint in list(self.lost_endpoints):
+            try:
+                back += connect_rpc(endpoint, self.rpc_key)
+            except (RuntimeError, ValueError, OSError) as e:
+                log.info("%s is still unreachable: %s", endpoint, e)
+                continue
+            self.lost_endpoints.remove(endpoint)
+        if back:
+            self.rpc_devices += back
+            self._rebuild()
+        return [d.conn.endpoint for d in back]
+
+    def _guarded(self, step: Callable[[], Any]) -> Any:
+        """Run a decoding step; with ``failover``, a lost RPC server is replaced and the step
+        runs again on the new placement."""
+        from pyggml.rpc import RPCError
+        while True:
+            try:
+                return step()
+            except RPCError as e:
+                if not self.failover:
+                    raise
+                self._recover(e)
+
+    def _recover(self, error: Exception) -> None:
+        """Move the lost server's layers onto the devices left (a spare first), load them,
+        and rebuild the cache by replaying the calls that built it: the same calls give the
+        same bits, so greedy and seeded generation go on exactly as if nothing happened."""
+        t0 = time.perf_counter()
+        lost = [d for d in self.rpc_devices if d.conn.closed_reason is not None or d.conn.endpoint == error.endpoint]
+        if not lost:
+            raise error
+        lost_names = {d.get_name() for d in lost}
+        lost_layers = [il for il, dev in enumerate(self.model.placement.layers)
+                       if self.model.devices[dev].get_name() in lost_names]
+        for d in lost:
+            d.conn.close(f"lost: {error}")
+        self.rpc_devices = [d for d in self.rpc_devices if d not in lost]
+        spare = []
+        while self.spare_endpoints and not spare:
+            endpoint = self.spare_endpoints.pop(0)
+            try:
+                spare = connect_rpc(endpoint, self.rpc_key)
+            except (RuntimeError, ValueError, OSError) as e:
+                log.warning("spare %s cannot be used: %s", endpoint, e)
+        self.rpc_devices = spare + self.rpc_devices
+        self.lost_endpoints += [d.conn.endpoint for d in lost]
+        try:
+            self._rebuild()
+        except Exception as e:
+            raise type(error)(error.endpoint, f"{str(error).split(': ', 1)[-1]}; failover found no room: {e}") \
+                from None
+        where = sorted({self.model.devices[self.model.placement.layers[il]].get_name() for il in lost_layers})
+        log.warning("%s lost (%s); its layers %s moved to %s; recovered in %.1f s", ", ".join(sorted(lost_names)),
+                    str(error).split(": ", 1)[-1], spans(lost_layers), ", ".join(where),
+                    time.perf_counter() - t0)
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -112,8 +209,11 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 [len(ids), n_vocab]: the next-token logits after each token of a fresh sequence."""
         self._check_free()
-        self.context.clear()
-        return self.context.decode(list(ids), all_logits=True)
+
+        def score() -> np.ndarray:
+            self.context.clear()
+            return self.context.decode(list(ids), all_logits=True)
+        return self._guarded(score)
 
     def generate(self, ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
@@ -129,7 +229,7 @@ class Model:
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty)
         sampler = Sampler(params, seed if seed is not None else self.seed)
         self.finish_reason = None
-        logits = self.context.eval_prefix(ids)[-1]
+        logits = self._guarded(lambda: self.context.eval_prefix(ids))[-1]
         history = ids
         for n in range(max_tokens):
             token = sampler.sample(logits, history)
@@ -143,7 +243,7 @@ class Model:
             if self.context.n_past >= self.n_ctx:
                 self.finish_reason = "length"
                 return
-            logits = self.context.decode([token])[-1]
+            logits = self._guarded(lambda: self.context.decode([token]))[-1]
         self.finish_reason = "length"
 
     def _check_free(self) -> None:

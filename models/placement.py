@@ -202,15 +202,15 @@ def describe(p: Placement, sizes: Sizes, names: list[str], free: list[int]) -> s
     rows = [f"{'id':>3}  {'device':<28} {'layers':<16} {'weights':>9} {'KV':>8} {'free':>10}"]
     for d in p.used():
         mine = [il for il, x in enumerate(p.layers) if x == d]
-        spans = _spans(mine)
+        spanned = spans(mine)
         extra = [s for s, on in (("prolog", p.prolog == d), ("epilog", p.epilog == d)) if on]
         weights, kv = sizes.need(p, d)
-        rows.append(f"{d:>3}  {names[d]:<28} {','.join([spans] * bool(spans) + extra):<16} "
+        rows.append(f"{d:>3}  {names[d]:<28} {','.join([spanned] * bool(spanned) + extra):<16} "
                     f"{weights / MiB:>7.1f} M {kv / MiB:>6.1f} M {free[d] / MiB:>8.0f} M")
     return "\n".join(rows)
 
 
-def _spans(ids: list[int]) -> str:
+def spans(ids: list[int]) -> str:
     out, start = [], None
     for i, x in enumerate(ids):
         if start is None:

@@ -1,0 +1,110 @@
+"""Failover: kill -9 of an RPC server in the middle of a greedy generation; with
+``failover`` the generation completes on the devices left (or a spare) and its tokens are
+those of an uninterrupted run; without it, the clean error of today."""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pyggml as pg
+from pyggml.rpc import RPCError
+
+from .conftest import shared_model
+
+PROMPT = "Once upon a time, in a land far away,"
+
+
+def uninterrupted(alias: str, n: int) -> list[int]:
+    m = shared_model(alias)
+    return list(m.generate(m.tokenize(PROMPT), max_tokens=n, temperature=0))
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_greedy_generation_survives_a_killed_server(alias, start_server, caplog):
+    want = uninterrupted(alias, 32)
+    servers = [start_server(), start_server()]
+    with pg.Model(alias, n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True) as m:
+        assert set(m.model.placement.layers) == {0, 1}
+        got = []
+        with caplog.at_level(logging.WARNING, logger="pyggml.models"):
+            for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=32, temperature=0)):
+                got.append(token)
+                if i == 8:
+                    servers[1].kill()
+        assert got == want
+        assert set(m.model.placement.layers) == {0}  # everything on the server left
+        said = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+        assert len(said) == 1 and servers[1].endpoint in said[0] and "recovered in" in said[0]
+
+
+def test_a_spare_takes_the_lost_servers_place(start_server):
+    want = uninterrupted("smollm2", 24)
+    servers = [start_server(), start_server()]
+    spare = start_server()
+    with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], rpc_spare=spare.endpoint,
+                  progress=False, failover=True) as m:
+        got = []
+        for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=24, temperature=0)):
+            got.append(token)
+            if i == 4:
+                servers[0].kill()
+        assert got == want
+        names = {m.model.devices[d].get_name() for d in m.model.placement.used()}
+        assert f"RPC[{spare.endpoint}]" in names and f"RPC[{servers[0].endpoint}]" not in names
+
+
+def test_a_server_that_comes_back_is_attached_again(start_server):
+    want = uninterrupted("smollm2", 24)
+    servers = [start_server(), start_server()]
+    with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True) as m:
+        tokens = m.generate(m.tokenize(PROMPT), max_tokens=24, temperature=0)
+        got = [next(tokens) for _ in range(6)]
+        servers[1].kill()
+        got += [next(tokens) for _ in range(6)]  # the failover happens here
+        assert m.lost_endpoints == [servers[1].endpoint]
+        back = start_server("-p", str(servers[1].port))
+        assert m.reconnect() == [back.endpoint] and m.lost_endpoints == []
+        assert {m.model.devices[d].get_name() for d in m.model.placement.used()} == {
+            f"RPC[{servers[0].endpoint}]", f"RPC[{back.endpoint}]"}
+        got += list(tokens)
+        assert got == want
+
+
+def test_without_failover_a_killed_server_is_a_clean_error(start_server):
+    servers = [start_server(), start_server()]
+    with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False) as m:
+        t0 = time.monotonic()
+        with pytest.raises(RPCError, match=servers[1].endpoint):
+            for i, _ in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=32, temperature=0)):
+                if i == 4:
+                    servers[1].kill()
+        assert time.monotonic() - t0 < 30
+
+
+def test_pyggml_chat_with_failover(start_server):
+    """pyggml-chat -p with --failover: a server killed while the answer streams; the answer
+    is the one a local run gives."""
+    def chat(*extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pyggml.cli.chat", "-m", "smollm2", "-p", "Tell me a story.",
+                                 "-n", "48", "--temp", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    local = chat()
+    want, _ = local.communicate(timeout=120)
+    servers = [start_server(), start_server()]
+    p = chat("--rpc", ";".join(s.endpoint for s in servers), "--failover")
+    first = b""
+    deadline = time.monotonic() + 120
+    while len(first) < 20 and time.monotonic() < deadline:  # the answer has begun
+        if select.select([p.stdout], [], [], 1.0)[0]:
+            first += os.read(p.stdout.fileno(), 4096)
+    servers[1].kill()
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()
+    assert first + rest == want
+    assert b"lost" in err and servers[1].endpoint.encode() in err
