@@ -53,9 +53,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         fail(f"-b/--batch-size ({n_batch}) must be at least -np/--parallel ({n_parallel})")
     n_ctx = -(-(ctx_size or 4096) // CTX_PAD) * CTX_PAD
     model_args = dict(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads,
-                      n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"])
-    if loading["failover"] or loading["rpc_spare"]:
-        fail("--failover is not yet supported by pyggml-server (pyggml-chat and pyggml.Model have it)")
+                      n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"],
+                      failover=loading["failover"], rpc_spare=loading["rpc_spare"])
     if loading["dry_run"]:
         load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits
     if host not in LOCAL_HOSTS:

@@ -27,6 +27,7 @@ from .kv_cache import KVCache
 from .loader import LoadedModel
 
 MAX_CACHED_GRAPHS = 4
+MAX_LOG_TOKENS = 1 << 20
 
 
 class ContextFullError(ValueError):
@@ -87,10 +88,12 @@ class Context:
         self.sched = Scheduler(self.backends)
         self.kv = KVCache(self.hp, n_ctx, [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
-        # the decode() calls that wrote them, as (first position, tokens): replaying these calls
-        # rebuilds the cache bit for bit elsewhere (failover), as each call's batch shape decides
-        # which kernels ran
-        self.calls: list[tuple[int, list[int]]] = []
+        # what changed the cache since it was last empty, in order: batches decoded and cells
+        # freed.  Replaying it rebuilds the cache bit for bit elsewhere (failover): each batch's
+        # shape decides which kernels ran and which cells it took.  None once it grew past
+        # MAX_LOG_TOKENS (the cache can then only be rebuilt approximately)
+        self.log: list[tuple] | None = []
+        self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, int, int], GraphBuilder] = OrderedDict()
         self.timings = Timings()
 
@@ -111,17 +114,42 @@ class Context:
         """Forget every token of sequence 0 cached after the first ``n``."""
         n = max(0, min(n, len(self.tokens)))
         self.tokens = self.tokens[:n]
-        self.kv.seq_rm(0, n)
-        self.calls = [c for c in self.calls if c[0] < n]
+        self.seq_rm(0, n)
 
-    def replay(self, calls: list[tuple[int, list[int]]], n: int) -> None:
-        """Rebuild sequence 0's cache from another context's ``calls``, keeping ``n`` tokens:
-        the same calls in the same order give the same bits."""
-        self.clear()
-        for start, tokens in calls:
-            self.truncate(start)
-            self.decode(tokens)
-        self.truncate(n)
+    def seq_rm(self, seq: int, p0: int = 0) -> None:
+        """Free the cells of sequence ``seq`` from position ``p0`` on (llama_memory_seq_rm)."""
+        self.kv.seq_rm(seq, p0)
+        self._logged(("rm", seq, p0), 0)
+
+    def clear_cache(self) -> None:
+        """Free every cell of every sequence."""
+        self.kv.clear()
+        self.tokens = []
+        self._logged(("clear",), 0)
+
+    def _logged(self, op: tuple, n_tokens: int) -> None:
+        if self.kv.n_used == 0:
+            self.log, self._log_tokens = [], 0  # nothing to rebuild
+            return
+        if self.log is not None:
+            self._log_tokens += n_tokens
+            if self._log_tokens > MAX_LOG_TOKENS:
+                self.log = None
+            else:
+                self.log.append(op)
+
+    def replay(self, log: list[tuple], tokens: list[int]) -> None:
+        """Rebuild the cache from another context's ``log`` (sequence 0 holding ``tokens``):
+        the same operations in the same order give the same bits."""
+        self.clear_cache()
+        for op in log:
+            if op[0] == "b":
+                self.decode_batch(op[1])
+            elif op[0] == "rm":
+                self.seq_rm(op[1], op[2])
+            else:
+                self.clear_cache()
+        self.tokens = list(tokens)
 
     # -- graphs -------------------------------------------------------------------------------------
     def _graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> GraphBuilder:
@@ -182,6 +210,7 @@ class Context:
             self.sched.graph_compute(b.graph)
             if batch.output[start:start + self.n_ubatch].any():
                 outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
+        self._logged(("b", batch), len(batch))
         if not outs:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
@@ -194,7 +223,6 @@ class Context:
             raise ValueError("decode: no tokens")
         t0 = time.perf_counter()
         logits = self.decode_batch(Batch.of(ids, len(self.tokens), 0, "all" if all_logits else "last"))
-        self.calls.append((len(self.tokens), [int(t) for t in ids]))
         self.tokens.extend(int(t) for t in ids)
         dt = time.perf_counter() - t0
         if ids.size == 1:

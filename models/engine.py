@@ -18,7 +18,9 @@ free cell ends with ``finish_reason`` "length".
 The engine has no HTTP in it: ``submit`` returns OpenAI-shaped chunks (or the whole reply)
 and may be called from any thread; ``start`` is the lower level that delivers events to a
 callback (what the HTTP server uses).  When a device is lost (an RPC server died) the
-requests in flight end with an error naming it, and the engine refuses new ones, saying why.
+requests in flight end with an error naming it, and the engine refuses new ones, saying why;
+unless the model has ``failover``: then its layers move, the cache is rebuilt by replaying
+its history, and the requests go on.
 
 A sequence decoded beside others gets the bits it gets alone where the kernels allow it:
 the KV cache hands out cells in pages so that every sequence's cells sit at their solo
@@ -139,8 +141,7 @@ class Engine:
             raise RuntimeError("this model is already served by an Engine")
         self.model = model
         self.ctx = model.context
-        self.ctx.clear()
-        self.ctx.kv.clear()
+        self.ctx.clear_cache()
         self.n_ctx = self.ctx.n_ctx
         if self.n_ctx % PAGE:
             raise ValueError(f"an Engine needs a context of whole {PAGE}-cell pages, not {self.n_ctx} cells")
@@ -279,7 +280,23 @@ class Engine:
             try:
                 self.step()
             except Exception as e:  # a lost device, or a bug: no request may hang on it
-                self._on_step_failure(e)
+                if not self._fail_over(e):
+                    self._on_step_failure(e)
+
+    def _fail_over(self, e: Exception) -> bool:
+        """A lost RPC server with the model's ``failover`` on: the model moves its layers and
+        replays the cache's history (every sequence's bits as before), and the failed step
+        runs again; the requests in flight only see a pause."""
+        from pyggml.rpc import RPCError
+        if not (isinstance(e, RPCError) and self.model.failover):
+            return False
+        try:
+            self.model._recover(e)
+        except Exception as again:
+            self._on_step_failure(again)
+            return True
+        self.ctx = self.model.context
+        return True
 
     def _on_step_failure(self, e: Exception) -> None:
         from pyggml.rpc import RPCError
@@ -292,7 +309,7 @@ class Engine:
             self._fail_all(message if self.failure is None else self.failure, queued=self.failure is not None)
         for s in self.slots:  # their cells may hold half-written steps
             s.tokens = []
-        self.ctx.kv.clear()
+        self.ctx.clear_cache()
 
     def _fail_all(self, message: str, queued: bool = True) -> None:
         for s in self.slots:
@@ -334,7 +351,7 @@ class Engine:
             self._assign(slot, req, cached)
 
     def _assign(self, slot: Slot, req: Request, cached: int) -> None:
-        self.ctx.kv.seq_rm(slot.seq, cached)
+        self.ctx.seq_rm(slot.seq, cached)
         slot.tokens = slot.tokens[:cached]
         slot.req = req
         o = req.options
@@ -360,7 +377,7 @@ class Engine:
         for s in sorted((s for s in self.slots if s.req is None and s.tokens), key=lambda s: s.last_used):
             if kv.free_pages >= pages:
                 return
-            kv.seq_rm(s.seq, 0)
+            self.ctx.seq_rm(s.seq, 0)
             s.tokens = []
 
     def step(self) -> None:

@@ -109,16 +109,21 @@ class Model:
     # -- failover -----------------------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Place the model anew over the RPC devices now connected (and the local ones), load
-        it, and rebuild sequence 0's cache by replaying the calls that built it."""
+        it, and rebuild the cache by replaying what built it (context.py's log)."""
         old = self.context
-        calls, n = old.calls, len(old.tokens)
         old.free()
         for buf in old.kv.buffers:
             buf.free()
         self.model.free()
         self._place("auto", None, old.n_ctx, old.n_ubatch)
         self.context.timings = old.timings
-        self.context.replay(calls, n)
+        if old.log is not None:
+            self.context.replay(old.log, old.tokens)
+        else:  # too long a history to keep: sequence 0 read again in one go, other bits
+            log.warning("the cache's history was too long to replay: rebuilt from its tokens, and the "
+                        "logits that follow may differ in their last bits")
+            if old.tokens:
+                self.context.decode(old.tokens)
 
     def reconnect(self) -> list[str]:
         """Attach again the servers lost to failover that answer now; the model is placed

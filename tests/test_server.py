@@ -351,3 +351,30 @@ def test_served_over_two_rpc_servers(start_server, tmp_path, solo):
     finally:
         s.stop()
 
+
+
+def test_failover_keeps_streams_going(start_server, tmp_path):
+    """--failover: an RPC server killed while two streams are decoded together; both streams
+    complete with the text an uninterrupted run gives, and the server stays healthy."""
+    prompts = ["Once upon a time, in a land far away,", "The history of the clock begins"]
+    m = shared_model("smollm2")
+    want = {p: m.create_completion(p, max_tokens=40, temperature=0)["choices"][0]["text"] for p in prompts}
+    servers = [start_server(), start_server()]
+    s = HTTPServer("-m", "smollm2", "-c", "1024", "-np", "2", "--rpc", ";".join(x.endpoint for x in servers),
+                   "--failover", log_path=tmp_path / "failover.log")
+    try:
+        c = s.client(timeout=120)
+        streams = {p: c.completions.create(model="smollm2", prompt=p, max_tokens=40, temperature=0, stream=True)
+                   for p in prompts}
+        text = {p: "" for p in prompts}
+        iters = {p: iter(st) for p, st in streams.items()}
+        for p in prompts:  # both have begun
+            text[p] += next(iters[p]).choices[0].text
+        servers[1].kill()
+        for p in prompts:
+            text[p] += "".join(ch.choices[0].text for ch in iters[p])
+        assert text == want
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+        assert "lost" in (tmp_path / "failover.log").read_text()
+    finally:
+        s.stop()
