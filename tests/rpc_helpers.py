@@ -23,8 +23,10 @@ def _server_log(path: str | os.PathLike | None = None):
 class ServerProcess:
     """``pyggml-rpc-server`` on a free port of 127.0.0.1 (the server picks it and prints it)."""
 
-    def __init__(self, *args: str, env: dict | None = None, log: str | os.PathLike | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
+    def __init__(self, *args: str, env: dict | None = None, log: str | os.PathLike | None = None,
+                 prefix: tuple[str, ...] = ()) -> None:
+        # prefix: what runs the server, e.g. ("ip", "netns", "exec", NAME) for another network namespace
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
                                      stdout=subprocess.PIPE, stderr=_server_log(log),
                                      env={**os.environ, **(env or {})})
         self.banner = self._read_banner(30)

@@ -1,0 +1,89 @@
+"""The cluster across two network namespaces joined by a veth pair: the client here, the
+servers there, bound to their namespace's address - placement, weights from the servers'
+disks, and failover over a real (virtual) link rather than loopback."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import hub
+
+from .conftest import shared_model
+from .rpc_helpers import ServerProcess
+
+SUBNET = 10 + os.getpid() % 200  # 10.77.SUBNET.0/24: unique enough for parallel runs
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def netns():
+    """(namespace name, the servers' address); skipped where namespaces cannot be made."""
+    name, veth = f"pyggml-{os.getpid()}", f"pg{os.getpid() % 100000}"
+    if _ip("netns", "add", name).returncode != 0:
+        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    try:
+        steps = [("link", "add", f"{veth}c", "type", "veth", "peer", "name", f"{veth}s"),
+                 ("link", "set", f"{veth}s", "netns", name),
+                 ("addr", "add", f"10.77.{SUBNET}.1/24", "dev", f"{veth}c"),
+                 ("link", "set", f"{veth}c", "up"),
+                 ("netns", "exec", name, "ip", "addr", "add", f"10.77.{SUBNET}.2/24", "dev", f"{veth}s"),
+                 ("netns", "exec", name, "ip", "link", "set", f"{veth}s", "up"),
+                 ("netns", "exec", name, "ip", "link", "set", "lo", "up")]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode != 0:
+                pytest.skip(f"cannot set up the veth pair: ip {' '.join(step)}: {r.stderr.strip()}")
+        yield name, f"10.77.{SUBNET}.2"
+    finally:
+        _ip("link", "del", f"{veth}c")
+        _ip("netns", "del", name)
+
+
+@pytest.fixture
+def remote(netns):
+    """Start servers in the other namespace; all are stopped afterwards."""
+    name, addr = netns
+    started = []
+
+    def start(*args: str) -> ServerProcess:
+        s = ServerProcess("-H", addr, *args, prefix=("ip", "netns", "exec", name))
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.stop()
+
+
+def test_auto_placement_and_disk_weights_across_namespaces(remote):
+    path = hub.resolve("smollm2")
+    servers = [remote("--mem", "100M", "--gguf", str(path)), remote("--mem", "300M", "--gguf", str(path))]
+    assert all(s.endpoint.startswith("10.77.") for s in servers)
+    with pg.Model(path, n_ctx=256, rpc=[s.endpoint for s in servers], progress=False) as m:
+        layers = m.model.placement.layers
+        assert 0 < layers.count(0) < layers.count(1)
+        sent = sum(d.conn.bytes_sent for d in m.rpc_devices)
+        assert sent < 0.01 * m.model.weights_nbytes()
+        ids = m.tokenize("The capital of France is")
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_failover_across_namespaces(remote, alias):
+    local = shared_model(alias)
+    ids = local.tokenize("Once upon a time, in a land far away,")
+    want = list(local.generate(ids, max_tokens=24, temperature=0))
+    servers = [remote(), remote()]
+    with pg.Model(alias, n_ctx=256, rpc=[s.endpoint for s in servers], progress=False, failover=True) as m:
+        got = []
+        for i, token in enumerate(m.generate(ids, max_tokens=24, temperature=0)):
+            got.append(token)
+            if i == 6:
+                servers[0].kill()
+        assert got == want
