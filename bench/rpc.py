@@ -5,7 +5,8 @@ generation tokens/s locally, with every layer on one server, and split over two 
 (embedding and head on one, the layers on the other); the time added per token per
 server; bytes on the wire per generated token; upload MB/s of the first load; the time of
 a second load that the servers' tensor caches answer; and a cold load from a server that
-holds the file itself (``--gguf``).
+holds the file itself (``--gguf``); and how long failover takes from a server's kill -9 to
+the next token.
 
     python bench/rpc.py [--model smollm2] [--tokens 64]
 
@@ -110,6 +111,21 @@ def main() -> None:
             disk.close()
         finally:
             holder.stop()
+        pair = [ServerProcess(env=env), ServerProcess(env=env)]  # failover: kill -9 of one mid-generation
+        try:
+            m = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in pair], progress=False, failover=True)
+            tokens = m.generate(m.tokenize(PROMPT), max_tokens=16, temperature=0)
+            for _ in range(8):
+                next(tokens)
+            pair[1].kill()
+            t0 = time.perf_counter()
+            next(tokens)
+            recovery = time.perf_counter() - t0
+            list(tokens)
+            m.close()
+        finally:
+            for s in pair:
+                s.stop()
 
     print(f"model {args.model}: {weights / 2**20:.1f} MiB of weights, {args.tokens} generated tokens x "
           f"{args.rounds} rounds, "
@@ -127,6 +143,8 @@ def main() -> None:
           f"({first_load / cached_load:.1f}x faster)")
     print(f"from the server's --gguf: {disk_load:.2f} s, {disk_upload / 2**20:.2f} MiB sent "
           f"({disk_upload / weights:.2%} of the weights; {first_load / disk_load:.1f}x faster than uploading)")
+    print(f"failover, kill -9 to the next token: {recovery:.2f} s (one of two servers; the survivor reloads "
+          f"the model by upload and replays the cache)")
 
 
 if __name__ == "__main__":
