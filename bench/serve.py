@@ -144,7 +144,8 @@ def main() -> None:
         if args.llama_server:
             port = free_port()
             theirs = Server([args.llama_server, "-m", str(path), "--port", str(port), "-c", str(args.ctx),
-                             "-np", str(args.parallel), "-t", str(args.threads), "--no-webui"],
+                             "-np", str(args.parallel), "-t", str(args.threads), "--no-webui",
+                             "--kv-unified"],
                             f"http://127.0.0.1:{port}", logs / f"llama-{path.stem}.log")
             try:
                 ref = run("llama-server", theirs.url, levels, args.tokens)
