@@ -21,7 +21,11 @@ PROMPT = "Once upon a time, in a land far away,"
 
 
 def uninterrupted(alias: str, n: int) -> list[int]:
+    """The same generation without a failure, its prompt read in one call as the fresh model
+    under test reads it (a prefix cached by an earlier test would be read in other pieces, and
+    K-quant products round by the shape of the batch)."""
     m = shared_model(alias)
+    m.context.clear()
     return list(m.generate(m.tokenize(PROMPT), max_tokens=n, temperature=0))
 
 
