@@ -114,7 +114,7 @@ def main() -> None:
         pair = [ServerProcess(env=env), ServerProcess(env=env)]  # failover: kill -9 of one mid-generation
         try:
             m = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in pair], progress=False, failover=True)
-            tokens = m.generate(m.tokenize(PROMPT), max_tokens=16, temperature=0)
+            tokens = m.generate(m.tokenize("1, 2, 3, 4, 5, 6, 7,"), max_tokens=64, temperature=0)  # goes on
             for _ in range(8):
                 next(tokens)
             pair[1].kill()
