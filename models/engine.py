@@ -52,6 +52,7 @@ from .sampling import Sampler, SamplingParams
 log = logging.getLogger("pyggml.engine")
 
 DEFAULT_MAX_QUEUE = 64
+REATTACH_INTERVAL_S = 10.0
 
 
 class QueueFullError(RuntimeError):
@@ -152,6 +153,7 @@ class Engine:
         self.stats = Stats()
         self.failure: str | None = None
         self._closed = False
+        self._next_reattach = 0.0
         self._cond = threading.Condition()
         model.engine = self
         self._thread = threading.Thread(target=self._loop, name="pyggml-engine", daemon=True)
@@ -276,12 +278,34 @@ class Engine:
                 if self._closed:
                     self._fail_all("the server is shutting down")
                     return
-                self._admit()
+                reattach = self._should_reattach()
+                if not reattach:
+                    self._admit()
+            if reattach:  # outside the lock: submitting must not wait on a connection attempt
+                self._reattach()
+                continue
             try:
                 self.step()
             except Exception as e:  # a lost device, or a bug: no request may hang on it
                 if not self._fail_over(e):
                     self._on_step_failure(e)
+
+    def _should_reattach(self) -> bool:
+        """Servers lost to failover are tried again before a request starts, while nothing
+        runs (connecting to a dead endpoint takes seconds: no stream may wait on it)."""
+        return bool(self.model.failover and self.model.lost_endpoints and self.queue
+                    and not any(s.req is not None for s in self.slots) and time.monotonic() >= self._next_reattach)
+
+    def _reattach(self) -> None:
+        self._next_reattach = time.monotonic() + REATTACH_INTERVAL_S
+        try:
+            back = self.model.reconnect()
+        except Exception as e:  # the model stays placed as it was: keep serving
+            log.warning("reattaching %s failed: %s", ", ".join(self.model.lost_endpoints), e)
+            return
+        self.ctx = self.model.context
+        if back:
+            log.warning("reattached %s", ", ".join(back))
 
     def _fail_over(self, e: Exception) -> bool:
         """A lost RPC server with the model's ``failover`` on: the model moves its layers and

@@ -47,6 +47,23 @@ def test_greedy_generation_survives_a_killed_server(alias, start_server, caplog)
         assert len(said) == 1 and servers[1].endpoint in said[0] and "recovered in" in said[0]
 
 
+def test_seeded_sampling_survives_a_killed_server(start_server):
+    """The sampler's state lives with the generation, the logits are the same bits: a seeded
+    draw after a failover is the uninterrupted run's."""
+    m = shared_model("smollm2")
+    m.context.clear()
+    ids = m.tokenize(PROMPT)
+    want = list(m.generate(ids, max_tokens=24, temperature=0.9, seed=7))
+    servers = [start_server(), start_server()]
+    with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True) as r:
+        got = []
+        for i, token in enumerate(r.generate(ids, max_tokens=24, temperature=0.9, seed=7)):
+            got.append(token)
+            if i == 5:
+                servers[0].kill()
+        assert got == want and r.lost_endpoints == [servers[0].endpoint]
+
+
 def test_a_spare_takes_the_lost_servers_place(start_server):
     want = uninterrupted("smollm2", 24)
     servers = [start_server(), start_server()]

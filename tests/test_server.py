@@ -379,5 +379,9 @@ def test_failover_keeps_streams_going(start_server, tmp_path):
         assert text == want
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
         assert "lost" in (tmp_path / "failover.log").read_text()
+        back = start_server("-p", str(servers[1].port))  # it comes back: attached before the next request
+        r = c.completions.create(model="smollm2", prompt=prompts[0], max_tokens=40, temperature=0)
+        assert r.choices[0].text == want[prompts[0]]
+        assert f"reattached {back.endpoint}" in (tmp_path / "failover.log").read_text()
     finally:
         s.stop()
