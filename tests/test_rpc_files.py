@@ -37,6 +37,8 @@ def test_a_cold_start_sends_under_one_percent_of_the_weights(start_server, smoll
         weights = m.model.weights_nbytes()
         assert conn.loaded["disk"] == weights and conn.loaded["wire"] == 0
         assert conn.bytes_sent < 0.01 * weights
+        summary = next(b for b in m.model.buffers if hasattr(b, "load_summary")).load_summary()
+        assert summary == f"{weights / 2**20:.0f} MiB from its disk, 0 from its cache, 0 sent"  # the bar's words
         ids = m.tokenize("The capital of France is")
         assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
 
