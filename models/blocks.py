@@ -26,10 +26,21 @@ class GraphInputs:
     kq_mask: Tensor           # F32 [n_kv, n_tokens]: 0 or -inf (causal)
     kq_mask_swa: Tensor | None  # same, also masking cells outside the sliding window
     out_ids: Tensor | None    # I32 [n_outputs]: rows whose logits are wanted (None: all)
+    hist_ids: Tensor | None = None  # I32 [n_hist, n_outputs]: tokens whose logits come along with the top k
 
     def all(self) -> list[Tensor]:
-        return [t for t in (self.tokens, self.pos, self.kv_idxs, self.kq_mask, self.kq_mask_swa, self.out_ids)
-                if t is not None]
+        return [t for t in (self.tokens, self.pos, self.kv_idxs, self.kq_mask, self.kq_mask_swa, self.out_ids,
+                            self.hist_ids) if t is not None]
+
+
+@dataclass
+class TopOutputs:
+    """What a graph with ``n_top`` brings back instead of whole rows of logits: per output row
+    the ids of the n_top largest logits (largest first) and their values, and the logits of
+    the ``hist_ids`` tokens (for the sampler's penalties)."""
+    ids: Tensor                # I32 [n_top, n_outputs]
+    values: Tensor             # F32 [1, n_top, n_outputs]
+    hist_values: Tensor | None  # F32 [1, n_hist, n_outputs]
 
 
 @dataclass
@@ -41,8 +52,11 @@ class GraphBuilder:
     n_kv: int
     n_outputs: int
     rope_mode: RopeMode = RopeMode.NORMAL
+    n_top: int = 0   # > 0: the graph's result is the top n_top logits per row (TopOutputs), not the rows
+    n_hist: int = 0
     graph: Graph = field(default_factory=Graph)
     inputs: GraphInputs = field(init=False)
+    top: TopOutputs | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         n, n_kv = self.n_tokens, self.n_kv
@@ -55,6 +69,8 @@ class GraphBuilder:
             kq_mask_swa=new_tensor(Type.F32, (n_kv, n), "inp_kq_mask_swa").set_input() if needs_swa else None,
             out_ids=new_tensor(Type.I32, (self.n_outputs,), "inp_out_ids").set_input()
             if self.n_outputs < n else None,
+            hist_ids=new_tensor(Type.I32, (self.n_hist, self.n_outputs), "inp_hist_ids").set_input()
+            if self.n_top and self.n_hist else None,
         )
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -140,7 +156,9 @@ class GraphBuilder:
 
     def build_output(self, cur: Tensor) -> Tensor:
         """Keep only the wanted rows, final norm, output head (tied to the embedding when the
-        file has no ``output.weight``), optional final soft-capping."""
+        file has no ``output.weight``), optional final soft-capping; with ``n_top``, the top
+        logits of each row and those of the history tokens instead of whole rows, so that the
+        vocabulary stays on the head's device."""
         if self.inputs.out_ids is not None:
             cur = self.cb(ops.get_rows(cur, self.inputs.out_ids), "out_rows")
         cur = self.build_norm(cur, self.weights["output_norm.weight"], "result_norm")
@@ -149,6 +167,19 @@ class GraphBuilder:
         cap = self.hp.final_softcap
         if cap:
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / cap)), cap)
-        logits = self.cb(logits, "result_output").set_output()
-        self.graph.build_forward_expand(logits)
+        logits = self.cb(logits, "result_output")
+        if not self.n_top:
+            logits.set_output()
+            self.graph.build_forward_expand(logits)
+            return logits
+        as_rows = ops.reshape(logits, 1, logits.ne[0], logits.ne[1])  # one logit per row: GET_ROWS picks them
+        ids = self.cb(ops.top_k(logits, self.n_top), "top_ids").set_output()
+        values = self.cb(ops.get_rows(as_rows, ids), "top_values").set_output()
+        hist = None
+        if self.inputs.hist_ids is not None:
+            hist = self.cb(ops.get_rows(as_rows, self.inputs.hist_ids), "hist_values").set_output()
+        for t in (ids, values, hist):
+            if t is not None:
+                self.graph.build_forward_expand(t)
+        self.top = TopOutputs(ids, values, hist)
         return logits

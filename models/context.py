@@ -35,6 +35,18 @@ class ContextFullError(ValueError):
 
 
 @dataclass
+class TopResult:
+    """decode_batch's answer with n_top: per output row, the top ids and logits, and the
+    logits of the history tokens asked for."""
+    ids: np.ndarray          # int32 [outputs, n_top]
+    values: np.ndarray       # float32 [outputs, n_top]
+    hist_values: np.ndarray  # float32 [outputs, n_hist]
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.ids[i], self.values[i], self.hist_values[i]
+
+
+@dataclass
 class Batch:
     """Tokens to decode together (llama_batch): per token its id, position, sequence and
     whether its logits are wanted."""
@@ -152,14 +164,14 @@ class Context:
         self.tokens = list(tokens)
 
     # -- graphs -------------------------------------------------------------------------------------
-    def _graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> GraphBuilder:
-        key = (n_tokens, n_kv, n_outputs)
+    def _graph(self, n_tokens: int, n_kv: int, n_outputs: int, n_top: int = 0, n_hist: int = 0) -> GraphBuilder:
+        key = (n_tokens, n_kv, n_outputs, n_top, n_hist)
         b = self._graphs.get(key)
         if b is not None:
             self._graphs.move_to_end(key)
             return b
         b = GraphBuilder(self.hp, self.model.weights, self.kv, n_tokens, n_kv, n_outputs,
-                         rope_mode=self.model.arch.ROPE_MODE)
+                         rope_mode=self.model.arch.ROPE_MODE, n_top=n_top, n_hist=n_hist)
         self.model.arch.build(b)
         self._graphs[key] = b
         if len(self._graphs) > MAX_CACHED_GRAPHS:
@@ -184,45 +196,71 @@ class Context:
             bad = int(ids[(ids < 0) | (ids >= self.hp.n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
 
-    def decode_batch(self, batch: Batch) -> np.ndarray:
+    def decode_batch(self, batch: Batch, n_top: int = 0, hist: np.ndarray | None = None):
         """Decode a batch of tokens of any sequences (each must follow its sequence's cached
         positions); return float32 logits [number of outputs, n_vocab], in batch order.
+        With ``n_top``, return a TopResult instead: per output row the ids and logits of the
+        n_top largest (largest first, ties lowest id first) and the logits of the tokens
+        ``hist`` [outputs, n_hist] names - all the vocabulary a sampler with top-k needs, so
+        that the rest stays on the device of the head.
         Runs in ubatches of at most ``n_ubatch`` tokens; raises ContextFullError, leaving the
         cache as it was, when too few cells are free."""
         if len(batch) == 0:
             raise ValueError("decode: no tokens")
         self.check_tokens(batch.tokens)
+        n_top = min(n_top, self.hp.n_vocab)
+        n_hist = hist.shape[1] if n_top and hist is not None else 0
+        if n_hist:
+            self.check_tokens(hist)
         all_cells = self.kv.find_cells(batch.seq, batch.pos)
         if all_cells is None:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full ({self.kv.n_used} cached + "
                                    f"{len(batch)} new); use a larger n_ctx")
         outs = []
+        row = 0  # output rows handed out so far
         for start in range(0, len(batch), self.n_ubatch):
             ub = batch.slice(start, start + self.n_ubatch)
             cells = all_cells[start:start + self.n_ubatch]
             self.kv.occupy(cells, ub.seq, ub.pos)
-            n_outputs = max(1, int(ub.output.sum()))  # a graph has an output: a row nobody asked for is dropped
-            if not ub.output.any():
+            wanted = int(ub.output.sum())
+            n_outputs = max(1, wanted)  # a graph has an output: a row nobody asked for is dropped
+            if not wanted:
                 ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
-            b = self._graph(len(ub), self.kv.n_kv(), n_outputs)
+            top = n_top if wanted else 0
+            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0)
             self.sched.alloc_graph(b.graph)
             self._set_inputs(b, ub, cells)
+            if b.inputs.hist_ids is not None:
+                tensor_set(b.inputs.hist_ids, np.ascontiguousarray(hist[row:row + wanted], dtype=np.int32))
             self.sched.graph_compute(b.graph)
-            if batch.output[start:start + self.n_ubatch].any():
+            if wanted and top:
+                t = b.top
+                outs.append((tensor_array(t.ids).reshape(wanted, -1), tensor_array(t.values).reshape(wanted, -1),
+                             tensor_array(t.hist_values).reshape(wanted, -1) if t.hist_values is not None
+                             else np.zeros((wanted, 0), np.float32)))
+            elif wanted:
                 outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
+            row += wanted
         self._logged(("b", batch), len(batch))
+        if n_top:
+            parts = list(zip(*outs)) if outs else [[np.zeros((0, n_top), np.int32)], [np.zeros((0, n_top), np.float32)],
+                                                  [np.zeros((0, n_hist), np.float32)]]
+            return TopResult(*(np.concatenate(p) for p in parts))
         if not outs:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], all_logits: bool = False, n_top: int = 0,
+               hist: np.ndarray | None = None):
         """Append ``tokens`` to sequence 0; return float32 logits [n, n_vocab] for every
-        token (``all_logits``) or [1, n_vocab] for the last one."""
+        token (``all_logits``) or [1, n_vocab] for the last one - or, with ``n_top``, the
+        last token's TopResult (decode_batch)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("decode: no tokens")
         t0 = time.perf_counter()
-        logits = self.decode_batch(Batch.of(ids, len(self.tokens), 0, "all" if all_logits else "last"))
+        logits = self.decode_batch(Batch.of(ids, len(self.tokens), 0, "all" if all_logits and not n_top else "last"),
+                                   n_top, hist)
         self.tokens.extend(int(t) for t in ids)
         dt = time.perf_counter() - t0
         if ids.size == 1:
@@ -242,10 +280,10 @@ class Context:
             common += 1
         return common
 
-    def eval_prefix(self, tokens: Sequence[int]) -> np.ndarray:
+    def eval_prefix(self, tokens: Sequence[int], n_top: int = 0, hist: np.ndarray | None = None):
         """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return
         the logits after the last token (as decode does)."""
         tokens = list(tokens)
         common = min(self.common_prefix(tokens), len(tokens) - 1)  # the last token is always evaluated, for its logits
         self.truncate(common)
-        return self.decode(tokens[common:])
+        return self.decode(tokens[common:], n_top=n_top, hist=hist)

@@ -444,9 +444,11 @@ class Engine:
                       np.array([s.seq for s, c in parts for _ in c], dtype=np.int32),
                       np.array([i == len(c) - 1 and (s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids))
                                 for s, c in parts for i in range(len(c))], dtype=bool))
+        out_slots = [s for (s, c) in parts if s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids)]
+        n_top, hist = self._top_request(out_slots)
         t0 = time.perf_counter()
         try:
-            logits = self.ctx.decode_batch(batch)
+            logits = self.ctx.decode_batch(batch, n_top, hist)
         except ContextFullError:  # cannot happen with the room made above; said loudly if it does
             raise RuntimeError("KV cache bookkeeping error: a batch found fewer free cells than counted") from None
         self.stats.steps += 1
@@ -458,12 +460,32 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if len(s.tokens) < len(s.req.ids):
                     continue  # more of the prompt to read
-            self._take(s, logits[row])
+            if n_top:
+                ids, values, hist_values = logits.row(row)
+                token = s.sampler.sample_top(ids, values, hist[row], hist_values, s.history)
+                self._take(s, token, None)
+            else:
+                self._take(s, s.sampler.sample(logits[row], s.history), logits[row])
             row += 1
 
-    def _take(self, s: Slot, logits: np.ndarray) -> None:
+    def _top_request(self, out_slots: list[Slot]) -> tuple[int, np.ndarray | None]:
+        """What the step's output rows need of the vocabulary: the top n_top logits of each
+        row and the logits of each row's recent tokens (for the penalties), or - when a row
+        samples from the whole row or wants logprobs - whole rows (n_top 0)."""
+        vocab = self.model.n_vocab
+        needs = [s.sampler.n_top(vocab) if s.req.options.logprobs is None else 0 for s in out_slots]
+        if not needs or min(needs) == 0:
+            return 0, None
+        penalizing = [s for s in out_slots if s.sampler.params.penalizes]
+        n_hist = min(self.n_ctx, max((s.sampler.window() for s in penalizing), default=0))
+        hist = np.zeros((len(out_slots), n_hist), dtype=np.int32)  # padded with token 0: its true logit comes along
+        for i, s in enumerate(out_slots):
+            recent = s.sampler.recent(s.history)[:n_hist]
+            hist[i, :recent.size] = recent
+        return max(needs), hist
+
+    def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:
         req = s.req
-        token = s.sampler.sample(logits, s.history)
         if self.model.tokenizer.is_eog(token):
             self._finish(s, "stop")
             return

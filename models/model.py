@@ -234,10 +234,22 @@ class Model:
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty)
         sampler = Sampler(params, seed if seed is not None else self.seed)
         self.finish_reason = None
-        logits = self._guarded(lambda: self.context.eval_prefix(ids))[-1]
         history = ids
+        # with top-k (or greedy), only the top of the row and the recent tokens' logits come back
+        n_top = sampler.n_top(self.n_vocab)
+        n_hist = min(sampler.window(), self.n_ctx) if n_top and params.penalizes else 0
+
+        def step(run: Callable[..., Any]) -> int:
+            if not n_top:
+                return sampler.sample(self._guarded(run)[-1], history)
+            recent = sampler.recent(history)[:n_hist]
+            hist = np.zeros((1, n_hist), dtype=np.int32)  # padded with token 0: its true logit comes along
+            hist[0, :recent.size] = recent
+            top = self._guarded(lambda: run(n_top=n_top, hist=hist))
+            return sampler.sample_top(top.ids[0], top.values[0], hist[0], top.hist_values[0], history)
+
+        token = step(lambda **kw: self.context.eval_prefix(ids, **kw))
         for n in range(max_tokens):
-            token = sampler.sample(logits, history)
             if self.tokenizer.is_eog(token):
                 self.finish_reason = "stop"
                 return
@@ -248,7 +260,7 @@ class Model:
             if self.context.n_past >= self.n_ctx:
                 self.finish_reason = "length"
                 return
-            logits = self._guarded(lambda: self.context.decode([token]))[-1]
+            token = step(lambda last=token, **kw: self.context.decode([last], **kw))
         self.finish_reason = "length"
 
     def _check_free(self) -> None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyggml.cpu.kernels import top_k_indices
+
 
 @dataclass
 class SamplingParams:
@@ -27,29 +29,80 @@ class SamplingParams:
 
 
 class Sampler:
+    """Draws tokens for one sequence, from a whole row of logits (``sample``) or from the top
+    of one that stayed on the device (``sample_top``: the ids and logits of the largest, and
+    those of the recent tokens); both give the same draw when top_k is set."""
+
     def __init__(self, params: SamplingParams, seed: int | None = None) -> None:
         self.params = params
         self.rng = np.random.default_rng(seed)
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def n_top(self, n_vocab: int) -> int:
+        """How many of the largest logits ``sample_top`` needs: top_k, and room for as many
+        tokens as the penalties can push down (or 0: a whole row is needed)."""
         p = self.params
+        k = 1 if p.temperature <= 0 else p.top_k
+        if not 0 < k < n_vocab:
+            return 0
+        return min(n_vocab, k + (self.window() if p.penalizes else 0))
+
+    def window(self) -> int:
+        """The most distinct tokens the penalties look at."""
+        p = self.params
+        return p.repeat_last_n if p.repeat_last_n > 0 else 1 << 30
+
+    def recent(self, history: Sequence[int]) -> np.ndarray:
+        """The distinct tokens the penalties apply to (sorted)."""
+        p = self.params
+        if not p.penalizes or not len(history):
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))
+
+    def _penalized(self, ids: np.ndarray, vals: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """``vals`` (the logits of ``ids``) with llama.cpp's penalties applied to the recent tokens."""
+        p = self.params
+        if not p.penalizes or not len(history):
+            return vals
+        recent, count = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history),
+                                  return_counts=True)
+        at = np.minimum(np.searchsorted(recent, ids), recent.size - 1)
+        hit = np.flatnonzero(recent[at] == ids)
+        vals = vals.copy()
+        v = vals[hit]
+        if p.repeat_penalty != 1.0:
+            v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        vals[hit] = v - (count[at[hit]].astype(np.float32) * np.float32(p.frequency_penalty)
+                         + np.float32(p.presence_penalty))
+        return vals
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-        if p.penalizes and len(history):
-            recent, count = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history),
-                                      return_counts=True)
-            logits = logits.copy()
-            vals = logits[recent]
-            if p.repeat_penalty != 1.0:
-                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-            logits[recent] = vals - (count.astype(np.float32) * np.float32(p.frequency_penalty)
-                                    + np.float32(p.presence_penalty))
-        if p.temperature <= 0:
-            return int(np.argmax(logits))
-        ids = np.arange(logits.size)
-        if 0 < p.top_k < logits.size:
-            ids = np.argpartition(-logits, p.top_k - 1)[:p.top_k]
-        ids = ids[np.argsort(-logits[ids], kind="stable")]
-        z = logits[ids].astype(np.float64)
+        vals = self._penalized(np.arange(logits.size), logits, history)
+        if self.params.temperature <= 0:
+            return int(np.argmax(vals))
+        k = self.params.top_k if 0 < self.params.top_k < vals.size else vals.size
+        ids = top_k_indices(vals, k)
+        return self._draw(ids, vals[ids])
+
+    def sample_top(self, ids: np.ndarray, vals: np.ndarray, hist_ids: np.ndarray, hist_vals: np.ndarray,
+                   history: Sequence[int] = ()) -> int:
+        """The draw ``sample`` makes over the whole row, from the ``n_top`` largest logits
+        (``ids``, ``vals``) and the logits of the recent tokens: the top k after penalties lie
+        among them."""
+        all_ids = np.concatenate([np.asarray(ids, dtype=np.int64), np.asarray(hist_ids, dtype=np.int64)])
+        all_vals = np.concatenate([np.asarray(vals, dtype=np.float32), np.asarray(hist_vals, dtype=np.float32)])
+        all_ids, first = np.unique(all_ids, return_index=True)
+        pen = self._penalized(all_ids, all_vals[first], history)
+        order = np.lexsort((all_ids, -pen))  # largest first, equal values lowest id first: top_k_indices' rule
+        if self.params.temperature <= 0:
+            return int(all_ids[order[0]])
+        order = order[:self.params.top_k]
+        return self._draw(all_ids[order], pen[order])
+
+    def _draw(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """top-p, min-p, temperature and the draw, over candidates sorted largest first."""
+        p = self.params
+        z = logits.astype(np.float64)
         probs = np.exp(z - z[0])
         probs /= probs.sum()
         if p.top_p < 1.0:

@@ -75,6 +75,8 @@ class Op(enum.IntEnum):
     ROPE = 48
     ROPE_BACK = 49
     CLAMP = 50
+    ARGSORT = 69   # (the numbers of the llama.cpp that ../shared/bin/build-llamacpp builds)
+    TOP_K = 70
     FLASH_ATTN_EXT = 79
     UNARY = 92
     GLU = 101
@@ -104,6 +106,11 @@ class GluOp(enum.IntEnum):
     REGLU = 0
     GEGLU = 1
     SWIGLU = 2
+
+
+class SortOrder(enum.IntEnum):
+    ASC = 0
+    DESC = 1
 
 
 class RopeMode(enum.IntEnum):
@@ -159,7 +166,7 @@ class OpParams:
 
 
 # field annotations (strings, with postponed evaluation) that unpack turns into enums
-_FIELD_TYPES = {"UnaryOp": UnaryOp, "GluOp": GluOp, "bool": bool}
+_FIELD_TYPES = {"UnaryOp": UnaryOp, "GluOp": GluOp, "SortOrder": SortOrder, "bool": bool}
 _RECORDS: dict[tuple, OpParams] = {}  # (record class, slot bytes) -> record (frozen: safe to share)
 
 
@@ -231,6 +238,12 @@ class ConcatParams(OpParams):
 
 
 @dataclass(frozen=True)
+class ArgsortParams(OpParams):
+    order: SortOrder
+    SLOTS = ((0, "i"),)
+
+
+@dataclass(frozen=True)
 class FlashAttnParams(OpParams):
     scale: float
     max_bias: float = 0.0
@@ -239,6 +252,7 @@ class FlashAttnParams(OpParams):
 
 
 PARAMS: dict[Op, type[OpParams]] = {
+    Op.ARGSORT: ArgsortParams,
     Op.SCALE: ScaleParams,
     Op.UNARY: UnaryParams,
     Op.GLU: GluParams,

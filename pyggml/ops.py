@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op,  # noqa: F401
-                     PermuteParams, RopeMode, RopeParams, ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
+from .opdefs import (VIEW_OPS, ArgsortParams, ConcatParams, FlashAttnParams, GluOp, GluParams,  # noqa: F401
+                     NormParams, Op, PermuteParams, RopeMode, RopeParams, ScaleParams, SoftMaxParams, SortOrder,
+                     UnaryOp, UnaryParams)
 from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
 from .types import Type
 
@@ -292,6 +293,24 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), [q, k, v, mask])
     FlashAttnParams(scale, max_bias, logit_softcap).pack(t.op_params)
     return t
+
+
+def argsort(a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:
+    """Indices that sort each row of F32 ``a`` (I32, the shape of ``a``), as ggml_argsort;
+    equal values keep their order (ggml leaves that open)."""
+    _check(a.type == Type.F32 and a.nb[0] == 4, "ARGSORT", "needs F32 rows of contiguous elements", a)
+    t = _result(Op.ARGSORT, Type.I32, a.ne, [a])
+    ArgsortParams(SortOrder(order)).pack(t.op_params)
+    return t
+
+
+def top_k(a: Tensor, k: int) -> Tensor:
+    """The indices of the ``k`` largest values of each row of F32 ``a`` (I32 [k, ne1, ne2,
+    ne3]), as ggml_top_k.  ggml leaves their order open; here they come largest first, equal
+    values lowest index first (``pyggml.cpu.kernels.top_k_indices``: what the sampler uses)."""
+    _check(a.type == Type.F32 and a.nb[0] == 4, "TOP_K", "needs F32 rows of contiguous elements", a)
+    _check(0 < k <= a.ne[0], "TOP_K", f"k = {k} must be in 1..{a.ne[0]} (the row length)", a)
+    return _result(Op.TOP_K, Type.I32, (k, a.ne[1], a.ne[2], a.ne[3]), [a])
 
 
 def argmax(a: Tensor) -> Tensor:

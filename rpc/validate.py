@@ -24,7 +24,7 @@ from pyggml import ops
 from pyggml.backend import Buffer
 from pyggml.cpu.qmatmul import supports as quant_supported
 from pyggml.graph import Graph
-from pyggml.opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
+from pyggml.opdefs import (VIEW_OPS, ArgsortParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
                            ScaleParams, SoftMaxParams, UnaryParams)
 from pyggml.tensor import Tensor, TensorFlag
 from pyggml.types import Type
@@ -123,6 +123,8 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.DUP: lambda n: ops.cont(n.src[0], *n.ne),
     Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], *ConcatParams.of(n).values()),
     Op.ARGMAX: lambda n: ops.argmax(n.src[0]),
+    Op.ARGSORT: lambda n: ops.argsort(n.src[0], *ArgsortParams.of(n).values()),
+    Op.TOP_K: lambda n: ops.top_k(n.src[0], n.ne[0]),
     Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3],
                                                     *FlashAttnParams.of(n).values()),
 }
@@ -172,6 +174,9 @@ def node_cost(node: Tensor) -> tuple[int, int]:
         work = q.ne[1] * q.ne[2] * q.ne[3] * k.ne[1] * (q.ne[0] + v.ne[0])
     elif node.op == Op.GET_ROWS:
         converted = srcs[1:]
+    elif node.op in (Op.ARGSORT, Op.TOP_K):  # a sort (or a partition) per row, with int64 indices
+        work = srcs[0].nelements() * max(1, int(srcs[0].ne[0]).bit_length())
+        scratch += 16 * srcs[0].nelements()
     for s in converted:
         if s.type != Type.F32 or not s.is_contiguous():
             scratch += 4 * s.nelements()

@@ -22,7 +22,7 @@ import pytest
 import pyggml as pg
 from pyggml import Type, ops
 from pyggml.cpu import CPUDevice
-from pyggml.opdefs import GluOp, RopeMode, UnaryOp
+from pyggml.opdefs import GluOp, RopeMode, SortOrder, UnaryOp
 
 from .rpc_helpers import ServerProcess
 from .test_quants import random_blocks
@@ -283,6 +283,30 @@ def _cases():
         a = leaf(Type.F32, 100, 6)
         return ops.argmax(a), [(a, normal(rng, a))]
     yield Case("ARGMAX", argmax, lambda a: a.argmax(-1).astype(f64), 0.0)
+
+    def with_ties(rng, t):
+        return np.round(normal(rng, t) * 2) / 2  # few distinct values: the order of equal ones counts
+
+    for order in SortOrder:
+        def build(rng, order=order):
+            a = leaf(Type.F32, 50, 3, 2)
+            return ops.argsort(a, order), [(a, with_ties(rng, a))]
+        yield Case(f"ARGSORT-{order.name}", build,
+                   lambda a, order=order: np.argsort(-a if order == SortOrder.DESC else a, axis=-1,
+                                                     kind="stable").astype(f64), 0.0)
+
+    for k, ne0 in ((1, 64), (40, 200), (7, 7)):
+        def build(rng, k=k, ne0=ne0):
+            a = leaf(Type.F32, ne0 + 3, 4)
+            rows = ops.view(a, (ne0, 4), (a.nb[1],), 3 * 4)  # rows that start inside a wider tensor
+            return ops.top_k(rows, k), [(a, with_ties(rng, a))]
+
+        def ref(a, k=k, ne0=ne0):
+            rows = a[..., 3:3 + ne0]
+            idx = np.arange(ne0)
+            return np.stack([np.lexsort((idx, -r))[:k] for r in rows.reshape(-1, ne0)]).reshape(
+                rows.shape[:-1] + (k,)).astype(f64)
+        yield Case(f"TOP_K-k{k}-of{ne0}", build, ref, 0.0)
 
     for d, softcap, with_mask, n_tok in ((64, 0.0, True, 1), (64, 0.0, True, 4), (40, 0.0, True, 3),
                                          (128, 30.0, False, 2)):

@@ -91,10 +91,32 @@ def test_decode_reuses_the_graph_on_the_server(rpc_pair):
         backend = m.context.backends[0]
         assert backend.recomputes >= len(tokens) - 2  # the first decode step sends its graph, later ones do not
         sent = conn.bytes_sent
-        m.context.decode([tokens[-1]])
+        m.context.decode([tokens[-1]], n_top=1)  # the step greedy generation takes
         # the step's inputs (token, position, cache cell, a 256-cell mask) and a GRAPH_RECOMPUTE:
         # ~3 KB, where sending the graph again would be ~300 KB
         assert conn.bytes_sent - sent < 10_000
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_top_k_sampling_leaves_the_vocabulary_on_the_server(alias, rpc_pair):
+    """With the head on a server, top-k sampling brings back the top ids and logits (and the
+    recent tokens' logits for the penalties), not the row: bytes per generated token stay
+    far below the vocabulary's (196 KiB for SmolLM2, 1 MiB for Gemma 3) - and the tokens are
+    those of the local run."""
+    local = shared_model(alias)
+    local.context.clear()
+    ids = local.tokenize("Once upon a time, in a land far away,")
+    kw = dict(max_tokens=24, temperature=0.8, top_k=40, repeat_penalty=1.1, seed=5)
+    want = list(local.generate(ids, **kw))
+    with pg.Model(alias, n_ctx=256, rpc=rpc_pair[0].endpoint, ngl="all", progress=False) as m:
+        conn = m.rpc_devices[0].conn
+        tokens = m.generate(ids, **kw)
+        got = [next(tokens), next(tokens)]  # the prompt's graph and the decode step's have gone over
+        before = conn.bytes_sent + conn.bytes_received
+        got += list(tokens)
+        per_token = (conn.bytes_sent + conn.bytes_received - before) / (len(got) - 2)
+    assert got == want
+    assert per_token < 16_000, per_token
 
 
 def test_unreachable_server_is_reported_before_any_upload(start_server):

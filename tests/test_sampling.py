@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pyggml.models.sampling import Sampler, SamplingParams
 
@@ -54,3 +55,33 @@ def test_frequency_and_presence_penalties_are_llama_cpps():
     assert pres.sample(np.array([2.0, 1.0, 0.0], dtype=np.float32), history=[0, 0, 0]) == 0
     window = Sampler(SamplingParams(temperature=0, frequency_penalty=1.0, repeat_last_n=2))
     assert window.sample(logits, history=[0, 2, 2]) == 0  # token 0 fell out of the window
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_k=40),
+    dict(temperature=0.0, top_k=40, repeat_penalty=1.3),
+    dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.1, repeat_penalty=1.5, frequency_penalty=0.5),
+    dict(temperature=0.7, top_k=10, presence_penalty=-1.5, frequency_penalty=-0.5),  # penalties that raise
+    dict(temperature=0.9, top_k=3, repeat_penalty=3.0, repeat_last_n=8),
+])
+def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
+    """What the head's device sends back under top-k (the n_top largest logits and the
+    recent tokens' ones) gives the same token, draw after draw, as the whole row."""
+    from pyggml.cpu.kernels import top_k_indices
+    rng = np.random.default_rng(3)
+    whole, top = Sampler(SamplingParams(**params), seed=11), Sampler(SamplingParams(**params), seed=11)
+    history = list(rng.integers(0, 1000, 20))
+    for _ in range(200):
+        row = (np.round(rng.standard_normal(1000) * 4) / 4).astype(np.float32)  # many equal values
+        row[history[-3:]] += 3  # recent tokens near the top, where the penalties move them
+        n_top = top.n_top(row.size)
+        assert n_top == min(1000, (1 if params["temperature"] <= 0 else params["top_k"])
+                            + (top.window() if top.params.penalizes else 0))
+        ids = top_k_indices(row, n_top)
+        hist = np.zeros(min(top.window(), 64) if top.params.penalizes else 0, dtype=np.int64)
+        recent = top.recent(history)[:hist.size]
+        hist[:recent.size] = recent
+        a = whole.sample(row, history)
+        b = top.sample_top(ids, row[ids], hist, row[hist], history)
+        assert a == b
+        history.append(a)

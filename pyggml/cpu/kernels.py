@@ -11,8 +11,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import quants
-from ..opdefs import (ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode, RopeParams,
-                      ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
+from ..opdefs import (ArgsortParams, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode,
+                      RopeParams, ScaleParams, SoftMaxParams, SortOrder, UnaryOp, UnaryParams)
 from ..tensor import Tensor
 from ..types import Type
 from . import nn
@@ -288,6 +288,37 @@ def k_concat(node: Tensor) -> None:
     tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
+def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the k largest values of a 1-D row, largest first, equal values lowest
+    index first - one rule, so that TOP_K on any device and the sampler over a whole row
+    pick the same k in the same order.  O(n): a partition, then a sort of k."""
+    n = row.size
+    k = min(k, n)
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k < n:
+        kth = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
+        above = np.flatnonzero(row > kth)
+        ids = np.concatenate([above, np.flatnonzero(row == kth)[:k - above.size]])
+    else:
+        ids = np.arange(n)
+    return ids[np.lexsort((ids, -row[ids]))]
+
+
+def k_argsort(node: Tensor) -> None:
+    x = values(node.src[0])
+    order = ArgsortParams.of(node).order
+    tensor_view(node)[...] = np.argsort(-x if order == SortOrder.DESC else x, axis=-1, kind="stable").astype(np.int32)
+
+
+def k_top_k(node: Tensor) -> None:
+    x = values(node.src[0])
+    out = tensor_view(node)
+    k = node.ne[0]
+    for idx in np.ndindex(*x.shape[:-1]):
+        out[idx] = top_k_indices(x[idx], k)
+
+
 def k_argmax(node: Tensor) -> None:
     tensor_view(node)[...] = values(node.src[0])[0, 0].argmax(axis=-1).astype(np.int32).reshape(1, 1, 1, -1)
 
@@ -312,5 +343,7 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.DUP: k_cpy,
     Op.CONCAT: k_concat,
     Op.ARGMAX: k_argmax,
+    Op.ARGSORT: k_argsort,
+    Op.TOP_K: k_top_k,
     Op.FLASH_ATTN_EXT: k_flash_attn_ext,
 }
