@@ -61,7 +61,10 @@ class KVCache:
     def _owned(self) -> dict[tuple[int, int], int]:
         """(sequence, block) -> page, for every page holding a cell."""
         used = np.flatnonzero(self.cell_seq != FREE)
-        return {(int(self.cell_seq[c]), int(self.cell_pos[c]) // PAGE): int(c) // PAGE for c in used}
+        if not used.size:
+            return {}
+        triples = np.unique(np.stack([self.cell_seq[used], self.cell_pos[used] // PAGE, used // PAGE]), axis=1)
+        return {(int(seq), int(blk)): int(page) for seq, blk, page in triples.T}
 
     @property
     def free_pages(self) -> int:
