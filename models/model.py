@@ -59,7 +59,8 @@ class Model:
     ``on_plan``: called with the placement's description before any weight moves.
     ``failover``: when an RPC server dies mid-generation, move its layers onto the devices
     left (``rpc_spare`` endpoints first), rebuild the cache and go on; the output is that
-    of an uninterrupted run.
+    of an uninterrupted run.  ``pre_tokenizer``: a llama.cpp pre-tokenizer name to use
+    instead of the file's ``tokenizer.ggml.pre`` (e.g. "gpt-2" for a name llama.cpp lacks).
     """
 
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
@@ -67,7 +68,7 @@ class Model:
                  n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
                  rpc_key: str | bytes | os.PathLike | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
-                 rpc_spare: str | Sequence[str] | None = None) -> None:
+                 rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
         self.rpc_key = rpc_key
         self.failover = failover
@@ -82,7 +83,7 @@ class Model:
         if ngl is None and self.rpc_devices:
             ngl = "auto"
         self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
-        self.tokenizer = _tokenizer_of(self.model.gguf)
+        self.tokenizer = Tokenizer(self.model.gguf, pre_tokenizer) if pre_tokenizer else _tokenizer_of(self.model.gguf)
         tk = self.tokenizer
         self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,
                                           tk.token_text(tk.bos_id) if tk.bos_id is not None else "",

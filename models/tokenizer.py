@@ -22,32 +22,22 @@ import numpy as np
 
 from pyggml.gguf import GGUFError, GGUFFile
 
+from .pretokenizers import PRE_TYPES, REGEXES
 from .spm import SentencePieceBPE
 
 log = logging.getLogger("pyggml.tokenizer")
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-BPE_PRE = {
-    "default": None,            # GPT-2's own regex (inside the ByteLevel pre-tokenizer)
-    "gpt2": None,
-    "smollm": r"\p{N}",         # digits split one by one, then GPT-2's regex
-    "llama-bpe": _LLAMA3,
-    "llama3": _LLAMA3,
-    "qwen2": _QWEN2,
-}
-
 # texts of end-of-generation tokens besides EOS (llama.cpp's list, trimmed to common ones)
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|return|>", "<eos>", "</s>")
 
 
 class Tokenizer:
-    def __init__(self, f: GGUFFile) -> None:
+    """``pre_tokenizer``: use this llama.cpp pre-tokenizer name instead of the file's
+    ``tokenizer.ggml.pre`` (for a file whose name llama.cpp does not know: "gpt-2", say)."""
+
+    def __init__(self, f: GGUFFile, pre_tokenizer: str | None = None) -> None:
         self.kind = str(f.get("tokenizer.ggml.model", ""))
         self.tokens = f.get("tokenizer.ggml.tokens", [])  # the file's compact array: decoded on access
         if not self.tokens:
@@ -67,7 +57,7 @@ class Tokenizer:
         self.hf = self.spm = None
         if self.kind == "gpt2":
             from tokenizers import AddedToken
-            self.hf = self._byte_level_bpe(f)
+            self.hf = self._byte_level_bpe(f, pre_tokenizer)
             # user-defined pieces are matched whole; control tokens are split out in tokenize()
             self.hf.add_tokens([AddedToken(t, normalized=False) for t in self.user_defined])
         else:
@@ -82,25 +72,28 @@ class Tokenizer:
         value = f.get(f"tokenizer.ggml.{key}")
         return int(value) if value is not None and int(value) >= 0 else None
 
-    def _byte_level_bpe(self, f: GGUFFile):
+    def _byte_level_bpe(self, f: GGUFFile, pre_tokenizer: str | None = None):
+        """Byte-level BPE over the file's merges; the text is first cut by the regexes llama.cpp
+        uses for the file's ``tokenizer.ggml.pre`` (models/pretokenizers.py), one after the
+        other, each piece then byte-encoded as GPT-2 does."""
         from tokenizers import Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         merges = [tuple(str(m).split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
-        pre = str(f.get("tokenizer.ggml.pre", "default"))
-        if pre not in BPE_PRE:
-            log.warning("tokenizer pre-type %r is not known; using GPT-2's (supported: %s)", pre, ", ".join(BPE_PRE))
-            pre = "default"
+        pre = pre_tokenizer or str(f.get("tokenizer.ggml.pre") or "default")
+        if pre not in PRE_TYPES:
+            raise GGUFError(f.path, f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not one llama.cpp knows; "
+                                    f"known: {', '.join(sorted(PRE_TYPES))} (pyggml.Model(..., pre_tokenizer="
+                                    f"'gpt-2') splits as GPT-2 does)")
+        kind, ignore_merges = PRE_TYPES[pre]
+        exprs, byte_encode = REGEXES.get(kind, REGEXES["DEFAULT"])
+        if not byte_encode:
+            raise GGUFError(f.path, f"pre-tokenizer {pre!r} keeps raw UTF-8 pieces; only byte-level BPE is supported")
         vocab = {t: i for i, t in enumerate(self.tokens)}
-        hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in ("llama-bpe", "llama3")))
-        pattern = BPE_PRE[pre]
-        if pattern is None:
-            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            # smollm keeps GPT-2's regex after splitting digits; llama-bpe and qwen2 replace it
-            hf.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(pattern), "isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre == "smollm")])
+        hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(e), "isolated") for e in exprs]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         hf.decoder = decoders.ByteLevel()
         return hf
 
