@@ -8,7 +8,12 @@ a second load that the servers' tensor caches answer; and a cold load from a ser
 holds the file itself (``--gguf``); and how long failover takes from a server's kill -9 to
 the next token.
 
-    python bench/rpc.py [--model smollm2] [--tokens 64]
+    python bench/rpc.py [--model smollm2] [--tokens 64] [--llama-cpp BIN_DIR]
+
+With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server``, e.g. from
+``../shared/bin/build-llamacpp``; reference tools, never dependencies) the same machine's
+llama.cpp figures come beside ours: local, one server, two servers, and the ratio of the
+time added per token per server.
 
 Everything runs on one machine: the servers compete with the client for its cores, so
 on a 2-core machine the split run measures contention as much as the protocol.
@@ -53,12 +58,47 @@ def generation(model: pg.Model, n: int) -> tuple[float, float, float]:
     return count / dt, (wire_bytes(model) - b0) / count, (waited(model) - w0) / count
 
 
+def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2) -> dict[str, float]:
+    """llama-bench's generation tokens/s locally and with every layer on one and on two
+    ggml-rpc-servers (started here, one CPU thread pool each)."""
+    import json
+    import socket
+    import subprocess
+
+    def bench(*extra: str) -> float:
+        r = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0",
+                            "-n", str(n), "-o", "json", *extra], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-500:]}")
+        return float(json.loads(r.stdout)[0]["avg_ts"])
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    rows = {"local": bench("-ngl", "0")}
+    ports = [free_port(), free_port()]
+    servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", str(threads), "-p", str(p)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        time.sleep(1.0)
+        rows["1 server, all layers"] = bench("-ngl", "99", "-rpc", f"127.0.0.1:{ports[0]}")
+        rows["2 servers, split"] = bench("-ngl", "99", "-rpc", ",".join(f"127.0.0.1:{p}" for p in ports))
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(10)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3, help="runs per placement (the median is shown)")
+    ap.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                    help="llama.cpp's bin folder (llama-bench, ggml-rpc-server): its figures beside ours")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of the server processes, e.g. OMP_WAIT_POLICY=PASSIVE")
     args = ap.parse_args()
@@ -134,6 +174,15 @@ def main() -> None:
         client = 1000 / tps - 1000 * wait  # what the client itself spent; the rest was waiting for servers
         print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}{client:>17.2f}")
     print("(client ms/token of a remote placement: the time not spent waiting for a server's answer)")
+    if args.llama_cpp:
+        theirs = llama_cpp_rows(args.llama_cpp, pg.hub.resolve(args.model), args.tokens)
+        print(f"llama.cpp (llama-bench -t 2 -n {args.tokens}, ggml-rpc-server -t 2; every layer on the servers):")
+        ours = {name: tps for name, tps, *_ in rows}
+        for name, (n_servers, tps) in zip(theirs, enumerate(theirs.values())):
+            added = (1000 / tps - 1000 / theirs["local"]) / n_servers if n_servers else 0.0
+            mine = (1000 / ours[name] - 1000 / ours["local"]) / n_servers if n_servers else 0.0
+            ratio = f"  pyggml's added time / llama.cpp's: {mine / added:.2f}" if n_servers and added > 0 else ""
+            print(f"  {name:<22}{tps:>10.1f} tok/s{added:>10.2f} ms/token/server added{ratio}")
     print(f"first load onto a server: {first_load:.2f} s, {upload / 2**20:.1f} MiB sent "
           f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")
     print(f"cached second load:       {cached_load:.2f} s, {cached_upload / 2**20:.2f} MiB sent "
