@@ -26,7 +26,7 @@ from .blocks import GraphBuilder
 from .kv_cache import KVCache
 from .loader import LoadedModel
 
-MAX_CACHED_GRAPHS = 4
+MAX_CACHED_GRAPHS = 12  # prompt and decode shapes, top-k and whole-row outputs, a server's batch sizes
 MAX_LOG_TOKENS = 1 << 20
 
 

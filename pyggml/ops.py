@@ -295,6 +295,23 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     return t
 
 
+def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """ggml_mul_mat_id, the mixture-of-experts product: for token t and slot e, the matrix of
+    expert ids[e, t] times b's row e (or its only row) of token t.
+
+    as_: [K, M, n_expert] (any weight type), b: F32 [K, n_used or 1, n_tokens], ids: I32
+    [n_used, n_tokens] -> F32 [M, n_used, n_tokens].  The ids are data: the kernels check each
+    one against n_expert before reading a weight."""
+    _check(ids.type == Type.I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "MUL_MAT_ID", "ids must be I32 [n_used, n_tokens]",
+           as_, b, ids)
+    _check(b.type == Type.F32 and b.ne[3] == 1 and as_.ne[3] == 1, "MUL_MAT_ID",
+           "needs F32 activations and 3-D expert weights", as_, b, ids)
+    _check(as_.ne[0] == b.ne[0], "MUL_MAT_ID", "inner sizes differ", as_, b)
+    _check(ids.ne[1] == b.ne[2], "MUL_MAT_ID", "one row of ids per token", b, ids)
+    _check(b.ne[1] in (1, ids.ne[0]), "MUL_MAT_ID", "b holds one row per used expert, or one for all", b, ids)
+    return _result(Op.MUL_MAT_ID, Type.F32, (as_.ne[1], ids.ne[0], b.ne[2]), [as_, b, ids])
+
+
 def argsort(a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:
     """Indices that sort each row of F32 ``a`` (I32, the shape of ``a``), as ggml_argsort;
     equal values keep their order (ggml leaves that open)."""

@@ -124,6 +124,7 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], *ConcatParams.of(n).values()),
     Op.ARGMAX: lambda n: ops.argmax(n.src[0]),
     Op.ARGSORT: lambda n: ops.argsort(n.src[0], *ArgsortParams.of(n).values()),
+    Op.MUL_MAT_ID: lambda n: ops.mul_mat_id(n.src[0], n.src[1], n.src[2]),
     Op.TOP_K: lambda n: ops.top_k(n.src[0], n.ne[0]),
     Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3],
                                                     *FlashAttnParams.of(n).values()),
@@ -169,6 +170,10 @@ def node_cost(node: Tensor) -> tuple[int, int]:
         work = node.nelements() * srcs[0].ne[0]
         converted = srcs[1:] if quant_supported(srcs[0].type) else srcs
         scratch += 4 * srcs[1].nelements()  # the activations quantized for the integer products
+    elif node.op == Op.MUL_MAT_ID:  # one product per (token, used expert); the ids are checked when it runs
+        work = node.nelements() * srcs[0].ne[0]
+        converted = srcs[1:] if quant_supported(srcs[0].type) else srcs
+        scratch += 4 * node.nelements() + 4 * srcs[1].ne[0] * node.ne[1] * node.ne[2]
     elif node.op == Op.FLASH_ATTN_EXT:
         q, k, v = srcs[:3]
         work = q.ne[1] * q.ne[2] * q.ne[3] * k.ne[1] * (q.ne[0] + v.ne[0])

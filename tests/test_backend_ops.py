@@ -220,6 +220,32 @@ def _cases():
                 return (x.reshape(-1, 256) @ w.T).reshape(1, 1, -1, 24)
             yield Case(f"MUL_MAT-{wtype.name}-n{n}", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
 
+    for wtype, n_b in ((Type.F32, 2), (Type.Q4_0, 1), (Type.Q8_0, 2), (Type.Q4_K, 2)):
+        def build(rng, wtype=wtype, n_b=n_b):
+            k, m, n_expert, n_used, n_tok = 256, 16, 6, 2, 5
+            if wtype.is_quantized:
+                _, raw, _ = quantized(wtype)(rng, k, m * n_expert)
+                w = leaf(wtype, k, m, n_expert, name="experts")
+            else:
+                w = leaf(wtype, k, m, n_expert, name="experts")
+                raw = normal(rng, w)
+            x, ids = leaf(Type.F32, k, n_b, n_tok), leaf(Type.I32, n_used, n_tok, name="ids")
+            chosen = np.stack([rng.choice(n_expert - 1, n_used, replace=False) for _ in range(n_tok)])  # expert 5 idle
+            return ops.mul_mat_id(w, x, ids), [(w, raw), (x, normal(rng, x)), (ids, chosen.astype(np.int32))]
+
+        def ref(w, x, ids, wtype=wtype):
+            k, m, n_expert = 256, 16, 6
+            if wtype.is_quantized:
+                w = pg.quants.dequantize(np.asarray(w, np.uint8).reshape(m * n_expert, -1), wtype).astype(f64)
+            w = w.reshape(n_expert, m, k)
+            x, ids = x.reshape(x.shape[-3], x.shape[-2], k), ids.reshape(ids.shape[-2], ids.shape[-1]).astype(int)
+            out = np.empty((1, ids.shape[0], ids.shape[1], m))
+            for t in range(ids.shape[0]):
+                for e in range(ids.shape[1]):
+                    out[0, t, e] = w[ids[t, e]] @ x[t, e % x.shape[1]]
+            return out
+        yield Case(f"MUL_MAT_ID-{wtype.name}-b{n_b}", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
+
     def batched(rng):
         a, b = leaf(Type.F32, 32, 6, 2), leaf(Type.F32, 32, 3, 4, name="b")
         return ops.mul_mat(a, b), [(a, normal(rng, a)), (b, normal(rng, b))]

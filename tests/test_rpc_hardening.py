@@ -293,3 +293,37 @@ def test_the_tensor_cache_evicts_what_was_used_least_recently(tmp_path):
     assert reopened.get(ka, mib) is None and reopened.get(kc, mib) == c
     assert len(list(tmp_path.glob("*.bin"))) == 2
     assert not cache.put(bytes(3 * mib))[1]  # larger than the whole cache: not stored
+
+
+def test_expert_ids_outside_the_experts_are_refused_when_the_product_runs(start_server):
+    """MUL_MAT_ID's ids are data computed in the graph: the server checks each against the
+    expert count before reading a weight, answers with the error and keeps serving."""
+    import pyggml as pg
+    from pyggml import ops
+    from pyggml.backend import alloc_tensors
+    from pyggml.rpc import RPCError, connect
+
+    server = start_server()
+    device = connect(server.endpoint)[0]
+    experts = pg.new_tensor(Type.F32, (32, 4, 3), "experts")
+    alloc_tensors([experts], device.get_buffer_type())
+    w = np.arange(32 * 4 * 3, dtype=np.float32).reshape(3, 4, 32) / 100
+    pg.tensor_set(experts, w)
+    x = pg.new_tensor(Type.F32, (32, 1, 2), "x").set_input()
+    ids = pg.new_tensor(Type.I32, (1, 2), "ids").set_input()
+    out = ops.mul_mat_id(experts, x, ids).set_output()
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler([device.init_backend(), pg.cpu_device().init_backend()])
+    sched.alloc_graph(graph)
+    xv = np.ones((2, 1, 32), np.float32)
+    pg.tensor_set(x, xv)
+    pg.tensor_set(ids, np.array([0, 7], np.int32))
+    sched.graph_compute(graph)
+    with pytest.raises(RPCError, match="expert id 7 outside 0..2"):
+        pg.tensor_array(out)
+    assert server.alive()
+    pg.tensor_set(ids, np.array([2, 1], np.int32))
+    sched.graph_compute(graph)
+    got = pg.tensor_array(out).reshape(2, 4)
+    assert np.allclose(got, [w[2] @ xv[0, 0], w[1] @ xv[1, 0]], rtol=1e-6)
+    device.conn.close()

@@ -288,6 +288,30 @@ def k_concat(node: Tensor) -> None:
     tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
+def k_mul_mat_id(node: Tensor) -> None:
+    """Tokens grouped by expert: each expert's rows are read once per batch, for all the
+    tokens routed to it (as ggml groups them)."""
+    a, b, ids = node.src[:3]
+    idx = tensor_view(ids)[0, 0]            # [n_tokens, n_used]
+    n_expert = a.ne[2]
+    bad = idx[(idx < 0) | (idx >= n_expert)]
+    if bad.size:
+        raise ValueError(f"MUL_MAT_ID: expert id {int(bad[0])} outside 0..{n_expert - 1}")
+    x = values(b)[0]                         # [n_tokens, n_b, K]
+    out = tensor_view(node)[0]               # [n_tokens, n_used, M]
+    n_b = x.shape[1]
+    rows = tensor_rows(a) if quant_supported(a.type) else None
+    for e in np.unique(idx):
+        t_sel, u_sel = np.nonzero(idx == e)
+        cols = np.ascontiguousarray(x[t_sel, u_sel % n_b])
+        if rows is not None:
+            w = rows[0, e]
+            res = quant_matmul(w if w.flags.c_contiguous else np.ascontiguousarray(w), a.type, cols)
+        else:
+            res = cols @ values(a)[0, e].T
+        out[t_sel, u_sel] = res
+
+
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     """The indices of the k largest values of a 1-D row, largest first, equal values lowest
     index first - one rule, so that TOP_K on any device and the sampler over a whole row
@@ -344,6 +368,7 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.CONCAT: k_concat,
     Op.ARGMAX: k_argmax,
     Op.ARGSORT: k_argsort,
+    Op.MUL_MAT_ID: k_mul_mat_id,
     Op.TOP_K: k_top_k,
     Op.FLASH_ATTN_EXT: k_flash_attn_ext,
 }
