@@ -154,6 +154,35 @@ class GraphBuilder:
         cur = self.cb(act(gate, up), "ffn_act", il)
         return self.cb(self.linear(cur, "ffn_down", il), "ffn_out", il)
 
+    def build_moe_ffn(self, x: Tensor, il: int, norm_weights: bool = True) -> Tensor:
+        """Mixture-of-experts feed-forward, as llama.cpp's build_moe_ffn with softmax gating:
+        router probabilities over the experts, the top n_expert_used per token (largest
+        first), their probabilities as weights (renormalized to sum 1 with ``norm_weights``),
+        each chosen expert's SwiGLU FFN, and the weighted sum of their outputs."""
+        hp, n = self.hp, self.n_tokens
+        n_expert, n_used = hp.n_expert, hp.n_expert_used
+        logits = self.cb(ops.mul_mat(self.w("ffn_gate_inp.weight", il), x), "ffn_moe_logits", il)  # [n_expert, n]
+        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
+        selected = self.cb(ops.top_k(probs, n_used), "ffn_moe_topk", il)                       # I32 [n_used, n]
+        weights = self.cb(ops.get_rows(ops.reshape(probs, 1, n_expert, n), selected), "ffn_moe_weights", il)
+        if norm_weights:
+            weights = ops.reshape(weights, n_used, n)
+            total = ops.clamp(ops.sum_rows(weights), 6.103515625e-5, float("inf"))  # llama.cpp's floor
+            weights = self.cb(ops.reshape(ops.div(weights, total), 1, n_used, n), "ffn_moe_weights_norm", il)
+        cur = ops.reshape(x, hp.n_embd, 1, n)
+        up = self.cb(ops.mul_mat_id(self.w("ffn_up_exps.weight", il), cur, selected), "ffn_moe_up", il)
+        gate = self.cb(ops.mul_mat_id(self.w("ffn_gate_exps.weight", il), cur, selected), "ffn_moe_gate", il)
+        act = self.cb(ops.swiglu(gate, up), "ffn_moe_swiglu", il)                               # [n_ff, n_used, n]
+        experts = self.cb(ops.mul_mat_id(self.w("ffn_down_exps.weight", il), act, selected), "ffn_moe_down", il)
+        experts = self.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                   # [n_embd, n_used, n]
+        out = None
+        for e in range(n_used):  # the experts' outputs added in slot order, as llama.cpp adds its views
+            view = ops.view(experts, (hp.n_embd, n), (experts.nb[2],), e * experts.nb[1])
+            out = view if out is None else ops.add(out, view)
+        if n_used == 1:
+            out = ops.cont(out)
+        return self.cb(out, "ffn_moe_out", il)
+
     def build_output(self, cur: Tensor) -> Tensor:
         """Keep only the wanted rows, final norm, output head (tied to the embedding when the
         file has no ``output.weight``), optional final soft-capping; with ``n_top``, the top

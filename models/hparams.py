@@ -41,6 +41,8 @@ class HParams:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     attn_scale: float = 0.0         # query scale; 0 = 1/sqrt(n_embd_head_k)
+    n_expert: int = 0               # mixture of experts: experts per layer (0: a dense FFN)
+    n_expert_used: int = 0          # experts each token is routed to
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -91,4 +93,6 @@ class HParams:
             n_swa=int(get("attention.sliding_window", 0) or 0),
             attn_softcap=float(get("attn_logit_softcapping", 0.0) or 0.0),
             final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+            n_expert=int(get("expert_count", 0) or 0),
+            n_expert_used=int(get("expert_used_count", 0) or 0),
         )

@@ -1,7 +1,9 @@
 """llama (SmolLM2, Llama 2/3 ...): pre-norm blocks, RoPE (normal mode), SwiGLU FFN.
 
 qwen2 and qwen3 are this graph with small changes (see their files): q/k/v biases,
-which ``GraphBuilder.linear`` picks up from the file by itself, and q/k RMS norms.
+which ``GraphBuilder.linear`` picks up from the file by itself, and q/k RMS norms.  A layer
+with a router (``ffn_gate_inp``) has a mixture of experts in place of its FFN: Mixtral-style
+llama files and qwen3moe.
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
         cur = b.build_attn(q, k, v, il, hp.kq_scale())
         ffn_inp = b.cb(ops.add(cur, inp), "ffn_inp", il)
         cur = b.build_norm(ffn_inp, b.w("ffn_norm.weight", il), "ffn_norm", il)
-        cur = b.build_ffn(cur, il, ops.swiglu)
+        if b.w("ffn_gate_inp.weight", il) is not None:  # Mixtral-style experts (qwen3moe's too)
+            cur = b.build_moe_ffn(cur, il)
+        else:
+            cur = b.build_ffn(cur, il, ops.swiglu)
         inp = b.cb(ops.add(cur, ffn_inp), "l_out", il)
     return b.build_output(inp)
 

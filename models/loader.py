@@ -12,11 +12,12 @@ from pyggml import Tensor
 from pyggml.backend import Buffer, Device, DeviceType
 from pyggml.gguf import GGUFError, GGUFFile
 
-from . import gemma3, llama, qwen2, qwen3
+from . import gemma3, llama, qwen2, qwen3, qwen3moe
 from .hparams import HParams
 from .placement import Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
 
-ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3}
+ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe,
+                                         "gemma3": gemma3}
 
 
 class UnsupportedArchitecture(GGUFError):

@@ -238,6 +238,13 @@ class ConcatParams(OpParams):
 
 
 @dataclass(frozen=True)
+class ClampParams(OpParams):
+    min: float
+    max: float
+    SLOTS = ((0, "f"), (1, "f"))
+
+
+@dataclass(frozen=True)
 class ArgsortParams(OpParams):
     order: SortOrder
     SLOTS = ((0, "i"),)
@@ -253,6 +260,7 @@ class FlashAttnParams(OpParams):
 
 PARAMS: dict[Op, type[OpParams]] = {
     Op.ARGSORT: ArgsortParams,
+    Op.CLAMP: ClampParams,
     Op.SCALE: ScaleParams,
     Op.UNARY: UnaryParams,
     Op.GLU: GluParams,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .opdefs import (VIEW_OPS, ArgsortParams, ConcatParams, FlashAttnParams, GluOp, GluParams,  # noqa: F401
+from .opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluOp, GluParams,  # noqa: F401
                      NormParams, Op, PermuteParams, RopeMode, RopeParams, ScaleParams, SoftMaxParams, SortOrder,
                      UnaryOp, UnaryParams)
 from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
@@ -292,6 +292,20 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
         raise ValueError("FLASH_ATTN_EXT: ALiBi (max_bias != 0) is not supported")
     t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), [q, k, v, mask])
     FlashAttnParams(scale, max_bias, logit_softcap).pack(t.op_params)
+    return t
+
+
+def sum_rows(a: Tensor) -> Tensor:
+    """The sum of each row of F32 ``a``: [1, ne1, ne2, ne3] (ggml_sum_rows)."""
+    _check(a.type == Type.F32, "SUM_ROWS", "needs F32", a)
+    return _result(Op.SUM_ROWS, Type.F32, (1, a.ne[1], a.ne[2], a.ne[3]), [a])
+
+
+def clamp(a: Tensor, lo: float, hi: float) -> Tensor:
+    """Values of F32 ``a`` limited to [lo, hi] (ggml_clamp)."""
+    _check(a.type == Type.F32, "CLAMP", "needs F32", a)
+    t = _result(Op.CLAMP, Type.F32, a.ne, [a])
+    ClampParams(lo, hi).pack(t.op_params)
     return t
 
 

@@ -24,7 +24,7 @@ from pyggml import ops
 from pyggml.backend import Buffer
 from pyggml.cpu.qmatmul import supports as quant_supported
 from pyggml.graph import Graph
-from pyggml.opdefs import (VIEW_OPS, ArgsortParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
+from pyggml.opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
                            ScaleParams, SoftMaxParams, UnaryParams)
 from pyggml.tensor import Tensor, TensorFlag
 from pyggml.types import Type
@@ -125,6 +125,8 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.ARGMAX: lambda n: ops.argmax(n.src[0]),
     Op.ARGSORT: lambda n: ops.argsort(n.src[0], *ArgsortParams.of(n).values()),
     Op.MUL_MAT_ID: lambda n: ops.mul_mat_id(n.src[0], n.src[1], n.src[2]),
+    Op.SUM_ROWS: lambda n: ops.sum_rows(n.src[0]),
+    Op.CLAMP: lambda n: ops.clamp(n.src[0], *ClampParams.of(n).values()),
     Op.TOP_K: lambda n: ops.top_k(n.src[0], n.ne[0]),
     Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3],
                                                     *FlashAttnParams.of(n).values()),

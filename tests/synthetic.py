@@ -23,6 +23,9 @@ class Shape:
     n_vocab: int = 128
     eps: float = 1e-6
     rope_base: float = 10000.0
+    n_expert: int = 6       # qwen3moe: experts per layer, each token routed to n_expert_used
+    n_expert_used: int = 2
+    n_ff_exp: int = 48
 
     @property
     def head_dim(self) -> int:
@@ -46,13 +49,19 @@ def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
         p = f"blk.{il}."
         w |= {p + "attn_norm.weight": vec(s.n_embd), p + "attn_q.weight": mat(s.n_embd, s.n_embd),
               p + "attn_k.weight": mat(kv, s.n_embd), p + "attn_v.weight": mat(kv, s.n_embd),
-              p + "attn_output.weight": mat(s.n_embd, s.n_embd), p + "ffn_norm.weight": vec(s.n_embd),
-              p + "ffn_gate.weight": mat(s.n_ff, s.n_embd), p + "ffn_up.weight": mat(s.n_ff, s.n_embd),
-              p + "ffn_down.weight": mat(s.n_embd, s.n_ff)}
+              p + "attn_output.weight": mat(s.n_embd, s.n_embd), p + "ffn_norm.weight": vec(s.n_embd)}
+        if arch == "qwen3moe":  # a router and stacked experts [n_expert, rows, cols] in place of the FFN
+            w |= {p + "ffn_gate_inp.weight": mat(s.n_expert, s.n_embd, 4.0),
+                  p + "ffn_gate_exps.weight": np.stack([mat(s.n_ff_exp, s.n_embd) for _ in range(s.n_expert)]),
+                  p + "ffn_up_exps.weight": np.stack([mat(s.n_ff_exp, s.n_embd) for _ in range(s.n_expert)]),
+                  p + "ffn_down_exps.weight": np.stack([mat(s.n_embd, s.n_ff_exp) for _ in range(s.n_expert)])}
+        else:
+            w |= {p + "ffn_gate.weight": mat(s.n_ff, s.n_embd), p + "ffn_up.weight": mat(s.n_ff, s.n_embd),
+                  p + "ffn_down.weight": mat(s.n_embd, s.n_ff)}
         if arch == "qwen2":
             w |= {p + "attn_q.bias": vec(s.n_embd, 0.0), p + "attn_k.bias": vec(kv, 0.0),
                   p + "attn_v.bias": vec(kv, 0.0)}
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             w |= {p + "attn_q_norm.weight": vec(s.head_dim), p + "attn_k_norm.weight": vec(s.head_dim)}
     return w
 
@@ -74,6 +83,10 @@ def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(s.n_vocab)
+    if arch == "qwen3moe":
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
     for name, value in weights.items():
         qtype = (types or {}).get(name)
         if qtype is None:
@@ -106,11 +119,26 @@ def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray
     return out
 
 
+def _moe(h: np.ndarray, w: dict[str, np.ndarray], p: str, n_used: int) -> np.ndarray:
+    """Softmax router, the top n_used experts per token, their probabilities renormalized to
+    sum 1, the weighted sum of their SwiGLU FFNs (Qwen3-MoE's definition)."""
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        logits = w[p + "ffn_gate_inp.weight"] @ h[t]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[:n_used]
+        for e, weight in zip(top, probs[top] / probs[top].sum()):
+            gate, up = w[p + "ffn_gate_exps.weight"][e] @ h[t], w[p + "ffn_up_exps.weight"][e] @ h[t]
+            out[t] += weight * (w[p + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
 def reference_logits(arch: str, s: Shape, weights: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
     """float64 logits [len(tokens), n_vocab] of the causal transformer the weights describe."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     n, hd, group = len(tokens), s.head_dim, s.n_head // s.n_head_kv
-    neox = arch in ("qwen2", "qwen3")
+    neox = arch in ("qwen2", "qwen3", "qwen3moe")
     pos = np.arange(n, dtype=np.float64)
     x = w["token_embd.weight"][tokens]
     causal = np.triu(np.full((n, n), -np.inf), k=1)
@@ -121,7 +149,7 @@ def reference_logits(arch: str, s: Shape, weights: dict[str, np.ndarray], tokens
         k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0.0)
         v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0.0)
         q, k, v = q.reshape(n, s.n_head, hd), k.reshape(n, s.n_head_kv, hd), v.reshape(n, s.n_head_kv, hd)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             q = _rms_norm(q, w[p + "attn_q_norm.weight"], s.eps)
             k = _rms_norm(k, w[p + "attn_k_norm.weight"], s.eps)
         q, k = _rope(q, pos, s.rope_base, neox), _rope(k, pos, s.rope_base, neox)
@@ -133,6 +161,9 @@ def reference_logits(arch: str, s: Shape, weights: dict[str, np.ndarray], tokens
             heads.append(probs @ v[:, hh // group])
         x = x + np.concatenate(heads, axis=-1) @ w[p + "attn_output.weight"].T
         h = _rms_norm(x, w[p + "ffn_norm.weight"], s.eps)
+        if arch == "qwen3moe":
+            x = x + _moe(h, w, p, s.n_expert_used)
+            continue
         gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "ffn_down.weight"].T
     return _rms_norm(x, w["output_norm.weight"], s.eps) @ w["output.weight"].T

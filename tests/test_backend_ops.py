@@ -310,6 +310,16 @@ def _cases():
         return ops.argmax(a), [(a, normal(rng, a))]
     yield Case("ARGMAX", argmax, lambda a: a.argmax(-1).astype(f64), 0.0)
 
+    def sum_rows(rng):
+        a = leaf(Type.F32, 37, 4, 3)
+        return ops.sum_rows(a), [(a, normal(rng, a))]
+    yield Case("SUM_ROWS", sum_rows, lambda a: a.sum(-1, keepdims=True))
+
+    def clamp(rng):
+        a = leaf(Type.F32, 40, 5)
+        return ops.clamp(a, -0.5, 0.75), [(a, normal(rng, a))]
+    yield Case("CLAMP", clamp, lambda a: np.clip(a, -0.5, 0.75), 0.0)
+
     def with_ties(rng, t):
         return np.round(normal(rng, t) * 2) / 2  # few distinct values: the order of equal ones counts
 

@@ -17,7 +17,7 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sum((got - want) ** 2) / np.sum(want ** 2))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3moe"])
 def tiny(request, tmp_path_factory):
     arch, s = request.param, Shape()
     weights = random_weights(arch, s, seed=len(arch))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import quants
-from ..opdefs import (ArgsortParams, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode,
+from ..opdefs import (ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode,
                       RopeParams, ScaleParams, SoftMaxParams, SortOrder, UnaryOp, UnaryParams)
 from ..tensor import Tensor
 from ..types import Type
@@ -288,6 +288,16 @@ def k_concat(node: Tensor) -> None:
     tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
+def k_sum_rows(node: Tensor) -> None:
+    """Rows summed in double, then rounded (ggml_vec_sum_f32 accumulates in ggml_float)."""
+    tensor_view(node)[...] = values(node.src[0]).sum(axis=-1, keepdims=True, dtype=np.float64).astype(f32)
+
+
+def k_clamp(node: Tensor) -> None:
+    p = ClampParams.of(node)
+    np.clip(values(node.src[0]), f32(p.min), f32(p.max), out=tensor_view(node))
+
+
 def k_mul_mat_id(node: Tensor) -> None:
     """Tokens grouped by expert: each expert's rows are read once per batch, for all the
     tokens routed to it (as ggml groups them)."""
@@ -368,6 +378,8 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.CONCAT: k_concat,
     Op.ARGMAX: k_argmax,
     Op.ARGSORT: k_argsort,
+    Op.SUM_ROWS: k_sum_rows,
+    Op.CLAMP: k_clamp,
     Op.MUL_MAT_ID: k_mul_mat_id,
     Op.TOP_K: k_top_k,
     Op.FLASH_ATTN_EXT: k_flash_attn_ext,

@@ -1,0 +1,16 @@
+"""qwen3moe (Qwen3-30B-A3B, 235B-A22B): qwen3's attention (per-head q/k RMS norms, NEOX
+RoPE) and a mixture of experts in every layer's FFN (softmax router, top-k, weights
+renormalized), llama.cpp's llm_build_qwen3moe."""
+from __future__ import annotations
+
+from pyggml import Tensor
+from pyggml.opdefs import RopeMode
+
+from .blocks import GraphBuilder
+from .llama import build_llama_layers
+
+ROPE_MODE = RopeMode.NEOX
+
+
+def build(b: GraphBuilder) -> Tensor:
+    return build_llama_layers(b, qk_norm=True)
