@@ -32,8 +32,11 @@ class Shape:
         return self.n_embd // self.n_head
 
 
-def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
-    """numpy arrays shaped [rows, cols] (GGUF's ne reversed), named as llama.cpp names them."""
+def random_weights(arch: str, s: Shape, seed: int = 0, moe: bool | None = None) -> dict[str, np.ndarray]:
+    """numpy arrays shaped [rows, cols] (GGUF's ne reversed), named as llama.cpp names them;
+    ``moe`` (qwen3moe's default) puts a router and experts in place of every FFN (a
+    Mixtral-style llama with arch "llama")."""
+    moe = arch == "qwen3moe" if moe is None else moe
     rng = np.random.default_rng(seed)
 
     def mat(rows: int, cols: int, scale: float = 0.5) -> np.ndarray:
@@ -50,11 +53,12 @@ def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
         w |= {p + "attn_norm.weight": vec(s.n_embd), p + "attn_q.weight": mat(s.n_embd, s.n_embd),
               p + "attn_k.weight": mat(kv, s.n_embd), p + "attn_v.weight": mat(kv, s.n_embd),
               p + "attn_output.weight": mat(s.n_embd, s.n_embd), p + "ffn_norm.weight": vec(s.n_embd)}
-        if arch == "qwen3moe":  # a router and stacked experts [n_expert, rows, cols] in place of the FFN
+        if moe:  # a router and stacked experts [n_expert, rows, cols] in place of the FFN
+            ff = s.n_ff_exp if arch == "qwen3moe" else s.n_ff  # Mixtral's experts are feed_forward_length wide
             w |= {p + "ffn_gate_inp.weight": mat(s.n_expert, s.n_embd, 4.0),
-                  p + "ffn_gate_exps.weight": np.stack([mat(s.n_ff_exp, s.n_embd) for _ in range(s.n_expert)]),
-                  p + "ffn_up_exps.weight": np.stack([mat(s.n_ff_exp, s.n_embd) for _ in range(s.n_expert)]),
-                  p + "ffn_down_exps.weight": np.stack([mat(s.n_embd, s.n_ff_exp) for _ in range(s.n_expert)])}
+                  p + "ffn_gate_exps.weight": np.stack([mat(ff, s.n_embd) for _ in range(s.n_expert)]),
+                  p + "ffn_up_exps.weight": np.stack([mat(ff, s.n_embd) for _ in range(s.n_expert)]),
+                  p + "ffn_down_exps.weight": np.stack([mat(s.n_embd, ff) for _ in range(s.n_expert)])}
         else:
             w |= {p + "ffn_gate.weight": mat(s.n_ff, s.n_embd), p + "ffn_up.weight": mat(s.n_ff, s.n_embd),
                   p + "ffn_down.weight": mat(s.n_embd, s.n_ff)}
@@ -67,8 +71,11 @@ def random_weights(arch: str, s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
-                types: dict[str, str] | None = None) -> Path:
-    """The GGUF file; ``types`` stores the named weights quantized (e.g. {"blk.0.ffn_up.weight": "Q4_K"})."""
+                types: dict[str, str] | None = None, vocab: bool = False) -> Path:
+    """The GGUF file; ``types`` stores the named weights quantized (e.g. {"blk.0.ffn_up.weight": "Q4_K"});
+    ``vocab`` adds a SentencePiece vocabulary (<unk> <s> </s>, then whole words: no byte
+    pieces, so that llama-server reports every token's probability) for llama.cpp to load
+    the file too."""
     import gguf
 
     import pyggml as pg
@@ -83,7 +90,16 @@ def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(s.n_vocab)
-    if arch == "qwen3moe":
+    if vocab:
+        words = s.n_vocab - 3
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(words)])
+        w.add_token_scores([0.0] * 3 + [-float(i) for i in range(words)])
+        w.add_token_types([2, 3, 3] + [1] * words)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    if "blk.0.ffn_gate_inp.weight" in weights:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
@@ -161,7 +177,7 @@ def reference_logits(arch: str, s: Shape, weights: dict[str, np.ndarray], tokens
             heads.append(probs @ v[:, hh // group])
         x = x + np.concatenate(heads, axis=-1) @ w[p + "attn_output.weight"].T
         h = _rms_norm(x, w[p + "ffn_norm.weight"], s.eps)
-        if arch == "qwen3moe":
+        if p + "ffn_gate_inp.weight" in w:
             x = x + _moe(h, w, p, s.n_expert_used)
             continue
         gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
