@@ -108,7 +108,8 @@ def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
         if qtype is None:
             w.add_tensor(name, value)
         else:
-            w.add_tensor(name, pg.quants.quantize(value, qtype),
+            rows = pg.quants.quantize(value.reshape(-1, value.shape[-1]), qtype)  # stacked experts: row by row
+            w.add_tensor(name, np.asarray(rows).reshape(value.shape[:-1] + (-1,)),
                          raw_dtype=gguf.GGMLQuantizationType(int(pg.Type[qtype])))
     w.write_header_to_file()
     w.write_kv_data_to_file()

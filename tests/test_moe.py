@@ -1,5 +1,6 @@
 """Mixture-of-experts models against llama.cpp: tiny random qwen3moe and Mixtral-style llama
-files (tests/synthetic.py, rebuilt here from their seeds), held to llama.cpp's next-token
+files (tests/synthetic.py, rebuilt here from their seeds; F32 experts, and Q8_0 / Q4_0 ones
+read through the exact block products), held to llama.cpp's next-token
 log-probabilities at every position and its greedy continuation (tests/data/moe-llamacpp.json,
 written by tools/moe_reference.py with llama-server), locally and over RPC."""
 from __future__ import annotations
@@ -22,8 +23,9 @@ def moe(request, tmp_path_factory):
     name = request.param
     ref = REFERENCE["models"][name]
     s = Shape(**REFERENCE["shape"])
-    path = write_model(tmp_path_factory.mktemp(name) / f"{name}.gguf", ref["arch"], s,
-                       random_weights(ref["arch"], s, seed=ref["seed"], moe=True), vocab=True)
+    weights = random_weights(ref["arch"], s, seed=ref["seed"], moe=True)
+    types = {n: ref["experts"] for n in weights if ref.get("experts") and "_exps." in n}
+    path = write_model(tmp_path_factory.mktemp(name) / f"{name}.gguf", ref["arch"], s, weights, types, vocab=True)
     return name, ref, path
 
 
@@ -42,7 +44,11 @@ def test_teacher_forced_logprobs_are_llama_cpps(moe):
     for pos, top in enumerate(ref["top"]):
         ids = [t for t, _ in top]
         want = np.array([v for _, v in top])
-        assert np.abs(lp[pos, ids] - want).max() < 1e-3, (name, pos)  # llama.cpp's F32 kernels, other sums
+        # llama.cpp's F32 kernels sum in other orders (observed 1.4e-4); with quantized experts the
+        # activations are rounded to 8 bits before those products on both sides, and the small
+        # differences upstream move a few roundings (observed 7e-4 Q8_0, 9.7e-4 Q4_0)
+        tolerance = 3e-3 if ref.get("experts") else 1e-3
+        assert np.abs(lp[pos, ids] - want).max() < tolerance, (name, pos)
         agree += int(np.argmax(lp[pos])) == ids[0]
     assert agree / len(ref["top"]) >= 0.99
 

@@ -23,8 +23,14 @@ sys.path.insert(0, str(ROOT))
 
 from tests.synthetic import Shape, random_weights, write_model  # noqa: E402
 
-MODELS = {"qwen3moe": ("qwen3moe", 8), "llama-moe": ("llama", 9)}  # name -> (arch, seed)
-SHAPE = dict(n_vocab=320)
+# name -> (arch, seed, type of the expert weights)
+MODELS = {"qwen3moe": ("qwen3moe", 8, None), "llama-moe": ("llama", 9, None), "qwen3moe-q8_0": ("qwen3moe", 10, "Q8_0"),
+          "llama-moe-q4_0": ("llama", 11, "Q4_0")}
+
+
+def expert_types(weights: dict, qtype: str | None) -> dict[str, str]:
+    return {n: qtype for n in weights if qtype and "_exps." in n}
+SHAPE = dict(n_vocab=320, n_ff_exp=64)  # expert rows in whole 32-element blocks, for the quantized ones
 N_PROBS = 5
 
 
@@ -42,10 +48,10 @@ def main() -> None:
     server_bin = sys.argv[1]
     out = {"shape": SHAPE, "n_probs": N_PROBS, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (arch, seed) in MODELS.items():
+        for name, (arch, seed, qtype) in MODELS.items():
             s = Shape(**SHAPE)
-            path = write_model(Path(tmp) / f"{name}.gguf", arch, s, random_weights(arch, s, seed=seed, moe=True),
-                               vocab=True)
+            weights = random_weights(arch, s, seed=seed, moe=True)
+            path = write_model(Path(tmp) / f"{name}.gguf", arch, s, weights, expert_types(weights, qtype), vocab=True)
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
@@ -75,7 +81,7 @@ def main() -> None:
                     positions.append([[t["id"], t["logprob"]] for t in top])
                 r = post(url + "/completion", {"prompt": tokens[:8], "n_predict": 16, "temperature": 0,
                                                "ignore_eos": True, "return_tokens": True, "cache_prompt": False})
-                out["models"][name] = {"arch": arch, "seed": seed, "tokens": tokens, "top": positions,
+                out["models"][name] = {"arch": arch, "seed": seed, "experts": qtype, "tokens": tokens, "top": positions,
                                        "greedy_prompt": tokens[:8], "greedy": r["tokens"]}
             finally:
                 proc.terminate()
