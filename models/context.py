@@ -106,7 +106,7 @@ class Context:
         # MAX_LOG_TOKENS (the cache can then only be rebuilt approximately)
         self.log: list[tuple] | None = []
         self._log_tokens = 0
-        self._graphs: OrderedDict[tuple[int, int, int], GraphBuilder] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
         self.timings = Timings()
 
     @property

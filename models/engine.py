@@ -179,9 +179,7 @@ class Engine:
         if len(ids) > self.n_ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} "
                              f"(-c/--ctx-size) can hold")
-        bad = [t for t in ids if not 0 <= t < self.model.n_vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        self.ctx.check_tokens(np.asarray(ids, dtype=np.int64))
 
     def start(self, ids: list[int], options: Options, sink: Callable[[Event], None]) -> Request:
         """Queue a request; ``sink`` is called from the engine's thread with each Event."""
@@ -478,10 +476,7 @@ class Engine:
             return 0, None
         penalizing = [s for s in out_slots if s.sampler.params.penalizes]
         n_hist = min(self.n_ctx, max((s.sampler.window() for s in penalizing), default=0))
-        hist = np.zeros((len(out_slots), n_hist), dtype=np.int32)  # padded with token 0: its true logit comes along
-        for i, s in enumerate(out_slots):
-            recent = s.sampler.recent(s.history)[:n_hist]
-            hist[i, :recent.size] = recent
+        hist = np.stack([s.sampler.recent(s.history, n_hist) for s in out_slots])
         return max(needs), hist
 
     def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:

@@ -55,20 +55,23 @@ class KVCache:
     def n_pages(self) -> int:
         return (self.n_ctx + PAGE - 1) // PAGE
 
-    def _page_cells(self, g: int) -> slice:
-        return slice(g * PAGE, min(self.n_ctx, (g + 1) * PAGE))
+    def _by_page(self, cells: np.ndarray, fill: int) -> np.ndarray:
+        """A per-cell array as [n_pages, PAGE] (the last page padded with ``fill``)."""
+        pad = self.n_pages * PAGE - self.n_ctx
+        return (np.concatenate([cells, np.full(pad, fill, cells.dtype)]) if pad else cells).reshape(-1, PAGE)
 
     def _owned(self) -> dict[tuple[int, int], int]:
-        """(sequence, block) -> page, for every page holding a cell."""
-        used = np.flatnonzero(self.cell_seq != FREE)
-        if not used.size:
-            return {}
-        triples = np.unique(np.stack([self.cell_seq[used], self.cell_pos[used] // PAGE, used // PAGE]), axis=1)
-        return {(int(seq), int(blk)): int(page) for seq, blk, page in triples.T}
+        """(sequence, block) -> page, for every page holding a cell.  A page only ever holds
+        one sequence's block, so its first used cell says whose it is."""
+        used = self._by_page(self.cell_seq, FREE) != FREE
+        pages = np.flatnonzero(used.any(axis=1))
+        first = pages * PAGE + used[pages].argmax(axis=1)
+        return {(int(seq), int(pos) // PAGE): int(page)
+                for seq, pos, page in zip(self.cell_seq[first], self.cell_pos[first], pages)}
 
     @property
     def free_pages(self) -> int:
-        return self.n_pages - len(set(self._owned().values()))
+        return self.n_pages - int((self._by_page(self.cell_seq, FREE) != FREE).any(axis=1).sum())
 
     def pages_for(self, seq: int, p0: int, p1: int, owned: dict | None = None) -> int:
         """Pages sequence ``seq`` must take to hold positions p0 .. p1 - 1."""
@@ -106,10 +109,6 @@ class KVCache:
     def seq_rm(self, seq: int, p0: int = 0) -> None:
         """Free the cells of sequence ``seq`` at positions ``p0`` and later."""
         self.cell_seq[(self.cell_seq == seq) & (self.cell_pos >= p0)] = FREE
-
-    def seq_len(self, seq: int) -> int:
-        """Cells held by sequence ``seq``."""
-        return int(np.count_nonzero(self.cell_seq == seq))
 
     def n_kv(self) -> int:
         """Cells the attention reads: every cell up to the last one in use, padded to KV_PAD."""

@@ -243,9 +243,7 @@ class Model:
         def step(run: Callable[..., Any]) -> int:
             if not n_top:
                 return sampler.sample(self._guarded(run)[-1], history)
-            recent = sampler.recent(history)[:n_hist]
-            hist = np.zeros((1, n_hist), dtype=np.int32)  # padded with token 0: its true logit comes along
-            hist[0, :recent.size] = recent
+            hist = sampler.recent(history, n_hist)[None, :]
             top = self._guarded(lambda: run(n_top=n_top, hist=hist))
             return sampler.sample_top(top.ids[0], top.values[0], hist[0], top.hist_values[0], history)
 

@@ -51,12 +51,16 @@ class Sampler:
         p = self.params
         return p.repeat_last_n if p.repeat_last_n > 0 else 1 << 30
 
-    def recent(self, history: Sequence[int]) -> np.ndarray:
-        """The distinct tokens the penalties apply to (sorted)."""
+    def recent(self, history: Sequence[int], n: int) -> np.ndarray:
+        """The distinct tokens the penalties apply to (sorted), padded with token 0 to ``n``
+        ids: those whose logits a top-k step brings back beside the top (a padding id's true
+        logit comes along, which changes no draw)."""
         p = self.params
-        if not p.penalizes or not len(history):
-            return np.zeros(0, dtype=np.int64)
-        return np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))
+        out = np.zeros(n, dtype=np.int32)
+        if p.penalizes and len(history) and n:
+            ids = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))[:n]
+            out[:ids.size] = ids
+        return out
 
     def _penalized(self, ids: np.ndarray, vals: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """``vals`` (the logits of ``ids``) with llama.cpp's penalties applied to the recent tokens."""

@@ -247,10 +247,11 @@ def create_app(state: State) -> Starlette:
         if not isinstance(add_special, bool):
             raise BadRequest("'add_special' must be true or false")
         m = state.engine.model
-        ids = await asyncio.to_thread(m.tokenize, body["content"], add_special or None, True)
-        if body.get("with_pieces"):
-            return JSONResponse({"tokens": [{"id": t, "piece": m.detokenize([t], special=True)} for t in ids]})
-        return JSONResponse({"tokens": ids})
+
+        def tokens() -> list:  # off the event loop: a long text takes a while
+            ids = m.tokenize(body["content"], add_special or None, True)
+            return [{"id": t, "piece": m.detokenize([t], special=True)} for t in ids] if body.get("with_pieces") else ids
+        return JSONResponse({"tokens": await asyncio.to_thread(tokens)})
 
     @endpoint("detokenize")
     async def detokenize(request: Request) -> Response:
@@ -262,7 +263,7 @@ def create_app(state: State) -> Starlette:
         bad = [t for t in ids if not 0 <= t < m.n_vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{m.n_vocab - 1})")
-        return JSONResponse({"content": m.detokenize(ids)})
+        return JSONResponse({"content": await asyncio.to_thread(m.detokenize, ids)})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

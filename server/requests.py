@@ -10,6 +10,7 @@ from pyggml.models.engine import Options
 from pyggml.models.sampling import SamplingParams
 
 MAX_STOPS = 16
+MAX_STOP_CHARS = 256  # each generated token is checked against every stop string
 MAX_TOP_LOGPROBS = 20
 
 
@@ -72,6 +73,8 @@ def _stops(body: dict) -> list[str]:
         raise BadRequest("'stop' must be a string or a list of strings")
     if len(v) > MAX_STOPS:
         raise BadRequest(f"'stop' holds {len(v)} strings, more than {MAX_STOPS}")
+    if any(len(x) > MAX_STOP_CHARS for x in v):
+        raise BadRequest(f"a 'stop' string is longer than {MAX_STOP_CHARS} characters")
     return [s for s in v if s]
 
 

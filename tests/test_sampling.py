@@ -78,9 +78,7 @@ def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
         assert n_top == min(1000, (1 if params["temperature"] <= 0 else params["top_k"])
                             + (top.window() if top.params.penalizes else 0))
         ids = top_k_indices(row, n_top)
-        hist = np.zeros(min(top.window(), 64) if top.params.penalizes else 0, dtype=np.int64)
-        recent = top.recent(history)[:hist.size]
-        hist[:recent.size] = recent
+        hist = top.recent(history, min(top.window(), 64) if top.params.penalizes else 0)
         a = whole.sample(row, history)
         b = top.sample_top(ids, row[ids], hist, row[hist], history)
         assert a == b

@@ -223,6 +223,7 @@ def test_metrics_parse_and_move(server):
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -5}, 400, "'max_tokens'"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "'n' must be 1"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [1]}, 400, "'stop'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["x" * 300]}, 400, "longer than 256"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "not found"),
     ("/v1/completions", {"prompt": "word " * 3000}, 400, "more than the context"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, 400, "outside the vocabulary"),
