@@ -2,7 +2,7 @@
 # One command for a GPU machine: the GPU tests, then bench/gpu.py, then a summary.
 # Downloads nothing (the machine has no network).  It uses $PYGGML_PYTHON, else python3
 # (on the H200 image: Python 3.12 with CuPy, numba, tokenizers ...); what that lacks (gguf,
-# pyzmq, lz4) comes from .gpu-deps/, made beforehand by bench/gpu_deps.sh and carried along.
+# lz4) comes from .gpu-deps/, made beforehand by bench/gpu_deps.sh and carried along.
 # pyggml itself is installed from this tree (--no-deps, no build isolation: offline).
 # Budget: under 8 minutes on an H200, inside the device tool's 10-minute limit per command: the
 # tests are cut at 3 minutes, the bench at 290 s (the 8B model is skipped with QUICK=1).
@@ -29,7 +29,7 @@ mkdir -p "$out"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
-if ! "$PY" -c "import cupy, numpy, gguf, zmq, lz4, click, numba, pyggml.models; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
+if ! "$PY" -c "import cupy, numpy, gguf, lz4, click, numba, pyggml.models; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"; then
   echo "gpu_check: $PY cannot import CuPy, pyggml or its dependencies (run bench/gpu_deps.sh here and carry .gpu-deps)" >&2
   exit 2
 fi

@@ -81,7 +81,8 @@ def model_options(f: Callable) -> Callable:
                      help="RPC servers (pyggml-rpc-server), e.g. '8080;8081' or '10.0.0.2:8080'; a bare port "
                           "means 127.0.0.1. Their devices get the first ids."),
         click.option("--rpc-key", default=None, metavar="FILE",
-                     help="The RPC servers' CurveZMQ public key (from pyggml-rpc-server --gen-key)."),
+                     help="The RPC servers' client key (FILE.client from pyggml-rpc-server --gen-key FILE): TLS, "
+                          "encrypted and authenticated both ways."),
         click.option("--failover", is_flag=True,
                      help="When an RPC server dies, move its layers onto the devices left, rebuild the cache "
                           "and go on generating (the output is that of an uninterrupted run)."),

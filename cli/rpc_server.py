@@ -57,15 +57,14 @@ def describe(i: int, dev, free: int, total: int) -> str:
 
 
 def generate_key(path: str) -> None:
-    import zmq
-    public, secret = zmq.curve_keypair()
-    secret_path, public_path = Path(path), Path(str(path) + ".pub")
-    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret + b"\n")
-    public_path.write_bytes(public + b"\n")
-    click.echo(f"secret key: {secret_path} (keep it on the server: --curve-secret-key {secret_path})\n"
-               f"public key: {public_path} (give it to clients: --rpc-key {public_path})")
+    from pyggml.rpc import keys
+    try:
+        server_path, client_path = keys.generate(path)
+    except (OSError, RuntimeError) as e:
+        fail(str(e))
+    click.echo(f"server key: {server_path} (keep it on the server: --key {server_path})\n"
+               f"client key: {client_path} (give it to clients: --rpc-key {client_path})\n"
+               f"both are secrets: whoever holds the client key can use this server")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,18 +85,19 @@ def generate_key(path: str) -> None:
               help="A GGUF file (or a folder of them) this server holds: clients loading the same file "
                    "(known by its SHA-256) have the weights read here instead of sending them. Repeatable.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads for computing.")
-@click.option("--curve-secret-key", default=None, metavar="FILE",
-              help="Encrypt and authenticate with CurveZMQ: only clients given the matching public key can connect.")
+@click.option("--key", "key_path", default=None, metavar="FILE",
+              help="Speak TLS with this server key (from --gen-key FILE): traffic is encrypted and only "
+                   "clients holding FILE.client can connect.")
 @click.option("--gen-key", default=None, metavar="FILE",
-              help="Write a CurveZMQ key pair (FILE secret, FILE.pub public) and exit.")
+              help="Write a key pair for TLS (FILE for this server, FILE.client for its clients) and exit.")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
 @click.option("--list-devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         curve_secret_key, gen_key, max_message, list_devices, log_level) -> None:
-    """Serve this machine's devices to pyggml clients over ZeroMQ, as ggml's rpc-server does.
+         key_path, gen_key, max_message, list_devices, log_level) -> None:
+    """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
     Examples:
@@ -131,11 +131,11 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     if len({id(d) for d in chosen}) != len(chosen):
         fail("a device is listed twice")
     key = None
-    if curve_secret_key:
-        from pyggml.rpc import load_key
+    if key_path:
+        from pyggml.rpc import keys
         try:
-            key = load_key(curve_secret_key)
-        except (OSError, ValueError) as e:
+            key = keys.context(key_path, server_side=True)
+        except ValueError as e:
             fail(str(e))
     for d in chosen:  # the CPU backend sets its thread count when the server creates it
         if threads and hasattr(d, "n_threads"):
@@ -143,8 +143,7 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     if host not in LOCAL_HOSTS:
         click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
                    f"connect may use its devices and memory" +
-                   ("" if key else "; consider --curve-secret-key"), err=True)
-    import zmq
+                   ("" if key else "; consider --key (TLS, see --gen-key)"), err=True)
 
     from pyggml.rpc.protocol import PROTOCOL_VERSION
     from pyggml.rpc.files import ServerFiles
@@ -156,12 +155,12 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     try:
         server = RPCServer(chosen, host=host, port=l_port, mem=parse_size(mem) if mem else None,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
-                           max_message=parse_size(max_message), curve_secret_key=key,
+                           max_message=parse_size(max_message), tls=key,
                            cache_max=parse_size(cache_max), files=files)
-    except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the port is taken: one line, not a traceback
+    except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
     click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"
-               + (", CurveZMQ on" if key else ""))
+               + (", TLS on" if key else ""))
     for i, sd in enumerate(server.devices):
         click.echo(describe(i, sd.device, *sd.memory()))
     if server.cache:

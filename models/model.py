@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -34,16 +35,15 @@ def _tokenizer_of(gguf) -> Tokenizer:
     return tk
 
 
-def connect_rpc(rpc: str | Sequence[str] | None, key: str | bytes | os.PathLike | None = None) -> list:
-    """The devices of the RPC servers named by ``rpc`` (none when it is empty)."""
+def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None) -> list:
+    """The devices of the RPC servers named by ``rpc`` (none when it is empty); ``key``: the
+    clients' key file from ``pyggml-rpc-server --gen-key`` (or a TLS context made from it)."""
     if not rpc:
         return []
     from pyggml.rpc import connect, load_key
-    if isinstance(key, (str, os.PathLike)) and os.path.exists(key):
+    if isinstance(key, (str, os.PathLike)):
         key = load_key(key)
-    elif isinstance(key, str):
-        key = key.encode()
-    return connect(rpc, server_key=key)
+    return connect(rpc, key=key)
 
 
 class Model:
@@ -54,8 +54,8 @@ class Model:
     (``"auto"``: spread by free memory, the default when ``rpc`` is given; otherwise None:
     everything on the CPU).  ``tensor_split``: proportions per device, as ``-ts 3,1``.
     ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"`` or a list), whose devices come
-    first in the device ids; ``rpc_key``: the servers' CurveZMQ public key (file or Z85
-    text) when they use one.  ``seed``: default seed of sampling (None: random).
+    first in the device ids; ``rpc_key``: the clients' key file (``FILE.client`` from
+    ``pyggml-rpc-server --gen-key FILE``) when the servers use TLS.  ``seed``: default seed of sampling (None: random).
     ``on_plan``: called with the placement's description before any weight moves.
     ``failover``: when an RPC server dies mid-generation, move its layers onto the devices
     left (``rpc_spare`` endpoints first), rebuild the cache and go on; the output is that
@@ -66,7 +66,7 @@ class Model:
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
                  ngl: str | int | None = None, rpc: str | Sequence[str] | None = None, seed: int | None = None,
                  n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
-                 rpc_key: str | bytes | os.PathLike | None = None, tensor_split: str | None = None,
+                 rpc_key: str | os.PathLike | ssl.SSLContext | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
                  rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None) -> None:
         self.path = hub.resolve(path_or_alias)

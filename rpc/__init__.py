@@ -1,6 +1,8 @@
-"""pyggml.rpc: remote devices over ZeroMQ, as ggml-rpc does for llama.cpp.
+"""pyggml.rpc: remote devices over TCP, as ggml-rpc does for llama.cpp.
 
 - :mod:`.protocol` - the wire format (struct-packed, versioned, nothing pickled)
+- :mod:`.transport` - messages over TCP, connections named by the server, heartbeats
+- :mod:`.keys` - TLS keys (``--gen-key``)
 - :mod:`.server` - :class:`RPCServer`, behind ``pyggml-rpc-server``
 - :mod:`.backend` - :class:`RPCDevice` / buffer type / buffer / backend for clients
 - :mod:`.validate` - what the server checks before touching memory

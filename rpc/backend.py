@@ -10,6 +10,7 @@ and the allocator all of this looks exactly like a local device.
 from __future__ import annotations
 
 import logging
+import ssl
 
 from collections import OrderedDict
 
@@ -285,7 +286,7 @@ class RPCDevice(Device):
         return op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE) or int(op.op) in self.ops
 
 
-def connect(endpoints: str | list[str] | tuple[str, ...] | None, server_key: bytes | None = None,
+def connect(endpoints: str | list[str] | tuple[str, ...] | None, key: ssl.SSLContext | None = None,
             connect_timeout: float | None = None) -> list[RPCDevice]:
     """Every device of every server, in the order given (device ids start with these).
 
@@ -294,7 +295,7 @@ def connect(endpoints: str | list[str] | tuple[str, ...] | None, server_key: byt
     kwargs = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
     devices: list[RPCDevice] = []
     for ep in P.parse_endpoints(endpoints):
-        conn = Connection(ep, server_key, **kwargs)
+        conn = Connection(ep, key, **kwargs)
         devices.extend(RPCDevice(conn, i) for i in range(conn.n_devices))
     return devices
 

@@ -1,6 +1,6 @@
-"""The wire protocol shared by the RPC server and client (ggml-rpc's, over ZeroMQ).
+"""The wire protocol shared by the RPC server and client (ggml-rpc's, over TCP).
 
-A request is one ZeroMQ multipart message: frame 0 is a fixed header followed by the
+A request is one message of frames (see :mod:`.transport`): frame 0 is a fixed header followed by the
 command's struct-packed, little-endian payload; bulk bytes (tensor data, names) travel as
 frames of their own, so large arrays are sent without being copied into the payload.
 A reply has the same shape with a status instead of a command.  Nothing is pickled:
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: our own framing over TCP (ZeroMQ before)
 MAGIC = b"PYGM"
 
 

@@ -1,42 +1,28 @@
-"""The RPC server: local devices offered to remote clients over ZeroMQ (ggml-rpc's server).
+"""The RPC server: local devices offered to remote clients over TCP (ggml-rpc's server).
 
-One ROUTER socket, one thread: requests are served in the order they arrive, each
-client in its own session (named by its ZeroMQ routing id) that sees only the buffers
-it allocated.  A session ends when its connection does - the server watches its
-socket's monitor for disconnects and frees that client's buffers - so a client killed
-mid-command leaves nothing behind.  Every request is checked (see :mod:`.validate`)
-before memory is touched; a bad one gets an error reply and the server carries on.
-
-Routing ids.  libzmq lets a connecting peer choose its own id and
-numbers the others itself, from a counter that starts at C's ``rand()``; it aborts the whole
-process when a number it hands out is one a peer already chose.  libzmq never seeds
-``rand()``, so the numbers were the same in every server, and a client that chose the next one
-could take the server down with the next honest client's connection.  The server seeds
-``rand()`` from the operating system's secrets before it makes its socket, so the numbers are a
-secret 32-bit sequence; knowing where it starts and counting handshakes, it refuses a session
-to any peer whose id is not one libzmq has handed out (a client-chosen id), and a request that
-comes in on another connection than its session's HELLO.  This makes the abort a guess, not
-impossible: a client holding many chosen ids while it sweeps the counter with connections of
-its own can still hit one.  Only a transport whose ids peers cannot choose ends it.
+One thread serves requests in the order they arrive, each client in its own session (named by
+its connection, which the server alone numbers; see :mod:`.transport` for why that is the
+transport's first job) that sees only the buffers it allocated.  A session ends when its
+connection does, so a client killed mid-command leaves nothing behind.  Every request is checked
+(see :mod:`.validate`) before memory is touched; a bad one gets an error reply and the server
+carries on.
 
 What one session may hold is bounded (:class:`Limits`): buffers, graph slots, unread replies
 (a client that stops reading loses its session instead of stalling the server), frames and
-bytes per request; what a graph may cost is bounded by the bytes the session owns
-(:func:`.validate.check_cost`).
+bytes per request (checked before the bytes are read); what a graph may cost is bounded by
+the bytes the session owns (:func:`.validate.check_cost`).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import zmq
-import zmq.utils.monitor
 
 from pyggml.backend import Backend, Buffer, Device
 from pyggml.graph import Graph
@@ -47,52 +33,18 @@ from . import protocol as P
 from .cache import TensorCache
 from .files import ServerFiles
 from .protocol import Command, ProtocolError, Status, unpack
+from .transport import Disconnected, Listener, Message, Peer
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
 log = logging.getLogger("pyggml.rpc.server")
-
-HEARTBEAT_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
-
 
 @dataclass(frozen=True)
 class Limits:
     """What one session may hold at once; a request beyond a limit is refused by name."""
     buffers: int = 4096            # a model takes a few per device (weights, cache, compute)
-    pending_replies: int = 16      # answers the client has not read (the ROUTER's send high-water mark)
-    queued_requests: int = 16      # requests received and not yet served (its receive high-water mark)
+    pending_replies: int = 16      # answers the client has not read (beyond what the kernel buffers)
     frames: int = P.MAX_FRAMES     # frames of one request, the header included
-
-
-class RoutingIds:
-    """The routing ids libzmq's ROUTER hands out: a zero byte, then a 32-bit counter that starts
-    at ``rand() | rand() << 31`` when the socket is made.  :meth:`seed` (call it just before
-    making the socket) seeds C's ``rand()`` with 32 secret bits and works out where the counter
-    starts; every successful handshake may take the next number."""
-
-    def __init__(self) -> None:
-        self.first: int | None = None
-        self.handshakes = 0
-
-    def seed(self) -> None:
-        try:
-            libc = ctypes.CDLL(None)
-            seed = ctypes.c_uint(secrets.randbits(32))
-            libc.srand(seed)
-            low, high = libc.rand(), libc.rand()
-            libc.srand(seed)  # libzmq draws the same two numbers again
-        except (OSError, AttributeError):
-            log.warning("cannot seed the C library's rand(): routing ids are predictable")
-            return
-        self.first = ((high << 31) | low) & 0xFFFFFFFF
-
-    def handed_out(self, identity: bytes) -> bool:
-        """Whether libzmq numbered this peer itself (rather than the peer choosing its id)."""
-        if len(identity) != 5 or identity[0] != 0:
-            return False
-        if self.first is None:
-            return True
-        return (int.from_bytes(identity[1:], "big") - self.first) % (1 << 32) < self.handshakes
+    clients: int = 512             # connections at once (each holds a descriptor)
 
 
 @dataclass
@@ -110,9 +62,7 @@ class ServedDevice:
 
 @dataclass
 class Session:
-    identity: bytes
-    fd: int
-    peer: str = "?"
+    peer: Peer
     buffers: dict[int, tuple[int, Buffer]] = field(default_factory=dict)   # handle -> (device, buffer)
     graphs: dict[int, tuple[int, Graph, set[int]]] = field(default_factory=dict)  # slot -> (device, graph, handles)
     deferred_error: str | None = None
@@ -136,7 +86,7 @@ Handler = Callable[[Session, memoryview, list], Reply]
 class RPCServer:
     def __init__(self, devices: list[Device], host: str = "127.0.0.1", port: int = 0, mem: int | None = None,
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
-                 curve_secret_key: bytes | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
+                 tls: ssl.SSLContext | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
                  limits: Limits = Limits(), files: ServerFiles | None = None) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
@@ -145,31 +95,11 @@ class RPCServer:
         self.files = files if files is not None and files.files else None
         self.max_message = max_message
         self.limits = limits
-        self.sessions: dict[bytes, Session] = {}
-        self._ended: OrderedDict[bytes, str] = OrderedDict()  # why recent sessions were ended by the server
-        self.ctx = zmq.Context.instance()
-        self.routing_ids = RoutingIds()
-        self.routing_ids.seed()  # just before the ROUTER exists: it draws its first routing id when made
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # libzmq checks the size of each frame as it arrives; the total and the frame count of a
-        # request are checked when it is whole (the README's security notes say what that leaves)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + (1 << 20))
-        self.sock.setsockopt(zmq.RCVHWM, limits.queued_requests)
-        self.sock.setsockopt(zmq.SNDHWM, limits.pending_replies)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished client is an error, not a hang
-        if curve_secret_key:
-            self.sock.curve_secretkey = curve_secret_key
-            self.sock.curve_publickey = zmq.curve_public(curve_secret_key)
-            self.sock.curve_server = True
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"{host}:{port}"
+        self.sessions: dict[int, Session] = {}  # by connection
+        self._ended: OrderedDict[int, str] = OrderedDict()  # why recent sessions were ended by the server
+        self.listener = Listener(host, port, tls, max_frames=limits.frames, max_bytes=max_message,
+                                 max_peers=limits.clients, max_queued=limits.pending_replies)
+        self.endpoint = self.listener.endpoint
         self.handlers: dict[Command, Handler] = {
             Command.DEVICE_COUNT: self._device_count,
             Command.GET_DEVICE_MEMORY: self._get_device_memory,
@@ -195,15 +125,18 @@ class RPCServer:
     # -- the loop -----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self.running = True
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        self.listener.start_heartbeats()
         try:
             while self.running:
-                events = dict(poller.poll(500))
-                self._drain_monitor()  # disconnects first: an fd may be reused by the next client
-                if self.sock in events:
-                    self._serve_one(self.sock.recv_multipart(copy=False))
+                for event in self.listener.poll(0.5):
+                    if isinstance(event, Message):
+                        self.listener.serving = event.peer
+                        try:
+                            self._serve_one(event)
+                        finally:
+                            self.listener.serving = None
+                    else:
+                        self._disconnected(event)
         finally:
             self.close()
 
@@ -213,59 +146,44 @@ class RPCServer:
     def close(self) -> None:
         for s in list(self.sessions.values()):
             self._end_session(s)
-        self.sock.disable_monitor()  # before closing the monitor (see client.Connection.close)
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.listener.close()
 
-    def _drain_monitor(self) -> None:
-        while self.monitor.poll(0):
-            ev = zmq.utils.monitor.recv_monitor_message(self.monitor)
-            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.routing_ids.handshakes += 1
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                for s in [s for s in self.sessions.values() if s.fd == ev["value"]]:
-                    log.info("client %s (%s) disconnected; its %d buffer(s) freed", s.identity.hex(), s.peer,
-                             len(s.buffers))
-                    self._end_session(s)
+    def _disconnected(self, event: Disconnected) -> None:
+        s = self.sessions.get(event.peer.id)
+        if s is not None:
+            log.info("client %d (%s) disconnected (%s); its %d buffer(s) freed", s.peer.id, s.peer.address,
+                     event.reason, len(s.buffers))
+            self._end_session(s)
+        self._ended.pop(event.peer.id, None)
 
     def _end_session(self, s: Session) -> None:
         for handle in list(s.buffers):
             self._release(s, handle)
         s.graphs.clear()
-        self.sessions.pop(s.identity, None)
+        self.sessions.pop(s.peer.id, None)
 
-    def _serve_one(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        if len(frames) < 2:
-            return
-        head = frames[1].buffer
-        data = [f.buffer for f in frames[2:]]
+    def _serve_one(self, message: Message) -> None:
+        peer, frames = message.peer, message.frames
+        head, data = frames[0], frames[1:]
         seq, no_reply = 0, False
         try:
             if len(head) < P.HEADER.size:
                 raise ProtocolError(f"message of {len(head)} bytes is shorter than a header")
             cmd_no, flags, _, seq = P.HEADER.unpack_from(head)
             no_reply = bool(flags & P.FLAG_NO_REPLY)
-            if len(frames) - 1 > self.limits.frames:
-                raise ProtocolError(f"a request of {len(frames) - 1} frames; the limit is {self.limits.frames}")
-            total = sum(len(f) for f in frames[1:])
-            if total > self.max_message:
-                raise ProtocolError(f"a request of {total} bytes exceeds this server's --max-message of "
-                                    f"{self.max_message}")
+            if message.error is not None:  # over the frame or byte limits: its bytes were never kept
+                raise ProtocolError(message.error)
             try:
                 cmd = Command(cmd_no)
             except ValueError:
                 raise ProtocolError(f"unknown command {cmd_no}") from None
             payload = head[P.HEADER.size:]
-            fd = frames[1].get(zmq.SRCFD)
             if cmd == Command.HELLO:
-                reply = self._hello(identity, fd, payload, data, _peer(frames[1]))
+                reply = self._hello(peer, payload, data)
             else:
-                session = self.sessions.get(identity)
+                session = self.sessions.get(peer.id)
                 if session is None:
-                    raise ProtocolError(self._ended.get(identity, "HELLO must come first"))
-                if session.fd != fd:
-                    raise ProtocolError("this request came on another connection than its session's HELLO")
+                    raise ProtocolError(self._ended.get(peer.id, "HELLO must come first"))
                 if session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
                     raise ProtocolError(f"an earlier request failed: {err}")
@@ -274,36 +192,33 @@ class RPCServer:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s took %.3f ms", cmd.name, (time.perf_counter() - t0) * 1000)
             if not no_reply:
-                self._send(identity, Status.OK, seq, *reply)
+                self._send(peer, Status.OK, seq, *reply)
         except Exception as e:  # noqa: BLE001 - whatever happened, answer and keep serving
             if not isinstance(e, (ProtocolError, ValueError, IndexError, MemoryError)):
                 log.exception("unexpected error serving a request")
-            message = str(e) or type(e).__name__
-            log.info("refused a request: %s", message)
-            session = self.sessions.get(identity)
+            message_text = str(e) or type(e).__name__
+            log.info("refused a request: %s", message_text)
+            session = self.sessions.get(peer.id)
             if no_reply:
                 if session is not None and session.deferred_error is None:
-                    session.deferred_error = message
+                    session.deferred_error = message_text
             else:
-                self._send(identity, Status.ERROR, seq, message.encode("utf-8", "replace"), [])
+                self._send(peer, Status.ERROR, seq, message_text.encode("utf-8", "replace"), [])
 
-    def _send(self, identity: bytes, status: Status, seq: int, payload: bytes, frames: list) -> None:
-        try:
-            self.sock.send_multipart([identity, P.HEADER.pack(status, 0, 0, seq) + payload, *frames], copy=False,
-                                     flags=zmq.NOBLOCK)
-        except zmq.Again:  # its answers pile up unread: waiting for it would stall every other client
-            session = self.sessions.get(identity)
-            if session is not None:
-                log.warning("client %s (%s) leaves %d replies unread (the limit); its session is ended and its "
-                            "%d buffer(s) freed", identity.hex(), session.peer, self.limits.pending_replies,
-                            len(session.buffers))
-                self._end_session(session)
-                self._ended[identity] = (f"this session was ended: it left {self.limits.pending_replies} replies "
-                                         f"unread (the limit per session)")
-                while len(self._ended) > 256:
-                    self._ended.popitem(last=False)
-        except zmq.ZMQError as e:  # the client went away before its answer
-            log.info("cannot answer client %s: %s", identity.hex(), e)
+    def _send(self, peer: Peer, status: Status, seq: int, payload: bytes, frames: list) -> None:
+        if self.listener.send(peer, [P.HEADER.pack(status, 0, 0, seq) + payload, *frames]):
+            return
+        # its answers pile up unread: waiting for it would stall every other client
+        session = self.sessions.get(peer.id)
+        if session is not None:
+            log.warning("client %d (%s) leaves %d replies unread (the limit); its session is ended and its "
+                        "%d buffer(s) freed", peer.id, peer.address, self.limits.pending_replies,
+                        len(session.buffers))
+            self._end_session(session)
+            self._ended[peer.id] = (f"this session was ended: it left {self.limits.pending_replies} replies "
+                                    f"unread (the limit per session)")
+            while len(self._ended) > 256:
+                self._ended.popitem(last=False)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _device(self, index: int) -> ServedDevice:
@@ -330,7 +245,7 @@ class RPCServer:
                                 f"({tensor_extent(t)} bytes)")
 
     # -- commands -----------------------------------------------------------------------------------
-    def _hello(self, identity: bytes, fd: int, payload: memoryview, data: list, peer: str = "?") -> Reply:
+    def _hello(self, peer: Peer, payload: memoryview, data: list) -> Reply:
         magic, version = unpack(P.HELLO, payload)
         if magic != P.MAGIC:
             raise ProtocolError("not a pyggml RPC client")
@@ -338,16 +253,10 @@ class RPCServer:
             raise ProtocolError(f"protocol version {version} is not supported; this server speaks "
                                 f"version {P.PROTOCOL_VERSION}")
         self._frames(data, 0)
-        if not self.routing_ids.handed_out(identity):
-            self._drain_monitor()  # the handshake's event may not have been read yet
-            if not self.routing_ids.handed_out(identity):
-                raise ProtocolError("client-chosen routing ids are refused: connect without ZMQ_ROUTING_ID")
-        session = self.sessions.get(identity)
-        if session is not None and session.fd != fd:
-            raise ProtocolError("this routing id belongs to another connection's session")
-        if session is None:
-            self.sessions[identity] = Session(identity, fd, peer)
-            log.info("client %s connected from %s", identity.hex(), peer)
+        if peer.id not in self.sessions:
+            self.sessions[peer.id] = Session(peer)
+            peer.greeted = True
+            log.info("client %d connected from %s", peer.id, peer.address)
         flags = (P.SERVER_HAS_CACHE if self.cache is not None else 0) | (P.SERVER_HAS_FILES if self.files else 0)
         listing = [self.files.listing()] if self.files else []
         return P.HELLO_REPLY.pack(P.PROTOCOL_VERSION, len(self.devices), self.max_message, flags), listing
@@ -518,13 +427,6 @@ class RPCServer:
     def _compute(sd: ServedDevice, graph: Graph) -> None:
         sd.backend.graph_compute(graph)
         sd.backend.synchronize()
-
-
-def _peer(frame: zmq.Frame) -> str:
-    try:
-        return frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return "?"
 
 
 def supported_ops(device: Device) -> set[int]:

@@ -6,11 +6,11 @@ import select
 import signal
 import subprocess
 import sys
+import socket
 import time
 
-import zmq
-
 from pyggml.rpc import protocol as P
+from pyggml.rpc import transport
 
 
 def _server_log(path: str | os.PathLike | None = None):
@@ -75,27 +75,34 @@ class ServerProcess:
 
 
 class RawClient:
-    """A DEALER socket that speaks the protocol by hand, to send crafted requests."""
+    """A plain TCP connection that speaks the protocol by hand, to send crafted requests."""
 
     def __init__(self, endpoint: str, hello: bool = True) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, 3000)  # no connected peer (a refused handshake): zmq.Again, not a hang
-        self.sock.connect(f"tcp://{endpoint}")
+        host, _, port = endpoint.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.channel = transport.Channel(self.sock)
         self.seq = 0
         if hello:
             status, body, _ = self.call(P.Command.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION))
             assert status == P.Status.OK, body
 
     def send_raw(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
+        """One message of these frames, framed as the transport does."""
+        self.send_bytes(transport.message_head([memoryview(f) for f in frames]) + b"".join(frames))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.settimeout(5)
+        self.sock.sendall(data)
 
     def recv(self, timeout: float = 10.0) -> tuple[int, bytes, list[bytes]] | None:
-        if not self.sock.poll(int(timeout * 1000)):
+        """The next reply (heartbeats skipped), or None if none comes within ``timeout`` or the
+        server closed the connection."""
+        try:
+            parts = self.channel.recv(time.monotonic() + timeout, silence=timeout)
+        except (TimeoutError, transport.Closed, OSError):
             return None
-        parts = self.sock.recv_multipart()
         status = P.HEADER.unpack_from(parts[0])[0]
-        return status, parts[0][P.HEADER.size:], parts[1:]
+        return status, bytes(parts[0][P.HEADER.size:]), [bytes(p) for p in parts[1:]]
 
     def call(self, cmd: int, payload: bytes = b"", frames: list[bytes] = (), timeout: float = 10.0):
         self.seq += 1
@@ -105,7 +112,7 @@ class RawClient:
         return reply
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close()
 
 
 def tensor(type: int = 0, ne=(16, 1, 1, 1), nb=None, buffer: int = 0, offset: int = 0, op: int = 0,

@@ -77,7 +77,7 @@ def test_rpc_server_command_line(start_server, tmp_path):
     r = run("rpc_server", "--device", "GPU7", "-p", "0")
     assert r.returncode == 1 and "unknown device 'GPU7'" in r.stderr and "Traceback" not in r.stderr
     r = run("rpc_server", "--help")
-    assert r.returncode == 0 and "--curve-secret-key" in r.stdout and "--mem" in r.stdout
+    assert r.returncode == 0 and "--gen-key" in r.stdout and "--key" in r.stdout and "--mem" in r.stdout
     s = start_server("--mem", "100", "--threads", "1")
     assert "protocol version" in s.banner[0] and "100 MiB" in s.banner[1]
     s = start_server("0@0")  # chatllm.cpp's PORT@DEVICE form

@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +31,7 @@ from pyggml.rpc import RPCError, connect
 from pyggml.rpc import protocol as P
 from pyggml.rpc.backend import serialize_graph, wire
 
-from .rpc_helpers import ServerProcess
+from .rpc_helpers import RawClient, ServerProcess
 
 C = P.Command
 EXAMPLES = int(os.environ.get("PYGGML_FUZZ_EXAMPLES", "10000"))
@@ -206,14 +205,14 @@ class Watchdog(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        ctx = zmq.Context.instance()
         while not self.stop.wait(0.5):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{self.endpoint}")
-            sock.send_multipart([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
-            answered = sock.poll(int(HELLO_TIMEOUT_S * 1000))
-            sock.close(linger=0)
+            try:
+                client = RawClient(self.endpoint, hello=False)
+                client.send_raw([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+                answered = client.recv(HELLO_TIMEOUT_S) is not None
+                client.close()
+            except OSError:
+                answered = False
             if not answered:
                 self.failure = f"a fresh HELLO went unanswered for {HELLO_TIMEOUT_S:.0f} s"
                 return

@@ -2,16 +2,16 @@
 server answers it with an error (or survives it) and then still answers a fresh client."""
 from __future__ import annotations
 
-import ctypes
+import socket
 import struct
 import time
 
 import numpy as np
 import pytest
-import zmq
 
 from pyggml.ops import GluOp, Op, UnaryOp
 from pyggml.rpc import protocol as P
+from pyggml.rpc import transport
 from pyggml.types import Type
 
 from .rpc_helpers import RawClient, ServerProcess, tensor
@@ -21,31 +21,8 @@ from .test_rpc_validation import (MAX_MESSAGE_MIB, MEM_MIB, alloc, client, graph
 C = P.Command
 
 
-def hello(sock: zmq.Socket, timeout: float = 5.0):
-    sock.send_multipart([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
-    if not sock.poll(int(timeout * 1000)):
-        return None
-    parts = sock.recv_multipart()
-    return P.HEADER.unpack_from(parts[0])[0], parts[0][P.HEADER.size:]
-
-
-def dealer(endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if routing_id is not None:
-        sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    sock.connect(f"tcp://{endpoint}")
-    return sock
-
-
-def libzmq_first_routing_ids(n: int) -> list[bytes]:
-    """The routing ids an unseeded libzmq ROUTER hands out first: a zero byte and the 32 bits of
-    ``rand() | rand() << 31`` from C's default seed, then one more each."""
-    libc = ctypes.CDLL(None)
-    libc.srand(1)
-    low, high = libc.rand() & 0xFFFFFFFF, (libc.rand() << 31) & 0xFFFFFFFF
-    first = high | low
-    return [b"\0" + struct.pack(">I", (first + i) & 0xFFFFFFFF) for i in range(n)]
+def framed(frames: list[bytes]) -> bytes:
+    return transport.message_head([memoryview(f) for f in frames]) + b"".join(frames)
 
 
 @pytest.mark.parametrize("op", ["gelu", "geglu"])
@@ -74,35 +51,68 @@ def test_gelu_of_nan_computes_nan(client, server, op):
     still_serving(server)
 
 
-def test_a_client_cannot_take_the_next_routing_id(server):
-    """A client that claims the routing ids libzmq would hand out next, followed by ordinary
-    clients, made libzmq assert and abort the server; and a client-chosen id gets no session."""
-    claimed = [dealer(server.endpoint, rid) for rid in libzmq_first_routing_ids(32)]
+def test_a_zeromq_peer_claiming_routing_ids_cannot_take_the_server_down(server):
+    """Under ZeroMQ a client that claimed the routing ids libzmq would hand out next, followed by
+    ordinary clients, made libzmq assert and abort the server.  Connections are now named by the
+    server alone; the same peers (a ZMTP 3.0 greeting announcing an id of the form libzmq hands out)
+    get nothing, and the ordinary clients after them are served."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x04\x29\x05READY\x08Identity" + struct.pack(">I", 5) + b"\0\x6b\x8b\x45\x67"
+    claimers = []
+    for _ in range(32):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(greeting + ready)
+        claimers.append(sock)
     try:
-        replies = [hello(s) for s in claimed]
-        assert all(r is not None and r[0] == P.Status.ERROR and b"routing id" in r[1] for r in replies), replies
-        for _ in range(3):  # the ordinary clients that used to be handed a claimed id
+        for _ in range(3):
             fresh = RawClient(server.endpoint)
+            assert fresh.call(C.DEVICE_COUNT)[0] == P.Status.OK
             fresh.close()
         assert server.alive()
     finally:
-        for s in claimed:
-            s.close(linger=0)
+        for sock in claimers:
+            sock.close()
     still_serving(server)
 
 
-@pytest.mark.parametrize("rid", [b"victim", b"\0\0\0\0\1\2", b"\1\0\0\0\1"])
-def test_client_chosen_routing_ids_get_no_session(server, rid):
-    sock = dealer(server.endpoint, rid)
+def test_a_session_belongs_to_its_connection(server):
+    """No name travels with a request: another connection cannot act in a session, even knowing
+    its buffer handles."""
+    owner = RawClient(server.endpoint)
+    handle = alloc(owner)
+    other = RawClient(server.endpoint, hello=False)
+    status, body, _ = other.call(C.FREE_BUFFER, P.U64.pack(handle))
+    assert status == P.Status.ERROR and b"HELLO must come first" in body
+    status, body, _ = other.call(C.HELLO, P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION))
+    assert status == P.Status.OK
+    status, body, _ = other.call(C.FREE_BUFFER, P.U64.pack(handle))
+    assert status == P.Status.ERROR and b"unknown buffer handle" in body
+    assert owner.call(C.FREE_BUFFER, P.U64.pack(handle))[0] == P.Status.OK
+    owner.close(), other.close()
+    still_serving(server)
+
+
+@pytest.mark.parametrize("junk", [struct.pack("<I", 1 << 31), struct.pack("<I", transport.MAX_FRAME_COUNT + 1),
+                                  b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"])
+def test_what_is_not_a_message_ends_only_its_own_connection(server, junk):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(junk)
+    sock.settimeout(5)
     try:
-        status, body = hello(sock)
-        assert status == P.Status.ERROR and b"client-chosen routing ids are refused" in body
-        sock.send_multipart([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, 4096)])
-        assert sock.poll(5000)
-        status = P.HEADER.unpack_from(sock.recv_multipart()[0])[0]
-        assert status == P.Status.ERROR  # "HELLO must come first": nothing allocated
-    finally:
-        sock.close(linger=0)
+        assert sock.recv(16) == b""  # closed by the server
+    except ConnectionResetError:  # closed with our bytes unread
+        pass
+    sock.close()
+    still_serving(server)
+
+
+def test_a_request_declaring_a_terabyte_is_refused_before_its_bytes_arrive(client, server):
+    """The frame count and sizes come first: the server answers from them, keeps none of the rest,
+    and reads past what the client goes on sending."""
+    head = P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 7)
+    client.send_bytes(struct.pack("<IQ", 1, 1 << 40) + head + bytes(1 << 20))
+    status, body, _ = client.recv(timeout=5)
+    assert status == P.Status.ERROR and b"--max-message" in body
     still_serving(server)
 
 
@@ -175,7 +185,7 @@ def test_the_message_cap_bounds_the_whole_request(client, server):
     refused(client, server, C.SET_TENSOR, t + P.SET_TENSOR.pack(0, 64, P.Codec.RAW, 0), frames=[piece] * 8,
             match="frames")
     refused(client, server, C.DEVICE_COUNT, b"", frames=[b"", b""], match="frames")
-    over = bytes((MAX_MESSAGE_MIB << 20) + (256 << 10))  # one frame under libzmq's per-frame cap
+    over = bytes((MAX_MESSAGE_MIB << 20) + (256 << 10))  # one frame, just over the cap
     refused(client, server, C.SET_TENSOR, t + P.SET_TENSOR.pack(0, 64, P.Codec.RAW, 0), frames=[over],
             match="--max-message")
 
@@ -184,7 +194,7 @@ def test_buffers_per_session_are_limited(server):
     from pyggml.rpc.server import Limits
     c = RawClient(server.endpoint)
     handles = []
-    batch = 4  # pipelined, far fewer unread answers than the limit (libzmq counts them in arrears)
+    batch = 4  # pipelined, far fewer unread answers than the limit
     for _ in range(Limits.buffers // batch):
         for _ in range(batch):
             c.seq += 1
@@ -222,38 +232,22 @@ def test_a_client_that_never_reads_its_replies_loses_its_session(server):
         return value
 
     before = free()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(f"tcp://{server.endpoint}")
-    try:
-        assert hello(sock)[0] == P.Status.OK
-        size = 1 << 20
-        sock.send_multipart([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, size)])
-        assert sock.poll(5000)
-        handle = P.ALLOC_REPLY.unpack(sock.recv_multipart()[0][P.HEADER.size:])[0]
-        t = tensor(Type.F32, (size // 4, 1, 1, 1), buffer=handle)
-        request = P.HEADER.pack(C.GET_TENSOR, 0, 0, 3) + t + P.GET_TENSOR.pack(0, size, P.Codec.RAW)
-        for _ in range(Limits.pending_replies + 64):  # 80 MiB of answers, never read
-            sock.send_multipart([request], flags=zmq.NOBLOCK)
-        deadline = time.monotonic() + 20
-        while free() != before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert free() == before, "the session's buffer is still held"
-        while sock.poll(500):  # what did arrive, then the answer to a new request says why
-            sock.recv_multipart()
-        sock.send_multipart([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 99)])
-        deadline = time.monotonic() + 10
-        reply = None
-        while time.monotonic() < deadline and sock.poll(1000):
-            parts = sock.recv_multipart()
-            if P.HEADER.unpack_from(parts[0])[3] == 99:
-                reply = parts[0]
-                break
-        assert reply is not None and b"replies unread" in reply
-    finally:
-        sock.close(linger=0)
+    c = RawClient(server.endpoint)
+    size = 1 << 20
+    handle = alloc(c, size)
+    t = tensor(Type.F32, (size // 4, 1, 1, 1), buffer=handle)
+    request = framed([P.HEADER.pack(C.GET_TENSOR, 0, 0, 3) + t + P.GET_TENSOR.pack(0, size, P.Codec.RAW)])
+    c.send_bytes(request * (Limits.pending_replies + 64))  # 80 MiB of answers, never read
+    deadline = time.monotonic() + 20
+    while free() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free() == before, "the session's buffer is still held"
+    while c.recv(timeout=1) is not None:  # what did arrive, then the answer to a new request says why
+        pass
+    c.send_raw([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 99)])
+    reply = c.recv(timeout=10)
+    assert reply is not None and reply[0] == P.Status.ERROR and b"replies unread" in reply[1]
+    c.close()
     still_serving(server)
 
 

@@ -1,6 +1,6 @@
 """Real models through real RPC server processes: the same logits and tokens as a local run,
 clear errors when a server dies, hangs, is unreachable or speaks another protocol, the
-tensor cache, and CurveZMQ."""
+tensor cache, and TLS."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 
 import pyggml as pg
 from pyggml.rpc import RPCError, connect, load_key
@@ -183,34 +182,42 @@ def test_corrupt_cache_entry_is_not_used(start_server, tmp_path):
 
 
 @pytest.fixture
-def curve_keys(tmp_path):
+def tls_keys(tmp_path):
     key = tmp_path / "server.key"
     subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(key)], check=True,
                    capture_output=True)
-    assert (os.stat(key).st_mode & 0o777) == 0o600
-    return key, tmp_path / "server.key.pub"
+    client_key = tmp_path / "server.key.client"
+    assert (os.stat(key).st_mode & 0o777) == 0o600 and (os.stat(client_key).st_mode & 0o777) == 0o600
+    return key, client_key
 
 
-def test_curve_accepts_the_right_key_and_rejects_others(start_server, curve_keys, tmp_path):
-    secret, public = curve_keys
-    server = start_server("--curve-secret-key", str(secret))
-    assert "CurveZMQ on" in server.banner[0]
-    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, rpc_key=str(public), ngl="all", progress=False) as m:
+def test_tls_accepts_the_right_key_and_rejects_others(start_server, tls_keys, tmp_path):
+    server_key, client_key = tls_keys
+    server = start_server("--key", str(server_key))
+    assert "TLS on" in server.banner[0]
+    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, rpc_key=str(client_key), ngl="all",
+                  progress=False) as m:
         ids = m.tokenize("Secret")
         assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
-    with pytest.raises(RPCError):
-        connect(server.endpoint, connect_timeout=3)  # no key
+    with pytest.raises(RPCError, match="closed the connection|TLS"):
+        connect(server.endpoint, connect_timeout=3)  # no key: a plain client
     other = tmp_path / "other.key"
     subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(other)], check=True,
                    capture_output=True)
-    with pytest.raises(RPCError):
-        connect(server.endpoint, server_key=load_key(str(other) + ".pub"), connect_timeout=3)  # wrong key
+    with pytest.raises(RPCError, match="TLS"):  # another pair's client key: the server refuses it
+        connect(server.endpoint, key=load_key(str(other) + ".client"), connect_timeout=3)
+    with pytest.raises(RPCError, match="TLS"):  # our client key, but a server of another pair
+        other_server = start_server("--key", str(other))
+        connect(other_server.endpoint, key=load_key(client_key), connect_timeout=3)
     raw = RawClient(server.endpoint, hello=False)  # a plain socket cannot even deliver a request
-    try:
-        raw.send_raw([P.HEADER.pack(P.Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
-    except zmq.Again:
-        pass
-    else:
-        assert raw.recv(timeout=2) is None
+    raw.send_raw([P.HEADER.pack(P.Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+    assert raw.recv(timeout=2) is None
     raw.close()
     assert server.alive()
+
+
+def test_old_curve_keys_get_a_clear_error(tmp_path):
+    old = tmp_path / "curve.key.pub"
+    old.write_text("rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7\n")
+    with pytest.raises(ValueError, match="CurveZMQ key from an older pyggml"):
+        load_key(old)

@@ -1,0 +1,224 @@
+"""The RPC transport on its own: framing, limits checked before bytes are read, connections the
+server names, heartbeats, unread replies, TLS - a real listener and real sockets on 127.0.0.1."""
+from __future__ import annotations
+
+import queue
+import shutil
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pyggml.rpc import keys, transport
+from pyggml.rpc.transport import COUNT, Channel, Disconnected, Listener, Message, MessageReader
+
+
+class Loop(threading.Thread):
+    """Polls a listener the way the server does and hands every event to the test."""
+
+    def __init__(self, listener: Listener) -> None:
+        super().__init__(daemon=True)
+        self.listener, self.events, self.stop = listener, queue.Queue(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for event in self.listener.poll(0.05):
+                self.events.put(event)
+
+    def next(self, kind: type = object, timeout: float = 5.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(event, kind):
+                return event
+
+
+@pytest.fixture
+def loop():
+    listener = Listener("127.0.0.1", 0, None, max_frames=4, max_bytes=1 << 20, max_peers=4, max_queued=4)
+    thread = Loop(listener)
+    thread.start()
+    yield thread
+    thread.stop.set()
+    thread.join()
+    listener.close()
+
+
+def connect(loop: Loop) -> Channel:
+    host, port = loop.listener.endpoint.rsplit(":", 1)
+    return Channel.connect(host, int(port), None, 5)
+
+
+def test_messages_keep_their_frames_both_ways(loop):
+    ch = connect(loop)
+    data = np.arange(1000, dtype=np.float32)
+    ch.sock.sendall(COUNT.pack(0))  # a heartbeat from the client: skipped
+    ch.send([b"head", data, b""], timeout=5)
+    msg = loop.next(Message)
+    assert msg.error is None and [bytes(f) for f in msg.frames] == [b"head", data.tobytes(), b""]
+    assert loop.listener.send(msg.peer, [b"reply", memoryview(b"x" * 70000)])
+    assert [bytes(f) for f in ch.recv(time.monotonic() + 5)] == [b"reply", b"x" * 70000]
+    ch.close()
+    assert loop.next(Disconnected).peer is msg.peer
+
+
+def test_connections_are_numbered_by_the_listener_and_never_share_a_number(loop):
+    seen = set()
+    for _ in range(3):
+        chans = [connect(loop) for _ in range(3)]
+        for ch in chans:
+            ch.send([b"hi"], timeout=5)
+        peers = [loop.next(Message).peer for _ in chans]
+        assert len({p.id for p in peers}) == 3 and not seen & {p.id for p in peers}
+        seen |= {p.id for p in peers}
+        for ch in chans:
+            ch.close()
+        for _ in chans:
+            loop.next(Disconnected)
+
+
+def test_limits_are_checked_before_a_byte_of_the_frames_is_read():
+    """A message declaring a terabyte: answered from its sizes, nothing of that size allocated."""
+    wire = bytearray(struct.pack("<IQQ", 2, 12, 1 << 40) + b"header+seq..")
+    allocated = []
+
+    def recv_into(view, n):
+        allocated.append(view.nbytes)
+        if not wire:
+            raise BlockingIOError
+        n = min(n, len(wire))
+        view[:n] = wire[:n]
+        del wire[:n]
+        return n
+
+    reader = MessageReader(max_frames=2, max_bytes=1 << 20)
+    frames, error = reader.read(recv_into)
+    assert "exceeds" in error and bytes(frames[0]) == b"header+seq.."
+    assert max(allocated) <= 64 << 10  # the small reads and the discard scratch, never the declared size
+    wire += b"z" * 100000  # what does arrive of it is read past
+    with pytest.raises(BlockingIOError):
+        reader.read(recv_into)
+    assert max(allocated) <= 64 << 10 and not wire
+
+
+def test_the_rest_of_a_refused_message_is_read_past_and_the_next_one_read():
+    wire = bytearray(struct.pack("<IQQ", 2, 12, 200000) + b"header+seq.." + b"z" * 200000
+                     + struct.pack("<IQ", 1, 2) + b"ok")
+
+    def recv_into(view, n):
+        if not wire:
+            raise BlockingIOError
+        n = min(n, len(wire), 7000)  # in pieces, as a socket gives them
+        view[:n] = wire[:n]
+        del wire[:n]
+        return n
+
+    reader = MessageReader(max_frames=2, max_bytes=1 << 16)
+    assert "exceeds" in reader.read(recv_into)[1]
+    frames, error = reader.read(recv_into)
+    assert error is None and [bytes(f) for f in frames] == [b"ok"]
+
+
+def test_too_many_frames_or_bytes_are_refused_and_the_connection_goes_on(loop):
+    ch = connect(loop)
+    ch.send([b"12345678"] * 5, timeout=5)
+    assert "5 frames" in loop.next(Message).error
+    ch.send([b"12345678", bytes((1 << 20) + 1)], timeout=5)
+    msg = loop.next(Message)
+    assert "exceeds" in msg.error and bytes(msg.frames[0]) == b"12345678"
+    ch.send([b"fine"], timeout=5)
+    msg = loop.next(Message)
+    assert msg.error is None and bytes(msg.frames[0]) == b"fine"
+    ch.close()
+
+
+def test_what_is_not_a_message_closes_only_its_connection(loop):
+    bad = socket.create_connection(("127.0.0.1", int(loop.listener.endpoint.rsplit(":", 1)[1])))
+    good = connect(loop)
+    bad.sendall(struct.pack("<I", transport.MAX_FRAME_COUNT + 1))
+    assert "not a pyggml peer" in loop.next(Disconnected).reason
+    good.send([b"still here"], timeout=5)
+    assert bytes(loop.next(Message).frames[0]) == b"still here"
+    bad.close(), good.close()
+
+
+def test_silent_connections_are_closed_and_the_number_of_connections_is_bounded(loop, monkeypatch):
+    monkeypatch.setattr(transport, "GREETING_TIMEOUT_S", 0.3)
+    silent = [connect(loop) for _ in range(4)]
+    extra = connect(loop)  # the fifth of at most four: closed at once
+    extra.sock.settimeout(5)
+    assert extra.sock.recv(1) == b""
+    reasons = [loop.next(Disconnected).reason for _ in silent]
+    assert all("no HELLO" in r for r in reasons)
+    for ch in silent + [extra]:
+        ch.close()
+
+
+def test_heartbeats_go_to_peers_that_wait_and_only_to_them(loop):
+    waiting, idle = connect(loop), connect(loop)
+    waiting.send([b"waiting"], timeout=5)
+    idle.send([b"idle"], timeout=5)
+    peers = {bytes(m.frames[0]): m.peer for m in (loop.next(Message), loop.next(Message))}
+    for peer in loop.listener.peers.values():
+        peer.greeted = True
+    loop.listener.start_heartbeats()
+    loop.listener.serving = peers[b"waiting"]
+    waiting.sock.settimeout(3)
+    assert waiting.sock.recv(4) == COUNT.pack(0)
+    idle.sock.settimeout(2.5)
+    with pytest.raises(TimeoutError):
+        idle.sock.recv(4)
+    loop.listener.serving = None
+    waiting.close(), idle.close()
+
+
+def test_a_peer_that_reads_nothing_is_told_apart_by_its_unsent_replies(loop):
+    ch = connect(loop)
+    ch.send([b"req"], timeout=5)
+    peer = loop.next(Message).peer
+    big = bytes(8 << 20)  # more than the kernel's buffers take
+    results = [loop.listener.send(peer, [b"r", big]) for _ in range(loop.listener.max_queued + 2)]
+    assert results[0] and not results[-1]
+    ch.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="making TLS keys needs the openssl command")
+def test_tls_both_ways_and_a_stranger_refused(tmp_path):
+    server_file, client_file = keys.generate(tmp_path / "k")
+    other_server, other_client = keys.generate(tmp_path / "other")
+    listener = Listener("127.0.0.1", 0, keys.context(server_file, server_side=True), max_frames=4,
+                        max_bytes=1 << 20)
+    loop = Loop(listener)
+    loop.start()
+    try:
+        port = int(listener.endpoint.rsplit(":", 1)[1])
+        ch = Channel.connect("127.0.0.1", port, keys.context(client_file, server_side=False), 5)
+        payload = bytes(range(256)) * 400  # several TLS records
+        ch.send([b"hello", payload], timeout=5)
+        msg = loop.next(Message)
+        assert [bytes(f) for f in msg.frames] == [b"hello", payload]
+        assert listener.send(msg.peer, [b"back", payload])
+        assert [bytes(f) for f in ch.recv(time.monotonic() + 5)] == [b"back", payload]
+        ch.close()
+        with pytest.raises((OSError, transport.Closed)):  # another pair's client key
+            stranger = Channel.connect("127.0.0.1", port, keys.context(other_client, server_side=False), 5)
+            stranger.send([b"hello"], timeout=5)
+            stranger.recv(time.monotonic() + 5)
+        with pytest.raises(OSError):  # the other pair's server is not ours: the client refuses it
+            other = Listener("127.0.0.1", 0, keys.context(other_server, server_side=True), 4, 1 << 20)
+            other_loop = Loop(other)
+            other_loop.start()
+            try:
+                Channel.connect("127.0.0.1", int(other.endpoint.rsplit(":", 1)[1]),
+                                keys.context(client_file, server_side=False), 5)
+            finally:
+                other_loop.stop.set()
+                other_loop.join()
+                other.close()
+    finally:
+        loop.stop.set()
+        loop.join()
+        listener.close()
