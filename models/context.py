@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import Scheduler, tensor_array, tensor_set
+from pyggml import Scheduler, tensor_array, tensor_arrays, tensor_set
 from pyggml.backend import Backend
 
 from .blocks import GraphBuilder
@@ -235,9 +235,9 @@ class Context:
             self.sched.graph_compute(b.graph)
             if wanted and top:
                 t = b.top
-                outs.append((tensor_array(t.ids).reshape(wanted, -1), tensor_array(t.values).reshape(wanted, -1),
-                             tensor_array(t.hist_values).reshape(wanted, -1) if t.hist_values is not None
-                             else np.zeros((wanted, 0), np.float32)))
+                read = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else [])
+                arrays = [a.reshape(wanted, -1) for a in tensor_arrays(read)]  # together: one round trip
+                outs.append((*arrays[:2], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32)))
             elif wanted:
                 outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
             row += wanted

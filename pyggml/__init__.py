@@ -10,7 +10,7 @@ from __future__ import annotations
 from . import ops, quants
 from .alloc import GraphAllocator, alloc_graph
 from .backend import (Backend, Buffer, BufferType, Device, DeviceType, Registry, alloc_tensors, tensor_array,
-                      tensor_copy, tensor_get, tensor_memset, tensor_set)
+                      tensor_arrays, tensor_copy, tensor_get, tensor_memset, tensor_set)
 from .graph import Graph, build_forward
 from .opdefs import GluOp, Op, RopeMode, UnaryOp
 from .sched import Scheduler
@@ -56,5 +56,5 @@ __all__ = [
     "Backend", "Buffer", "Model", "BufferType", "Device", "DeviceType", "Graph", "GraphAllocator", "GluOp", "Op",
     "QK_K", "Registry", "RopeMode", "Scheduler", "Tensor", "TensorFlag", "Type", "UnaryOp", "alloc_graph",
     "alloc_tensors", "build_forward", "cpu_device", "devices", "new_tensor", "ops", "quants", "registry",
-    "tensor_array", "tensor_copy", "tensor_get", "tensor_memset", "tensor_set",
+    "tensor_array", "tensor_arrays", "tensor_copy", "tensor_get", "tensor_memset", "tensor_set",
 ]

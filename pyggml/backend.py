@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -91,6 +92,11 @@ class Buffer(abc.ABC):
 
     @abc.abstractmethod
     def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray: ...
+
+    def get_tensors(self, tensors: list[Tensor]) -> list[np.ndarray]:
+        """Several whole tensors' bytes (each in a buffer of this type); a buffer that pays per
+        request, as a remote one does, asks for them together."""
+        return [t.buffer.get_tensor(t, 0, t.nbytes()) for t in tensors]
 
     @abc.abstractmethod
     def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None: ...
@@ -246,7 +252,23 @@ def tensor_copy(src: Tensor, dst: Tensor) -> None:
 
 def tensor_array(tensor: Tensor) -> np.ndarray:
     """A tensor's values as a numpy array shaped ne[::-1] (quantized types come back as float32)."""
-    raw = tensor_get(tensor)
+    return _values(tensor, tensor_get(tensor))
+
+
+def tensor_arrays(tensors: Sequence[Tensor]) -> list[np.ndarray]:
+    """:func:`tensor_array` of several tensors, read together where their buffers can (one
+    round trip to an RPC server for a decode step's outputs)."""
+    by_type: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_type.setdefault(id(_require_buffer(t).get_type()), []).append(i)
+    raws: list = [None] * len(tensors)
+    for idx in by_type.values():
+        for i, raw in zip(idx, tensors[idx[0]].buffer.get_tensors([tensors[i] for i in idx])):
+            raws[i] = raw
+    return [_values(t, raw) for t, raw in zip(tensors, raws)]
+
+
+def _values(tensor: Tensor, raw: np.ndarray) -> np.ndarray:
     if tensor.type.is_quantized or tensor.type == Type.BF16:
         if not tensor.is_contiguous():
             raise ValueError(f"tensor_array: {tensor.name or '?'} is a non-contiguous {tensor.type.name} view")

@@ -11,12 +11,17 @@
    has a compute buffer per backend, then run: copy inputs in, compute, next split.
 
 The assignment, splits and allocation are kept and reused while the same graph (same
-object, same node count) is computed again, as a decode loop does.
+object, same node count) is computed again, as a decode loop does.  The assignment and splits
+of the last few graphs are kept too (:class:`Plan`), so that a context alternating between its
+prompt and decode graphs hands each backend the same split graphs again: a remote backend then
+re-runs the graph its server holds instead of receiving it anew.  A split graph is renewed
+whenever the allocation places its tensors differently, so that nothing a backend derived from
+it (a server's copy, a captured CUDA graph) outlives the addresses it was made for.
 """
 from __future__ import annotations
 
 import time
-
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +40,20 @@ class Split:
     graph: Graph = field(default_factory=Graph)
 
 
+@dataclass
+class Plan:
+    """One graph's assignment and splits, and where its allocation put each tensor."""
+    graph: Graph
+    n_nodes: int
+    assigned: dict[int, int]
+    splits: list[Split]
+    rewired: list[tuple[Tensor, int, Tensor, Tensor]]  # (node, src slot, original source, its copy)
+    placement: list[tuple[int, int]] = field(default_factory=list)
+
+
+MAX_PLANS = 16
+
+
 class Scheduler:
     def __init__(self, backends: Sequence[Backend]) -> None:
         if not backends:
@@ -45,7 +64,8 @@ class Scheduler:
         self.assigned: dict[int, int] = {}
         self.user_assigned: dict[int, int] = {}
         self.splits: list[Split] = []
-        self._rewired: list[tuple[Tensor, int, Tensor]] = []  # (node, src slot, original source)
+        self._rewired: list[tuple[Tensor, int, Tensor, Tensor]] = []  # (node, src slot, original source, copy)
+        self._plans: OrderedDict[int, Plan] = OrderedDict()  # by id(graph); each plan holds its graph
         # the graph last split and allocated, and its node count: held, not its id - a freed
         # graph's id can come back for a new graph of the same size
         self._key: tuple[Graph, int] | None = None
@@ -56,6 +76,7 @@ class Scheduler:
     def set_tensor_backend(self, tensor: Tensor, backend: Backend) -> None:
         self.user_assigned[id(tensor)] = self.backends.index(backend)
         self._key = None
+        self._plans.clear()
 
     def get_tensor_backend(self, tensor: Tensor) -> Backend | None:
         i = self._backend_of(tensor)
@@ -106,7 +127,7 @@ class Scheduler:
     def _unsplit(self) -> None:
         """Point nodes rewired to cross-device copies back at their sources, so that a graph
         can be split again (after another graph was computed in between)."""
-        for node, j, original in self._rewired:
+        for node, j, original, _ in self._rewired:
             node.src[j] = original
         self._rewired = []
 
@@ -133,7 +154,7 @@ class Scheduler:
                         self.assigned[id(copy)] = split.backend_id
                         local[id(s)] = copy
                         split.copies.append((s, copy))
-                    self._rewired.append((node, j, s))
+                    self._rewired.append((node, j, s, copy))
                     node.src[j] = copy
             split.graph = Graph()
             split.graph.nodes = list(split.nodes)
@@ -146,14 +167,33 @@ class Scheduler:
         if self._key is not None and self._key[0] is graph and self._key[1] == graph.n_nodes:
             return
         self._unsplit()  # the assignment must see the graph's own sources
-        self._assign(graph)
-        self._split(graph)
+        plan = self._plans.get(id(graph))
+        if plan is not None and plan.graph is graph and plan.n_nodes == graph.n_nodes:
+            self._plans.move_to_end(id(graph))
+            self.assigned, self.splits, self._rewired = plan.assigned, plan.splits, list(plan.rewired)
+            for node, j, _, copy in self._rewired:
+                node.src[j] = copy
+        else:
+            self._assign(graph)
+            self._split(graph)
+            plan = Plan(graph, graph.n_nodes, self.assigned, self.splits, list(self._rewired))
+            self._plans[id(graph)] = plan
+            while len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
         order: list[Tensor] = []
         for split in self.splits:
             order.extend(copy for _, copy in split.copies)
             order.extend(split.nodes)
         inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
+        placement = [(id(t.buffer), t.offset) for t in order + inputs]
+        if placement != plan.placement:  # what backends derived from the split graphs is stale
+            read_across = self.splits[0].graph.read_across if self.splits else frozenset()
+            for split in self.splits:
+                split.graph = Graph()
+                split.graph.nodes = list(split.nodes)
+                split.graph.read_across = read_across
+            plan.placement = placement
         self._key = (graph, graph.n_nodes)
 
     # -- execution ---------------------------------------------------------------------------------
@@ -184,5 +224,6 @@ class Scheduler:
     def reset(self) -> None:
         self._unsplit()
         self._key = None
+        self._plans.clear()
         self.assigned = {}
         self.splits = []

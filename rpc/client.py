@@ -1,7 +1,9 @@
 """The client's connection to one RPC server: requests, replies, and bounded waiting.
 
-Requests that need no answer (``SET_TENSOR``) are pipelined; every other request waits for its
-reply - but never forever: a closed connection is seen at once, the server's heartbeats tell a
+Requests that need no answer (``SET_TENSOR``, ``GRAPH_RECOMPUTE``) are held back and leave
+together with the next request that waits for one, in one system call (the server is woken once
+for a decode step's inputs, its graph and its first read); several reads can be asked at once
+(:meth:`Connection.request_many`).  Every request that needs a reply waits for it - but never forever: a closed connection is seen at once, the server's heartbeats tell a
 busy server from a stopped one (see :mod:`.transport`), and an overall timeout bounds the rest.
 Each of these becomes an :class:`RPCError` naming the endpoint, and the connection is closed
 for good (its buffers died with the server's session).
@@ -23,6 +25,7 @@ from .protocol import Command, RPCError, Status
 CONNECT_TIMEOUT_S = float(os.environ.get("PYGGML_RPC_CONNECT_TIMEOUT", "5"))
 REQUEST_TIMEOUT_S = float(os.environ.get("PYGGML_RPC_TIMEOUT", "600"))
 SEND_TIMEOUT_S = transport.HEARTBEAT_TIMEOUT_S + 2  # a server that takes no bytes for this long is gone
+CORK_BYTES = 64 << 10  # requests without replies are held back (copied) up to this much
 
 
 def load_key(path: str | os.PathLike) -> ssl.SSLContext:
@@ -49,6 +52,8 @@ class Connection:
         self.errors = 0  # error replies so far (an asynchronous request may have failed before them)
         self.wait_seconds = 0.0  # time spent waiting for answers (the server's work plus the network)
         self._lock = threading.Lock()
+        self._corked: list[list] = []  # messages held back until the next request with a reply
+        self._corked_bytes = 0
         self.channel: transport.Channel | None = None
         try:
             self.channel = transport.Channel.connect(*_split(endpoint), key, connect_timeout)
@@ -90,16 +95,37 @@ class Connection:
             raise RPCError(self.endpoint, f"connection unusable: {self.closed_reason}")
 
     def _send(self, cmd: Command, payload: bytes, frames: list, flags: int) -> int:
+        """Queue one message; send the queue unless it is a small one without a reply."""
         self._check_open()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
-        head = P.HEADER.pack(cmd, flags, 0, self.seq) + payload
+        message = [P.HEADER.pack(cmd, flags, 0, self.seq) + payload, *frames]
+        size = sum(memoryview(f).nbytes for f in message)
+        if flags & P.FLAG_NO_REPLY and self._corked_bytes + size <= CORK_BYTES:
+            # the caller may reuse its arrays once we return: hold a copy
+            self._corked.append([bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
+                                 for f in message])
+            self._corked_bytes += size
+            return self.seq
+        self._corked.append(message)
+        self._flush()
+        return self.seq
+
+    def _flush(self) -> None:
+        messages, self._corked, self._corked_bytes = self._corked, [], 0
+        if not messages:
+            return
         try:
-            self.bytes_sent += self.channel.send([head, *frames], SEND_TIMEOUT_S)
+            self.bytes_sent += self.channel.send_messages(messages, SEND_TIMEOUT_S)
         except (TimeoutError, socket.timeout):
             self._fail(f"the server took no bytes for {SEND_TIMEOUT_S:.0f} s (is it stopped?)")
         except OSError as e:
             self._fail(self._broken(e))
-        return self.seq
+
+    def flush(self) -> None:
+        """Send what is held back now (a request with a reply does it anyway)."""
+        with self._lock:
+            self._check_open()
+            self._flush()
 
     @staticmethod
     def _broken(e: BaseException) -> str:
@@ -117,13 +143,31 @@ class Connection:
     def request(self, cmd: Command, payload: bytes = b"", frames: list | tuple = (), reply=None,
                 timeout: float | None = None) -> tuple[tuple | memoryview, list[memoryview]]:
         """Send and wait for the answer: (unpacked ``reply`` struct or raw payload, data frames)."""
+        return self.request_many([(cmd, payload, frames)], reply, timeout)[0]
+
+    def request_many(self, requests: list[tuple[Command, bytes, list | tuple]], reply=None,
+                     timeout: float | None = None) -> list[tuple[tuple | memoryview, list[memoryview]]]:
+        """Several requests sent together, their answers read in order: one round trip.  The
+        first error is raised after every answer has been read."""
         with self._lock:
-            seq = self._send(cmd, payload, list(frames), 0)
+            seqs = [self._send(cmd, payload, list(frames), 0) for cmd, payload, frames in requests]
             t0 = time.perf_counter()
             try:
-                parts = self._wait(seq, cmd, self.timeout if timeout is None else timeout)
+                answers = [self._wait(seq, cmd, self.timeout if timeout is None else timeout)
+                           for seq, (cmd, _, _) in zip(seqs, requests)]
             finally:
                 self.wait_seconds += time.perf_counter() - t0
+        results, error = [], None
+        for (cmd, _, _), parts in zip(requests, answers):
+            try:
+                results.append(self._answer(cmd, parts, reply))
+            except RPCError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+    def _answer(self, cmd: Command, parts: list[memoryview], reply) -> tuple[tuple | memoryview, list[memoryview]]:
         head = parts[0]
         status, _, _, _ = P.HEADER.unpack_from(head)
         body = head[P.HEADER.size:]

@@ -50,9 +50,11 @@ COUNT = struct.Struct("<I")
 SIZE = struct.Struct("<Q")
 MAX_FRAME_COUNT = 1024  # a count beyond this is not a message but garbage: the connection is closed
 KEEP_OF_FIRST_FRAME = 64  # bytes of the first frame kept from a refused message (the request header)
+CORK_TLS = 1 << 20
 TLS_CHUNK = 16 << 10    # one TLS record: a partial non-blocking write is retried with the same bytes
 HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0  # a client waiting for an answer gives up after this long without a byte
+READ_BATCH, READ_BATCH_BYTES = 16, 1 << 20  # messages (and bytes) taken from one peer per poll
 GREETING_TIMEOUT_S = 10.0  # a connection must finish its TLS handshake and say HELLO within this
 
 
@@ -266,6 +268,9 @@ class Listener:
                 self._again.add(peer)
 
     def _read(self, peer: Peer, events: list) -> None:
+        """The peer's next messages: those already here, a few and a little at a time, so that
+        one client's stream cannot keep the others waiting (the rest is read on the next poll)."""
+        taken = 0
         with peer.lock:
             if peer.closed:
                 return
@@ -273,14 +278,18 @@ class Listener:
                 if peer.handshaking:
                     peer.sock.do_handshake()
                     peer.handshaking = False
-                frames, error = peer.reader.read(peer.sock.recv_into)
+                for _ in range(READ_BATCH):
+                    frames, error = peer.reader.read(peer.sock.recv_into)
+                    events.append(Message(peer, frames, error))
+                    taken += sum(f.nbytes for f in frames)
+                    if taken >= READ_BATCH_BYTES:
+                        break
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return
             except (Closed, OSError) as e:  # ssl.SSLError is an OSError: a failed handshake, a bad record
                 reason = str(e) or type(e).__name__
                 self._close_locked(peer)
             else:
-                events.append(Message(peer, frames, error))
                 self._again.add(peer)  # more may be there, and TLS may hold it where select cannot see
                 return
         events.append(Disconnected(peer, reason))
@@ -436,10 +445,19 @@ class Channel:
 
     def send(self, frames: list, timeout: float) -> int:
         """Send one message (raises OSError, TimeoutError); returns its size in bytes."""
-        views = [as_bytes(f) for f in frames]
-        parts = [memoryview(message_head(views)), *(v for v in views if v.nbytes)]
+        return self.send_messages([frames], timeout)
+
+    def send_messages(self, messages: list[list], timeout: float) -> int:
+        """Send messages one after another, in as few system calls as the socket allows."""
+        parts, total = [], 0
+        for frames in messages:
+            views = [as_bytes(f) for f in frames]
+            parts += [memoryview(message_head(views)), *(v for v in views if v.nbytes)]
+            total += sum(v.nbytes for v in views)
         self.sock.settimeout(timeout)
         if self.tls:
+            if total < CORK_TLS:  # one TLS record for a step's small messages, not one each
+                parts = [memoryview(b"".join(parts))]
             for part in parts:
                 self.sock.sendall(part)
         else:
@@ -450,7 +468,7 @@ class Channel:
                         n -= parts.pop(0).nbytes
                     else:
                         parts[0], n = parts[0][n:], 0
-        return sum(v.nbytes for v in views)
+        return total
 
     def recv(self, deadline: float, silence: float = HEARTBEAT_TIMEOUT_S) -> list[memoryview]:
         """The next message that is not a heartbeat.  TimeoutError when ``deadline`` (monotonic)
