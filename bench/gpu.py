@@ -74,7 +74,7 @@ def bench_kernels(cp, bandwidth: float, shapes: list[tuple[int, int]], n: int = 
     and cycling through copies of the weights that together exceed the L2 cache (H200: 60 MB),
     so that every launch streams its weights from memory, as a decode step does."""
     from pyggml.cuda import replay
-    from pyggml.cuda.ops import begin_graph, mul_mat_vec_q
+    from pyggml.cuda.kernels import begin_graph, mul_mat_vec_q
     rng = np.random.default_rng(0)
     rows = []
     for name in KERNEL_TYPES:
@@ -159,7 +159,7 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
     the total is above the unprofiled step).  Returns (op, ms per token, ops per token)."""
     import cupy as cp
 
-    from pyggml.cuda import ops as cuda_ops
+    from pyggml.cuda import kernels as cuda_kernels
     seconds: dict[str, float] = {}
     counts: dict[str, int] = {}
 
@@ -172,7 +172,7 @@ def profile_decode(ctx, token: int, n: int = 4) -> list[tuple[str, float, int]]:
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
             counts[name] = counts.get(name, 0) + 1
         return run
-    with cuda_ops.instrumented(timed), replay_mode("op table"):  # (a replay would skip the op table)
+    with cuda_kernels.instrumented(timed), replay_mode("op table"):  # (a replay would skip the op table)
         for _ in range(n):
             token = int(ctx.decode([token])[-1].argmax())
     return sorted(((k, v * 1000 / n, counts[k] // n) for k, v in seconds.items()), key=lambda r: -r[1])

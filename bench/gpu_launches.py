@@ -33,7 +33,7 @@ def main() -> None:
     import cupy
     if not hasattr(cupy, "launches"):
         sys.exit("gpu_launches: needs the emulator's CuPy stand-in: PYTHONPATH=tests/cuda/fake")
-    from pyggml.cuda import ops as cuda_ops
+    from pyggml.cuda import kernels as cuda_kernels
     launches, calls = collections.Counter(), collections.Counter()
 
     def counted(name, fn):
@@ -46,7 +46,7 @@ def main() -> None:
     with pg.Model(args.model, n_ctx=256, ngl="all", progress=False) as m:
         ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
         m.context.decode(ids)
-        with cuda_ops.instrumented(counted):
+        with cuda_kernels.instrumented(counted):
             before = cupy.launches
             m.context.decode([ids[-1]])  # the step graph's first run: through the op table
             total = cupy.launches - before

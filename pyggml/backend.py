@@ -127,6 +127,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def graph_compute(self, graph: Graph) -> None: ...
 
+    def graph_plan_create(self, graph: Graph) -> object:
+        """ggml_backend_graph_plan_create: what this backend derives once from a graph it will
+        compute again and again (by default nothing: the plan is the graph)."""
+        return graph
+
+    def graph_plan_compute(self, plan: object) -> None:
+        self.graph_compute(plan)
+
     def synchronize(self) -> None:
         pass
 

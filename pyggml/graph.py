@@ -16,7 +16,6 @@ class Graph:
         # read, so a backend knows which intermediates nobody else needs (None: not known, as for
         # a graph that arrived over RPC; a backend must then compute every node as it is)
         self.read_across: frozenset[int] | None = None
-        self.backend_cache: dict[str, object] = {}  # what a backend derives from the graph (CUDA: fusions)
 
     def build_forward_expand(self, tensor: Tensor) -> Graph:
         """Add ``tensor`` and everything it depends on (depth first, sources before users)."""

@@ -12,7 +12,7 @@
 
 The assignment, splits and allocation are kept and reused while the same graph (same
 object, same node count) is computed again, as a decode loop does.  The assignment and splits
-of the last few graphs are kept too (:class:`Plan`), so that a context alternating between its
+of the last few graphs are kept too (:class:`Partition`), so that a context alternating between its
 prompt and decode graphs hands each backend the same split graphs again: a remote backend then
 re-runs the graph its server holds instead of receiving it anew.  A split graph is renewed
 whenever the allocation places its tensors differently, so that nothing a backend derived from
@@ -38,20 +38,21 @@ class Split:
     nodes: list[Tensor] = field(default_factory=list)
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (source elsewhere, local copy)
     graph: Graph = field(default_factory=Graph)
+    plan: object = None  # the backend's plan of ``graph`` (Backend.graph_plan_create)
 
 
 @dataclass
-class Plan:
+class Partition:
     """One graph's assignment and splits, and where its allocation put each tensor."""
     graph: Graph
     n_nodes: int
     assigned: dict[int, int]
     splits: list[Split]
     rewired: list[tuple[Tensor, int, Tensor, Tensor]]  # (node, src slot, original source, its copy)
-    placement: list[tuple[int, int]] = field(default_factory=list)
+    placement: list[tuple[object, int]] = field(default_factory=list)
 
 
-MAX_PLANS = 16
+MAX_PARTITIONS = 16
 
 
 class Scheduler:
@@ -65,7 +66,7 @@ class Scheduler:
         self.user_assigned: dict[int, int] = {}
         self.splits: list[Split] = []
         self._rewired: list[tuple[Tensor, int, Tensor, Tensor]] = []  # (node, src slot, original source, copy)
-        self._plans: OrderedDict[int, Plan] = OrderedDict()  # by id(graph); each plan holds its graph
+        self._partitions: OrderedDict[int, Partition] = OrderedDict()  # by id(graph); each holds its graph
         # the graph last split and allocated, and its node count: held, not its id - a freed
         # graph's id can come back for a new graph of the same size
         self._key: tuple[Graph, int] | None = None
@@ -76,7 +77,7 @@ class Scheduler:
     def set_tensor_backend(self, tensor: Tensor, backend: Backend) -> None:
         self.user_assigned[id(tensor)] = self.backends.index(backend)
         self._key = None
-        self._plans.clear()
+        self._partitions.clear()
 
     def get_tensor_backend(self, tensor: Tensor) -> Backend | None:
         i = self._backend_of(tensor)
@@ -167,33 +168,34 @@ class Scheduler:
         if self._key is not None and self._key[0] is graph and self._key[1] == graph.n_nodes:
             return
         self._unsplit()  # the assignment must see the graph's own sources
-        plan = self._plans.get(id(graph))
-        if plan is not None and plan.graph is graph and plan.n_nodes == graph.n_nodes:
-            self._plans.move_to_end(id(graph))
-            self.assigned, self.splits, self._rewired = plan.assigned, plan.splits, list(plan.rewired)
+        part = self._partitions.get(id(graph))
+        if part is not None and part.graph is graph and part.n_nodes == graph.n_nodes:
+            self._partitions.move_to_end(id(graph))
+            self.assigned, self.splits, self._rewired = part.assigned, part.splits, list(part.rewired)
             for node, j, _, copy in self._rewired:
                 node.src[j] = copy
         else:
             self._assign(graph)
             self._split(graph)
-            plan = Plan(graph, graph.n_nodes, self.assigned, self.splits, list(self._rewired))
-            self._plans[id(graph)] = plan
-            while len(self._plans) > MAX_PLANS:
-                self._plans.popitem(last=False)
+            part = Partition(graph, graph.n_nodes, self.assigned, self.splits, list(self._rewired))
+            self._partitions[id(graph)] = part
+            while len(self._partitions) > MAX_PARTITIONS:
+                self._partitions.popitem(last=False)
         order: list[Tensor] = []
         for split in self.splits:
             order.extend(copy for _, copy in split.copies)
             order.extend(split.nodes)
         inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
-        placement = [(id(t.buffer), t.offset) for t in order + inputs]
-        if placement != plan.placement:  # what backends derived from the split graphs is stale
+        placement = [(t.buffer, t.offset) for t in order + inputs]  # the buffers held: an id() could come back
+        if placement != part.placement:  # what backends derived from the split graphs is stale
             read_across = self.splits[0].graph.read_across if self.splits else frozenset()
             for split in self.splits:
                 split.graph = Graph()
                 split.graph.nodes = list(split.nodes)
                 split.graph.read_across = read_across
-            plan.placement = placement
+                split.plan = self.backends[split.backend_id].graph_plan_create(split.graph)
+            part.placement = placement
         self._key = (graph, graph.n_nodes)
 
     # -- execution ---------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Scheduler:
                 copied += src.nbytes()
             backend = self.backends[split.backend_id]
             t0 = time.perf_counter()
-            backend.graph_compute(split.graph)
+            backend.graph_plan_compute(split.plan)
             backend.synchronize()
             name = backend.get_name()
             self.busy_seconds[name] = self.busy_seconds.get(name, 0.0) + time.perf_counter() - t0
@@ -224,6 +226,6 @@ class Scheduler:
     def reset(self) -> None:
         self._unsplit()
         self._key = None
-        self._plans.clear()
+        self._partitions.clear()
         self.assigned = {}
         self.splits = []

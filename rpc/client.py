@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 import ssl
 import threading
 import time
@@ -52,6 +53,8 @@ class Connection:
         self.errors = 0  # error replies so far (an asynchronous request may have failed before them)
         self.wait_seconds = 0.0  # time spent waiting for answers (the server's work plus the network)
         self._lock = threading.Lock()
+        self.round_trips = 0  # times we waited for answers
+        self.sent: Counter[Command] = Counter()  # requests sent, by command
         self._corked: list[list] = []  # messages held back until the next request with a reply
         self._corked_bytes = 0
         self.channel: transport.Channel | None = None
@@ -98,6 +101,7 @@ class Connection:
         """Queue one message; send the queue unless it is a small one without a reply."""
         self._check_open()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
+        self.sent[cmd] += 1
         message = [P.HEADER.pack(cmd, flags, 0, self.seq) + payload, *frames]
         size = sum(memoryview(f).nbytes for f in message)
         if flags & P.FLAG_NO_REPLY and self._corked_bytes + size <= CORK_BYTES:
@@ -151,6 +155,7 @@ class Connection:
         first error is raised after every answer has been read."""
         with self._lock:
             seqs = [self._send(cmd, payload, list(frames), 0) for cmd, payload, frames in requests]
+            self.round_trips += 1
             t0 = time.perf_counter()
             try:
                 answers = [self._wait(seq, cmd, self.timeout if timeout is None else timeout)

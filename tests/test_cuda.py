@@ -6,6 +6,7 @@ tests/test_cuda_emulated.py runs them on the CUDA emulator instead (tests/cuda/)
 """
 from __future__ import annotations
 
+import copy
 import functools
 import shutil
 
@@ -16,7 +17,7 @@ from pyggml.models import Context
 import pyggml as pg
 from pyggml import ops
 from pyggml.cuda import cuda_devices
-from pyggml.cuda.ops import MMVQ_MAX_BATCH
+from pyggml.cuda.kernels import MMVQ_MAX_BATCH
 from pyggml.ops import VIEW_OPS
 
 from .conftest import shared_model
@@ -97,8 +98,8 @@ def test_prompt_products_past_the_f16_range(name, x_scale, monkeypatch):
     scaled by a power of two before they become F16, the product scaled back).  Tiles of 32
     weight rows write into column blocks of the output, each a strided view.  (F16 weights
     take F16 activations on the CPU too: there, activations past 65504 are inf on both.)"""
-    from pyggml.cuda import ops as cuda_ops
-    monkeypatch.setattr(cuda_ops, "GEMM_TILE_ROWS", 32)
+    from pyggml.cuda import kernels as cuda_kernels
+    monkeypatch.setattr(cuda_kernels, "GEMM_TILE_ROWS", 32)
     qtype, m, k, n = T[name], 96, 512, 40
     w = random_weights(qtype, m, k) if qtype.is_quantized else f32(m, k).astype(np.float16)
     data = {"w": w, "x": x_scale * f32(n, k)}
@@ -114,7 +115,7 @@ def test_prompt_products_past_the_f16_range(name, x_scale, monkeypatch):
 
 @pytest.mark.parametrize("second_reader", [False, True])
 def test_rms_norm_times_its_weight(second_reader):
-    """Fused into one kernel (pyggml.cuda.ops.fusions) unless the norm has another reader."""
+    """Fused into one kernel (pyggml.cuda.kernels.fusions) unless the norm has another reader."""
     def build(leaf):
         n = ops.rms_norm(leaf("x", T.F32, (64, 5)), 1e-6)
         out = ops.mul(n, leaf("w", T.F32, (64,)))
@@ -279,18 +280,18 @@ def decode_step_data(i: int) -> dict[str, np.ndarray]:
 
 
 def counting_device_operations(run):
-    """run, with run.device_ops[-1] the device operations its GPU graph_compute made (the CUDA
+    """run, with run.device_ops[-1] the device operations its GPU graph_plan_compute made (the CUDA
     emulator's CuPy counts them; a real CuPy does not, and the list stays empty)."""
     import cupy
     backend, run.device_ops = run.sched.backends[0], []
-    compute = backend.graph_compute
+    compute = backend.graph_plan_compute
 
-    def counted(graph):
+    def counted(plan):
         before = getattr(cupy, "launches", None)
-        compute(graph)
+        compute(plan)
         if before is not None:
             run.device_ops.append(cupy.launches - before)
-    backend.graph_compute = counted
+    backend.graph_plan_compute = counted
     return run
 
 
@@ -311,9 +312,9 @@ def test_a_graph_computed_again_replays_its_launches(graphs, monkeypatch):
         got = gpu(decode_step_data(i))
         assert np.array_equal(got, want), f"run {i + 1}"
         assert nmse(got, cpu(decode_step_data(i))) < 5e-4
-    cache = gpu.sched.splits[0].graph.backend_cache
-    assert len(cache["cuda_replay"]) == 8  # get_rows, norm+mul, quantize, 2 products, add, scale, add
-    assert bool(cache.get("cuda_graph")) == (graphs == "1")
+    state = gpu.sched.splits[0].plan.replay
+    assert len(state.launches) == 8  # get_rows, norm+mul, quantize, 2 products, add, scale, add
+    assert bool(state.captured) == (graphs == "1")
     if gpu.device_ops:  # the emulator: the op table launched exactly what was recorded, nothing else
         assert eager.device_ops == [8] * 5
         assert gpu.device_ops == [8, 8] + ([1] * 3 if graphs == "1" else [8] * 3)
@@ -323,7 +324,7 @@ def test_an_index_out_of_range_is_reported_from_a_captured_graph_too():
     run = prepare(GPUS[0], a_decode_step)
     for i in range(3):
         run(decode_step_data(i))
-    assert run.sched.splits[0].graph.backend_cache.get("cuda_graph")
+    assert run.sched.splits[0].plan.replay.captured
     with pytest.raises(IndexError, match="GET_ROWS: index out of range"):
         run({**decode_step_data(3), "tok": np.array([0, 10], np.int32)})
     run(decode_step_data(4))  # and the flag was cleared
@@ -335,8 +336,8 @@ def test_a_graph_with_an_op_that_is_not_a_launch_is_never_recorded():
     for _ in range(4):
         data = {"a": f32(4, 64), "b": f32(4, 64)}
         assert nmse(run(data), cpu(data)) < 1e-6
-    cache = run.sched.splits[0].graph.backend_cache
-    assert cache.get("cuda_eager") and "cuda_replay" not in cache
+    state = run.sched.splits[0].plan.replay
+    assert state.eager and state.launches is None
 
 
 def test_a_failed_capture_falls_back_to_replaying_the_launches(monkeypatch):
@@ -353,7 +354,7 @@ def test_a_failed_capture_falls_back_to_replaying_the_launches(monkeypatch):
         else:
             got = run(decode_step_data(i))
         assert nmse(got, cpu(decode_step_data(i))) < 5e-4
-    assert run.sched.splits[0].graph.backend_cache["cuda_graph"] is False
+    assert run.sched.splits[0].plan.replay.captured is False
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
@@ -434,11 +435,11 @@ def test_a_quantized_model_whole_on_the_gpu(tmp_path):
         ctx = Context(model, n_ctx=64)
         ctx.decode(SYNTHETIC_TOKENS[:4])
         steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
-        logits[ngl] = batch, steps, ctx.sched.splits[0].graph.backend_cache
+        logits[ngl] = batch, steps, ctx.sched.splits[0].plan
         model.free()
-    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, cache) = logits[None], logits["all"]
+    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, plan) = logits[None], logits["all"]
     assert nmse(gpu_batch, cpu_batch) < 1e-3 and nmse(gpu_steps, cpu_steps) < 1e-3
-    assert cache.get("cuda_graph")
+    assert plan.replay.captured
 
 
 # 33 tokens (SmolLM2) / 34 (Gemma 3): more than MMVQ_MAX_BATCH, so the whole prompt runs the
@@ -499,18 +500,19 @@ def test_real_model_decode_steps_from_a_captured_graph_match_the_op_table(monkey
     recorded launches captured as a CUDA graph: bit-identical logits, step by step."""
     ids = cpu_reference("smollm2")[0][:SHORT]
     with pg.Model("smollm2", n_ctx=64, ngl="all", progress=False) as m:
-        def steps() -> tuple[np.ndarray, dict]:
+        def steps() -> tuple[np.ndarray, object, int]:
             m.context.clear()
             m.context.decode(ids[:4])
             logits = np.concatenate([m.context.decode([t]) for t in ids[4:]])  # one graph, 8 steps
-            graph = m.context.sched.splits[0].graph
-            return logits, dict(graph.backend_cache), sum(n.op not in VIEW_OPS for n in graph.nodes)
+            split = m.context.sched.splits[0]
+            state = copy.copy(split.plan.replay)  # as it is now (the next steps() may find the same plan)
+            return logits, state, len(split.plan.fusions), sum(n.op not in VIEW_OPS for n in split.graph.nodes)
         monkeypatch.setenv("PYGGML_CUDA_REPLAY", "0")
-        eager, eager_cache, _ = steps()
+        eager, eager_state, _, _ = steps()
         monkeypatch.setenv("PYGGML_CUDA_REPLAY", "1")
-        replayed, cache, n_ops = steps()
-    assert "cuda_replay" not in eager_cache and cache.get("cuda_graph")
-    assert len(cache["cuda_replay"]) >= n_ops - len(cache["cuda_fusions"])  # a launch (or more) per op
+        replayed, state, n_fused, n_ops = steps()
+    assert eager_state.launches is None and state.captured
+    assert len(state.launches) >= n_ops - n_fused  # a launch (or more) per op
     assert np.array_equal(eager, replayed)
 
 

@@ -1,11 +1,11 @@
-"""Which ops the CUDA backend fuses (pyggml.cuda.ops.fusions): an RMS norm with the MUL by its
+"""Which ops the CUDA backend fuses (pyggml.cuda.kernels.fusions): an RMS norm with the MUL by its
 weight that follows it, only where nothing else can read the norm's output.  Graph logic only,
 no GPU; tests/test_cuda.py checks the fused results against the CPU."""
 from __future__ import annotations
 
 import pyggml as pg
 from pyggml import ops
-from pyggml.cuda.ops import fusions
+from pyggml.cuda.kernels import fusions
 
 T = pg.Type
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml.cuda.ops import mmvq_shape
+from pyggml.cuda.kernels import mmvq_shape
 from pyggml.quants.layouts import LAYOUTS
 
 from .cuda import emulator

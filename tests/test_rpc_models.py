@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -149,6 +150,26 @@ def test_dead_or_hung_server_mid_generation(start_server, how):
     assert time.monotonic() - t0 < 5
     with pytest.raises(RPCError):  # the connection stays unusable, with the same clear error
         m.logits([1, 2])
+
+
+def test_a_decode_step_is_one_round_trip_and_no_graph_is_sent_twice(start_server):
+    """A step's inputs, its graph run and its output reads leave in one go and the answers come
+    back together; a context going from its prompt graph to its decode graph and back re-runs
+    the graphs the server holds."""
+    server = start_server()
+    m = pg.Model("smollm2", n_ctx=256, rpc=server.endpoint, ngl="all", progress=False)
+    ids = m.tokenize("Once upon a time, in a land far away,")
+    first = list(m.generate(ids, max_tokens=8, temperature=0, top_k=40))
+    conn = m.rpc_devices[0].conn
+    m.context.clear()
+    trips, sent = conn.round_trips, Counter(conn.sent)
+    again = list(m.generate(ids, max_tokens=8, temperature=0, top_k=40))
+    assert again == first
+    assert conn.sent[P.Command.GRAPH_COMPUTE] == sent[P.Command.GRAPH_COMPUTE]  # none sent again
+    assert conn.sent[P.Command.GRAPH_RECOMPUTE] - sent[P.Command.GRAPH_RECOMPUTE] == len(again)
+    assert conn.round_trips - trips == len(again)  # the prompt's step and each token's: one each
+    local = shared_model("smollm2")
+    assert again == list(local.generate(ids, max_tokens=8, temperature=0, top_k=40))
 
 
 def test_second_load_comes_from_the_tensor_cache(start_server, tmp_path):

@@ -112,3 +112,34 @@ def test_a_new_graph_is_never_taken_for_the_last_one():
         graph = pg.build_forward(out)  # ... and its memory may serve this one
         sched.graph_compute(graph)
         np.testing.assert_array_equal(pg.tensor_array(out).reshape(n, 4), np.full((n, 4), 2 * n, np.float32))
+
+
+def test_a_graph_that_comes_back_gets_its_splits_back_while_its_tensors_stay_put():
+    """Alternating graphs (a context's prompt and decode graphs) hand the backends the same split
+    graphs again - what a backend derived from them (an RPC server's copy, a captured CUDA graph)
+    stays valid - but only while the allocation places their tensors where it did."""
+    rng = np.random.default_rng(3)
+    dev_a, dev_b = CPUDevice("CPU_A"), CPUDevice("CPU_B")
+    sched = pg.Scheduler([dev_a.init_backend(), dev_b.init_backend(), pg.cpu_device().init_backend()])
+
+    def chain(dim):
+        x, out, weights = _mlp(4, dim, lambda il: dev_a if il < 2 else dev_b, rng)
+        return x, out, weights, pg.build_forward(out)
+
+    def run(x, out, weights, graph):
+        xv = rng.standard_normal((4, x.ne[0])).astype(np.float32)
+        sched.alloc_graph(graph)  # the input gets its place
+        pg.tensor_set(x, xv)
+        sched.graph_compute(graph)
+        assert np.allclose(pg.tensor_array(out)[0, 0], _reference(xv, weights), atol=1e-4)
+        return [s.graph for s in sched.splits]
+
+    a, b, bigger = chain(64), chain(64), chain(256)
+    first = run(*a)
+    assert len(first) >= 2
+    run(*b)
+    again = run(*a)
+    assert all(x is y for x, y in zip(first, again))  # same placement: the same split graphs
+    run(*bigger)  # needs larger compute buffers: a's tensors move
+    moved = run(*a)
+    assert not any(x is y for x, y in zip(first, moved))

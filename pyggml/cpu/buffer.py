@@ -83,7 +83,7 @@ def tensor_view(t: Tensor) -> np.ndarray:
     Kept on the tensor while it stays at the same place: a decode step asks for ~1500 views,
     and making each anew was 10% of the step."""
     buf = t.buffer
-    cached = t.backend_cache
+    cached = t.host_view
     if cached is not None and cached[0] is buf and cached[1] is buf.data and cached[2] == t.offset:
         return cached[3]
     if not isinstance(buf, CPUBuffer):
@@ -91,7 +91,7 @@ def tensor_view(t: Tensor) -> np.ndarray:
     ne, nb = t.ne, t.nb
     view = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=t.type.np_dtype, buffer=buf.data, offset=t.offset,
                       strides=(nb[3], nb[2], nb[1], nb[0]))
-    t.backend_cache = (buf, buf.data, t.offset, view)
+    t.host_view = (buf, buf.data, t.offset, view)
     return view
 
 

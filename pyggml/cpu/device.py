@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
@@ -106,20 +108,37 @@ class CPUBackend(Backend):
     def set_n_threads(self, n: int) -> None:
         self.n_threads = configure_threads(n)
 
+    def graph_plan_create(self, graph: Graph) -> CPUPlan:
+        return CPUPlan(graph, [(kernel_of(node), node) for node in graph.nodes if node.op not in VIEW_OPS])
+
+    def graph_plan_compute(self, plan: CPUPlan) -> None:
+        for kernel, node in plan.steps:
+            kernel(node)
+
     def graph_compute(self, graph: Graph) -> None:
         for node in graph.nodes:
             compute_node(node)
 
 
-def compute_node(node: Tensor) -> None:
-    if node.op in VIEW_OPS:
-        return
+@dataclass
+class CPUPlan:
+    """A graph's kernels, looked up and checked once: what the scheduler keeps per split."""
+    graph: Graph
+    steps: list[tuple[Callable[[Tensor], None], Tensor]]
+
+
+def kernel_of(node: Tensor) -> Callable[[Tensor], None]:
     kernel = OP_TABLE.get(node.op)
     if kernel is None:
         raise NotImplementedError(f"CPU backend: op {node.op.name} is not implemented")
     if node.buffer is None:
         raise ValueError(f"CPU backend: node {node.name or node.op.name} has no buffer (graph not allocated)")
-    kernel(node)
+    return kernel
 
 
-__all__ = ["CPUDevice", "CPUBackend", "configure_threads"]
+def compute_node(node: Tensor) -> None:
+    if node.op not in VIEW_OPS:
+        kernel_of(node)(node)
+
+
+__all__ = ["CPUBackend", "CPUDevice", "CPUPlan", "configure_threads"]

@@ -1,109 +1,29 @@
-"""The CUDA device: buffers are single device allocations, ops run through one op table.
+"""The CUDA device and backend: graphs run through one op table (kernels.py), and a graph that
+comes back runs from what its earlier runs recorded (replay.py), kept in the graph's plan.
 
-A buffer is one ``cupy.cuda.alloc`` allocation; a tensor is a byte offset in it, and the op
-kernels see it through a strided ``cupy.ndarray`` over those bytes (``tensor_view``), just
-as the CPU backend sees numpy views.
+A plan (ggml's ``graph_plan``) is what this backend derives from one graph: the norms fused
+with their weights, and the recorded launches or captured CUDA graph.  The scheduler makes one
+per split and keeps it while the split lives; a graph computed without a plan gets one kept
+here for as long as the graph exists.
 """
 from __future__ import annotations
 
-import numpy as np
+import weakref
+from dataclasses import dataclass, field
 
-from ..backend import Backend, Buffer, BufferType, Device, DeviceType
+from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
 from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
-from . import replay
+from . import kernels, replay
+from .buffer import CUDABufferType, _cp
 
 
-def _cp():
-    import cupy
-    return cupy
-
-
-class CUDABufferType(BufferType):
-    def __init__(self, device: CUDADevice) -> None:
-        self.device = device
-
-    def get_name(self) -> str:
-        return self.device.get_name()
-
-    def alloc_buffer(self, size: int) -> CUDABuffer:
-        cp = _cp()
-        with cp.cuda.Device(self.device.index):
-            try:
-                mem = cp.cuda.alloc(max(size, 1))
-            except cp.cuda.memory.OutOfMemoryError:
-                free, total = self.device.get_memory()
-                raise MemoryError(f"{self.device.get_name()}: out of memory allocating {size / 2**20:.1f} MiB "
-                                  f"({free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB)") from None
-        return CUDABuffer(self, mem, size)
-
-    def get_alignment(self) -> int:
-        return 256
-
-    def get_device(self) -> Device:
-        return self.device
-
-
-class CUDABuffer(Buffer):
-    def __init__(self, buft: CUDABufferType, mem, size: int) -> None:
-        super().__init__(buft, size)
-        self.mem = mem
-
-    def _bytes(self, tensor: Tensor, offset: int, size: int | None):
-        cp = _cp()
-        size = tensor.nbytes() - offset if size is None else size
-        start = tensor.offset + offset
-        if offset < 0 or size < 0 or start + size > self.size:
-            raise ValueError(f"{self.buft.get_name()}: bytes [{start}, {start + size}) outside the buffer "
-                             f"of {self.size} bytes")
-        return cp.ndarray((size,), dtype=cp.uint8, memptr=self.mem + start)
-
-    def set_tensor(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
-        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) \
-            else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        self._bytes(tensor, offset, src.size).set(src)
-
-    def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
-        return self._bytes(tensor, offset, size).get()
-
-    def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None:
-        self._bytes(tensor, offset, size).fill(value)
-
-    def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
-        if isinstance(src.buffer, CUDABuffer):
-            n = src.nbytes()
-            self._bytes(dst, 0, n)[...] = src.buffer._bytes(src, 0, n)
-            return True
-        return False
-
-    def clear(self, value: int) -> None:
-        _cp().ndarray((self.size,), dtype=_cp().uint8, memptr=self.mem).fill(value)
-
-    def free(self) -> None:
-        self.mem = None
-        self.size = 0
-
-
-def tensor_view(t: Tensor):
-    """A cupy view of a plain-typed tensor, shaped ne[::-1] with its strides (no copy)."""
-    buf = t.buffer
-    if not isinstance(buf, CUDABuffer):
-        raise ValueError(f"tensor {t.name or '?'} is not in GPU memory")
-    cp = _cp()
-    return cp.ndarray(tuple(reversed(t.ne)), dtype=t.type.np_dtype, memptr=buf.mem + t.offset,
-                      strides=tuple(reversed(t.nb)))
-
-
-def tensor_rows(t: Tensor):
-    """A quantized tensor's rows as bytes [ne3, ne2, ne1, row_bytes] (no copy)."""
-    buf = t.buffer
-    if not isinstance(buf, CUDABuffer):
-        raise ValueError(f"tensor {t.name or '?'} is not in GPU memory")
-    cp = _cp()
-    ne, nb = t.ne, t.nb
-    return cp.ndarray((ne[3], ne[2], ne[1], t.row_size()), dtype=cp.uint8, memptr=buf.mem + t.offset,
-                      strides=(nb[3], nb[2], nb[1], 1))
+@dataclass
+class CUDAPlan:
+    graph: Graph
+    fusions: dict[int, Tensor]           # id(RMS_NORM node) -> the MUL computed with it (kernels.fusions)
+    replay: replay.Replay = field(default_factory=replay.Replay)
 
 
 class CUDADevice(Device):
@@ -136,8 +56,7 @@ class CUDADevice(Device):
         return self.buft
 
     def supports_op(self, op: Tensor) -> bool:
-        from .ops import OP_TABLE, supports
-        return op.op in VIEW_OPS or (op.op in OP_TABLE and supports(op))
+        return op.op in VIEW_OPS or (op.op in kernels.OP_TABLE and kernels.supports(op))
 
     def supports_buft(self, buft: BufferType) -> bool:
         return buft is self.buft
@@ -146,6 +65,7 @@ class CUDADevice(Device):
 class CUDABackend(Backend):
     def __init__(self, device: CUDADevice) -> None:
         self.device = device
+        self._plans: weakref.WeakKeyDictionary[Graph, CUDAPlan] = weakref.WeakKeyDictionary()
 
     def get_name(self) -> str:
         return self.device.get_name()
@@ -153,32 +73,19 @@ class CUDABackend(Backend):
     def get_device(self) -> CUDADevice:
         return self.device
 
-    def graph_compute(self, graph: Graph) -> None:
-        from .ops import check_errors  # (ops imports this module)
-        with _cp().cuda.Device(self.device.index):
-            replay.compute(graph.backend_cache, lambda: self._run_ops(graph))
-            check_errors()  # what the kernels flagged (an index out of range), once per graph
+    def graph_plan_create(self, graph: Graph) -> CUDAPlan:
+        return CUDAPlan(graph, kernels.fusions(graph))
 
-    @staticmethod
-    def _run_ops(graph: Graph) -> None:
-        """The graph's ops through the op table (replay.py may skip this after two runs)."""
-        from . import ops
-        plan = graph.backend_cache.get("cuda_fusions")
+    def graph_plan_compute(self, plan: CUDAPlan) -> None:
+        with _cp().cuda.Device(self.device.index):
+            replay.compute(plan.replay, lambda: kernels.run_ops(plan.graph, plan.fusions))
+            kernels.check_errors()  # what the kernels flagged (an index out of range), once per graph
+
+    def graph_compute(self, graph: Graph) -> None:
+        plan = self._plans.get(graph)
         if plan is None:
-            plan = graph.backend_cache["cuda_fusions"] = ops.fusions(graph)
-        done: set[int] = set()  # MUL nodes already computed with their RMS norm
-        ops.begin_graph()
-        for node in graph.nodes:
-            if node.op in VIEW_OPS or id(node) in done:
-                continue
-            if id(node) in plan:
-                ops.k_rms_norm(node, plan[id(node)])
-                done.add(id(plan[id(node)]))
-                continue
-            kernel = ops.OP_TABLE.get(node.op)
-            if kernel is None:
-                raise NotImplementedError(f"CUDA backend: op {node.op.name} is not implemented")
-            kernel(node)
+            plan = self._plans[graph] = self.graph_plan_create(graph)
+        self.graph_plan_compute(plan)
 
     def synchronize(self) -> None:
         _cp().cuda.Device(self.device.index).synchronize()

@@ -2,7 +2,7 @@
 
 A decode step computes the same graph, on the same allocation, for KV_PAD tokens in a row
 (models/context.py): only the bytes of its inputs change.  When every op of the graph is a
-kernel launch (pyggml/cuda/ops.py), the launches' arguments - pointers, sizes, constants -
+kernel launch (pyggml/cuda/kernels.py), the launches' arguments - pointers, sizes, constants -
 are the same each time, so the op table's Python (views, shapes, argument lists) need not
 run again:
 
@@ -26,6 +26,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 RECORD_ON_RUN = 2  # the first run may be of a graph that never comes back (a prompt): nothing is kept
 
@@ -114,32 +115,40 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def compute(cache: dict, run_ops: Callable[[], None]) -> None:
+@dataclass
+class Replay:
+    """What a graph's runs recorded: how often it ran, its launches once recorded, the CUDA graph
+    captured from them (False when capture failed), and whether it can never be replayed."""
+    runs: int = 0
+    launches: LaunchList | None = None
+    captured: object = None
+    eager: bool = False
+
+
+def compute(state: Replay, run_ops: Callable[[], None]) -> None:
     """Run one graph's ops: through ``run_ops`` (the op table), or from what its earlier runs
-    recorded in ``cache`` (the graph's backend_cache)."""
-    cache["cuda_runs"] = runs = cache.get("cuda_runs", 0) + 1
-    plan = cache.get("cuda_replay") if enabled("PYGGML_CUDA_REPLAY") else None
+    recorded in ``state``."""
+    state.runs += 1
+    plan = state.launches if enabled("PYGGML_CUDA_REPLAY") else None
     if plan is not None:
         if enabled("PYGGML_CUDA_GRAPHS"):
-            graph = cache.get("cuda_graph")
-            if graph is None:  # the first run after the recording: capture it
+            if state.captured is None:  # the first run after the recording: capture it
                 try:
-                    graph = capture(plan)
+                    state.captured = capture(plan)
                 except Exception as e:  # noqa: BLE001 - whatever failed, the launches can still run one by one
                     _warn_once(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode steps replay "
                                "their kernel launches one by one instead")
-                    graph = False
-                cache["cuda_graph"] = graph
-            if graph:
-                graph.launch()
+                    state.captured = False
+            if state.captured:
+                state.captured.launch()
                 return
         plan.run()
         return
-    record = runs >= RECORD_ON_RUN and enabled("PYGGML_CUDA_REPLAY") and not cache.get("cuda_eager")
+    record = state.runs >= RECORD_ON_RUN and enabled("PYGGML_CUDA_REPLAY") and not state.eager
     with recording(record) as rec:
         run_ops()
     if rec is not None:
         if rec.replayable:
-            cache["cuda_replay"] = rec
+            state.launches = rec
         else:
-            cache["cuda_eager"] = True  # its ops will not change: do not try again
+            state.eager = True  # its ops will not change: do not try again

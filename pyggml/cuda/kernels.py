@@ -25,7 +25,7 @@ from ..opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormPa
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .blas import gemm_f16_f32, to_f16_scaled
-from .device import tensor_rows, tensor_view
+from .buffer import tensor_rows, tensor_view
 from .replay import eager
 from .runtime import function
 
@@ -79,36 +79,44 @@ def dequantize(rows, qtype: Type, ncols: int, dtype):
     threads = groups * n * 4  # one per part of a group (kernels/dequantize.cu)
     if threads == 0:
         return out
-    fn(((threads + 255) // 256,), (256,), (rows, out, np.int64(groups), np.int64(n), np.int64(rows.strides[0]),
-                                         np.int64(ncols)))
+    fn(((threads + 255) // 256,), (256,), W=rows, y=out, groups=groups, rows=n, row_bytes=rows.strides[0],
+       y_stride=ncols)
     return out
 
 
 BINARY_OPS = {Op.ADD: 0, Op.SUB: 1, Op.MUL: 2, Op.DIV: 3}  # kernels/binary.cu
 
 
-def _strides(a) -> tuple:
+def _strides(a) -> tuple[int, int, int, int]:
     """Element strides of a 4-D array [ne3, ne2, ne1, ne0], innermost first: (s0, s1, s2, s3)."""
-    return tuple(np.int64(s // a.itemsize) for s in reversed(a.strides))
+    return tuple(s // a.itemsize for s in reversed(a.strides))
 
 
-def _sizes(a) -> tuple:
-    return tuple(np.int64(n) for n in reversed(a.shape))
+def strides(prefix: str, a, dims: str = "0123") -> dict[str, int]:
+    """A kernel's stride arguments of array ``a``, named as its C parameters are: ``prefix``
+    then the dimension (``strides("xs", x, "123")`` is xs1, xs2, xs3)."""
+    s = _strides(a)
+    return {f"{prefix}{d}": s[int(d)] for d in dims}
+
+
+def sizes(prefix: str, a) -> dict[str, int]:
+    return {f"{prefix}{d}": n for d, n in enumerate(reversed(a.shape))}
 
 
 def k_binary(node: Tensor) -> None:
     """ADD, SUB, MUL, DIV; src1 repeats over src0's shape where it is smaller (ggml_can_repeat)."""
     x, y = values(node.src[0]), values(node.src[1])
-    _into_f32(node, lambda out: function("binary.cu", "binary_f32")(_grid(out.size), (256,), (
-        x, y, out, np.int32(BINARY_OPS[node.op]), *_sizes(out), *_strides(x), *_sizes(y), *_strides(y),
-        *_strides(out))))
+    _into_f32(node, lambda out: function("binary.cu", "binary_f32")(
+        _grid(out.size), (256,), x=x, y=y, out=out, op=BINARY_OPS[node.op], **sizes("ne", out),
+        **strides("xs", x), **sizes("ye", y), **strides("ys", y), **strides("os", out)))
 
 
 def k_scale(node: Tensor) -> None:
     x = values(node.src[0])
     p = ScaleParams.of(node)
-    _into_f32(node, lambda out: function("binary.cu", "scale_f32")(_grid(out.size), (256,), (
-        x, out, np.float32(p.scale), np.float32(p.bias), *_sizes(out), *_strides(x), *_strides(out))))
+    _into_f32(node, lambda out: function("binary.cu", "scale_f32")(
+        _grid(out.size), (256,), x=x, out=out, s=p.scale, b=p.bias, **sizes("ne", out), **strides("xs", x),
+        **strides("os", out)))
 
 
 def _gelu_tanh(x):
@@ -145,9 +153,9 @@ def k_unary(node: Tensor) -> None:
 # Their inputs are rows of contiguous elements with any row strides (views work as they are);
 # they write F32 (into a temporary first when the output is F16).
 
-def _rows(a) -> tuple:
-    """Element strides of the rows of a 4-D array [ne3, ne2, ne1, ne0]: (s1, s2, s3)."""
-    return _strides(a)[1:]
+def _rows(prefix: str, a) -> dict[str, int]:
+    """The row strides of a 4-D array [ne3, ne2, ne1, ne0] as a kernel names them: prefix1..3."""
+    return strides(prefix, a, "123")
 
 
 def _dense_rows(a):
@@ -194,32 +202,55 @@ def k_rms_norm(node: Tensor, mul: Tensor | None = None) -> None:
     x = _dense_rows(values(node.src[0]))
     w = _flat(tensor_view(mul.src[1])) if mul is not None else None
     ne3, ne2, ne1, ne0 = x.shape
-    _into_f32(mul or node, lambda y: function("norm.cu", "rms_norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
-        x, w, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
-        np.float32(NormParams.of(node).eps))))
+    _into_f32(mul or node, lambda y: function("norm.cu", "rms_norm_f32")(
+        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, w=w, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
+        **_rows("ys", y), eps=NormParams.of(node).eps))
 
 
 def k_norm(node: Tensor) -> None:
     x = _dense_rows(values(node.src[0]))
     ne3, ne2, ne1, ne0 = x.shape
-    _into_f32(node, lambda y: function("norm.cu", "norm_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
-        x, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *_rows(y),
-        np.float32(NormParams.of(node).eps))))
+    _into_f32(node, lambda y: function("norm.cu", "norm_f32")(
+        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
+        **_rows("ys", y), eps=NormParams.of(node).eps))
+
+
+_WRAPPERS: list[Callable[[str, Callable], Callable]] = []  # instrumented()'s, outermost last
 
 
 @contextmanager
 def instrumented(wrap: Callable[[str, Callable], Callable]):
     """While inside, every op kernel runs as ``wrap(name, kernel)`` - the op table's entries under
     their op's name, the fused pairs (fusions()) as "RMS_NORM+MUL" - to count or time them."""
-    global k_rms_norm
-    table, fused = dict(OP_TABLE), k_rms_norm
-    OP_TABLE.update({op: wrap(op.name, fn) for op, fn in table.items()})
-    k_rms_norm = wrap("RMS_NORM+MUL", fused)  # CUDABackend.graph_compute looks it up here per graph
+    _WRAPPERS.append(wrap)
     try:
         yield
     finally:
-        OP_TABLE.update(table)
-        k_rms_norm = fused
+        _WRAPPERS.remove(wrap)
+
+
+def _wrapped(name: str, kernel: Callable) -> Callable:
+    for wrap in _WRAPPERS:
+        kernel = wrap(name, kernel)
+    return kernel
+
+
+def run_ops(graph, fused: dict[int, Tensor]) -> None:
+    """A graph's ops through the op table, each RMS norm in ``fused`` with its MUL (replay.py
+    may skip this after two runs)."""
+    done: set[int] = set()  # MUL nodes already computed with their RMS norm
+    begin_graph()
+    for node in graph.nodes:
+        if node.op in VIEW_OPS or id(node) in done:
+            continue
+        if id(node) in fused:
+            _wrapped("RMS_NORM+MUL", k_rms_norm)(node, fused[id(node)])
+            done.add(id(fused[id(node)]))
+            continue
+        kernel = OP_TABLE.get(node.op)
+        if kernel is None:
+            raise NotImplementedError(f"CUDA backend: op {node.op.name} is not implemented")
+        _wrapped(node.op.name, kernel)(node)
 
 
 def fusions(graph) -> dict[int, Tensor]:
@@ -251,10 +282,11 @@ def k_soft_max(node: Tensor) -> None:
     x = _dense_rows(values(a))
     ne3, ne2, ne1, ne0 = x.shape
     m = _dense_rows(values(mask)) if mask is not None else None
-    mask_args = (*_rows(m), np.int64(m.shape[1]), np.int64(m.shape[0])) if m is not None else (np.int64(0),) * 5
-    _into_f32(node, lambda y: function("softmax.cu", "soft_max_f32")((ne1 * ne2 * ne3,), (_threads(ne0),), (
-        x, m, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), *_rows(x), *mask_args, *_rows(y),
-        np.float32(SoftMaxParams.of(node).scale))))
+    mask_args = ({**_rows("ms", m), "m2": m.shape[1], "m3": m.shape[0]} if m is not None else
+                 dict.fromkeys(("ms1", "ms2", "ms3", "m2", "m3"), 0))
+    _into_f32(node, lambda y: function("softmax.cu", "soft_max_f32")(
+        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, mask=m, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
+        **mask_args, **_rows("ys", y), scale=SoftMaxParams.of(node).scale))
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
@@ -274,10 +306,11 @@ def k_rope(node: Tensor) -> None:
     ne3, ne2, ne1, ne0 = x.shape
     positions = _flat(tensor_view(pos))
     factors = _flat(values(ff)) if ff is not None else None
-    _into_f32(node, lambda y: function("rope.cu", "rope_f32")(_grid(ne1 * ne2 * ne3 * (ne0 // 2)), (256,), (
-        x, y, positions, factors, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
-        *_rows(x), *_rows(y), np.int32(n_dims), np.int32(mode == RopeMode.NEOX), np.float32(fb), np.float32(fs),
-        np.float32(ef), np.float32(af), np.float32(low), np.float32(high))))
+    _into_f32(node, lambda y: function("rope.cu", "rope_f32")(
+        _grid(ne1 * ne2 * ne3 * (ne0 // 2)), (256,), x=x, y=y, pos=positions, freq_factors=factors, ne0=ne0,
+        ne1=ne1, ne2=ne2, nrows=ne1 * ne2 * ne3, **_rows("xs", x), **_rows("ys", y), n_dims=n_dims,
+        neox=int(mode == RopeMode.NEOX), freq_base=fb, freq_scale=fs, ext_factor=ef, attn_factor=af,
+        corr_low=low, corr_high=high))
 
 
 def k_glu(node: Tensor) -> None:
@@ -291,9 +324,9 @@ def k_glu(node: Tensor) -> None:
     if p.swapped:
         a, b = b, a
     ne3, ne2, ne1, ne0 = a.shape
-    _into_f32(node, lambda y: function("glu.cu", "glu_f32")(_grid(y.size), (256,), (
-        a, b, y, np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3), *_rows(a), *_rows(b),
-        *_rows(y), np.int32(p.op))))
+    _into_f32(node, lambda y: function("glu.cu", "glu_f32")(
+        _grid(y.size), (256,), a=a, b=b, y=y, ne0=ne0, ne1=ne1, ne2=ne2, nrows=ne1 * ne2 * ne3, **_rows("as", a),
+        **_rows("bs", b), **_rows("ys", y), op=int(p.op)))
 
 
 ATTN_MAX_D = 512  # kernels/attention.cu
@@ -319,14 +352,18 @@ def k_flash_attn_ext(node: Tensor) -> None:
         return
     n_split = -(-n_kv // ATTN_SPLIT)
     part = cp.empty((rows, n_split, 2 + dv), dtype=cp.float32)  # each chunk's {max, sum, output}
-    shape = (np.int32(n_tokens), np.int32(n_head))
-    function("attention.cu", "attn_split")((rows, n_split), (ATTN_SPLIT,), (
-        qv, kv, vv, m, part, np.int32(d), np.int32(dv), np.int32(n_kv), *shape, np.int32(group), *_rows(qv),
-        *_rows(kv), *_rows(vv), np.int64(m.strides[0] // 4) if m is not None else np.int64(0), np.float32(scale),
-        np.float32(softcap)))
-    # out: [ne3, n_tokens, n_head, dv]
-    _into_f32(node, lambda out: function("attention.cu", "attn_combine")((rows,), (_threads(dv),), (
-        part, out, np.int32(dv), np.int32(n_split), *shape, *_rows(out))))
+    (qt, qh, q3), (kj, kh, k3), (vj, vh, v3) = (_strides(a)[1:] for a in (qv, kv, vv))
+    function("attention.cu", "attn_split")(
+        (rows, n_split), (ATTN_SPLIT,), q=qv, k=kv, v=vv, mask=m, part=part, D=d, Dv=dv, n_kv=n_kv,
+        n_tokens=n_tokens, n_head=n_head, group=group, qt=qt, qh=qh, q3=q3, kj=kj, kh=kh, k3=k3, vj=vj, vh=vh,
+        v3=v3, ms=m.strides[0] // 4 if m is not None else 0, scale=scale, softcap=softcap)
+
+    def combine(out):  # out: [ne3, n_tokens, n_head, dv]
+        oh, ot, o3 = _strides(out)[1:]
+        function("attention.cu", "attn_combine")((rows,), (_threads(dv),), part=part, out=out, Dv=dv,
+                                                 n_split=n_split, n_tokens=n_tokens, n_head=n_head, oh=oh, ot=ot,
+                                                 o3=o3)
+    _into_f32(node, combine)
 
 
 def _index_errors():
@@ -362,10 +399,10 @@ def k_set_rows(node: Tensor) -> None:
     is1, is2, is3 = _strides(ids)[:3]
     kernel = "set_rows_f16" if node.type == Type.F16 else "set_rows_f32"
     if x.size:
-        function("rows.cu", kernel)(_grid(x.size), (256,), (
-            x, ids, y, _index_errors(), np.int32(ne0), np.int64(ne1), np.int64(ne2), np.int64(ne1 * ne2 * ne3),
-            *_rows(x), is1, is2, is3, np.int64(src.ne[2] // idx.ne[1]), np.int64(src.ne[3] // idx.ne[2]),
-            *_rows(y), np.int64(dst.ne[1])))
+        function("rows.cu", kernel)(
+            _grid(x.size), (256,), x=x, ids=ids, y=y, error=_index_errors(), ne0=ne0, ne1=ne1, ne2=ne2,
+            nrows=ne1 * ne2 * ne3, **_rows("xs", x), is1=is1, is2=is2, is3=is3, r2=src.ne[2] // idx.ne[1],
+            r3=src.ne[3] // idx.ne[2], **_rows("ys", y), y_rows=dst.ne[1])
 
 
 _Q8_1: dict[tuple, object] = {}  # activations quantized in the current graph, by (source tensor, slice)
@@ -390,8 +427,8 @@ def quantize_q8_1(x, key: tuple | None = None):
         x = cp.ascontiguousarray(x)
     groups = k // 32
     xq = cp.empty((n, groups * 36), dtype=cp.uint8)
-    function("quantize.cu", "quantize_q8_1")(((groups * n + 7) // 8,), (256,), (
-        x, xq, np.int64(k), np.int64(x.strides[0] // 4), np.int64(groups * 36), np.int64(n)))
+    function("quantize.cu", "quantize_q8_1")(((groups * n + 7) // 8,), (256,), x=x, y=xq, ncols=k,
+                                             x_stride=x.strides[0] // 4, y_stride=groups * 36, nrows=n)
     if key is not None:
         _Q8_1[key] = xq
     return xq
@@ -411,9 +448,9 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     xq = quantize_q8_1(x, key)
     dst = out if out.flags.c_contiguous else cp.empty((n, m), dtype=cp.float32)
     single = "_1" if n == 1 else ""  # one column: the variant with fewer registers (kernels/mmvq.cu)
-    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}{single}")(*mmvq_shape(m), (
-        w, xq, dst, np.int32(groups), np.int32(m), np.int64(w.strides[0]), np.int32(n), np.int64(groups * 36),
-        np.int64(m)))
+    function("mmvq.cu", f"mul_mat_vec_{QUANT_KERNELS[qtype]}{single}")(
+        *mmvq_shape(m), W=w, x=xq, dst=dst, groups=groups, nrows=m, row_bytes=w.strides[0], ncols=n,
+        x_stride=groups * 36, dst_stride=m)
     if dst is not out:
         eager()
         out[...] = dst
@@ -457,20 +494,19 @@ def k_get_rows(node: Tensor) -> None:
     a, idx = node.src[0], node.src[1]
     ids = tensor_view(idx)  # I32 [1, n12, n11, n10]
     n10, n11, n12 = idx.ne[0], idx.ne[1], idx.ne[2]
-    shape = (np.int64(n10), np.int64(n11), np.int64(n10 * n11 * n12))
-    id_strides = _strides(ids)[:3]
+    shape = dict(n10=n10, n11=n11, nrows=n10 * n11 * n12)
+    id_strides = strides("is", ids, "012")
     if a.type in QUANT_KERNELS:
         w, groups = tensor_rows(a), a.ne[0] // 32
         _into_f32(node, lambda out: function("dequantize.cu", f"get_rows_{QUANT_KERNELS[a.type]}")(
-            _grid(groups * n10 * n11 * n12 * 4), (256,), (
-                w, ids, out, _index_errors(), np.int64(groups), *shape, *(np.int64(nb) for nb in a.nb[1:]),
-                *id_strides, *_rows(out), np.int64(a.ne[1]))))
+            _grid(groups * n10 * n11 * n12 * 4), (256,), W=w, ids=ids, y=out, error=_index_errors(), groups=groups,
+            **shape, wb1=a.nb[1], wb2=a.nb[2], wb3=a.nb[3], **id_strides, **_rows("ys", out), a_rows=a.ne[1]))
         return
     rows = _dense_rows(tensor_view(a) if a.type == Type.F16 else values(a))
     kernel = "get_rows_f16" if a.type == Type.F16 else "get_rows_f32"
-    _into_f32(node, lambda out: function("rows.cu", kernel)(_grid(a.ne[0] * n10 * n11 * n12), (256,), (
-        rows, ids, out, _index_errors(), np.int32(a.ne[0]), *shape, *_rows(rows), *id_strides, *_rows(out),
-        np.int64(a.ne[1]))))
+    _into_f32(node, lambda out: function("rows.cu", kernel)(
+        _grid(a.ne[0] * n10 * n11 * n12), (256,), a=rows, ids=ids, y=out, error=_index_errors(), ne0=a.ne[0],
+        **shape, **_rows("as", rows), **id_strides, **_rows("ys", out), a_rows=a.ne[1]))
 
 
 def k_cpy(node: Tensor) -> None:
