@@ -120,6 +120,11 @@ class Scheduler:
             if b is None:
                 b = prev if prev is not None else cpu
             if node.op not in VIEW_OPS and not self.backends[b].supports_op(node):
+                home = node.data_root().buffer if node.view_src is not None else None
+                if home is not None and not home.get_type().is_host():
+                    raise NotImplementedError(
+                        f"{self.backends[b].get_name()} cannot compute {node.op.name} of {node.name or 'a tensor'} "
+                        f"({node.type.name}), whose result must be written in place into its memory")
                 b = cpu
             self.assigned[id(node)] = b
             prev = b

@@ -1,8 +1,8 @@
-"""Every op on the CPU backend against an independent float64 numpy reference.
+"""What the CPU backend's ops do beyond their values (those are in tests/test_backend_ops.py, on
+every device): GELU's table of halves, NaN and infinities, shape errors, attention's exactness
+for every head size and the cells no query sees.
 
-Arrays in these tests are numpy-ordered: shape (ne3, ne2, ne1, ne0).  Each op is run on
-several shapes, and on non-contiguous inputs (a permuted or strided view) where the op
-accepts them, and checked by normalized mean squared error like ggml's test-backend-ops.
+Arrays in these tests are numpy-ordered: shape (ne3, ne2, ne1, ne0).
 """
 from __future__ import annotations
 
@@ -39,37 +39,6 @@ def permuted(shape):
     return ops.permute(t, 0, 2, 1, 3), t, data, data.transpose(0, 2, 1, 3)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name,fn", [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide)])
-def test_binary_broadcast(shape, name, fn):
-    a, av = inp(shape, name="a")
-    for bshape in [shape, (1, 1, 1, shape[3]), (1, shape[1], 1, shape[3])]:
-        b, bv = inp(bshape, name="b")
-        if name == "div":
-            bv = np.abs(bv) + 0.5
-        out = run_graph(getattr(ops, name)(a, b), {a: av, b: bv})
-        assert nmse(out, fn(av.astype(np.float64), bv.astype(np.float64))) < 1e-12
-
-
-def test_binary_tiles_like_ggml_repeat():
-    a, av = inp((1, 1, 4, 6), name="a")
-    b, bv = inp((1, 1, 2, 3), name="b")
-    out = run_graph(ops.add(a, b), {a: av, b: bv})
-    assert nmse(out, av + np.tile(bv, (1, 1, 2, 2))) < 1e-12
-
-
-def test_binary_on_permuted_view():
-    v, t, data, seen = permuted((2, 3, 4, 8))
-    b, bv = inp((1, 1, 1, 8), name="b")
-    out = run_graph(ops.mul(v, b), {t: data, b: bv})
-    assert nmse(out, seen * bv) < 1e-12
-
-
-def test_scale_and_bias():
-    a, av = inp((1, 2, 3, 16))
-    assert nmse(run_graph(ops.scale(a, 0.25, 1.5), {a: av}), av.astype(np.float64) * 0.25 + 1.5) < 1e-12
-
-
 UNARY_REF = {
     pg.UnaryOp.SILU: lambda x: x / (1 + np.exp(-x)),
     pg.UnaryOp.GELU: lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
@@ -86,15 +55,16 @@ UNARY_REF = {
 UNARY_NMSE = {pg.UnaryOp.GELU: 1e-6}
 
 
-@pytest.mark.parametrize("op", list(UNARY_REF), ids=lambda o: o.name)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_unary(op, shape):
+def test_gelu_comes_from_the_table_of_halves(shape):
+    """Every value inside (-10, 10) is read from ggml's table of halves (its values are halves),
+    within what two half roundings cost of the function (tests/test_backend_ops.py has the op
+    against its reference on every device)."""
     a, av = inp(shape)
-    out = run_graph(ops.unary(a, op), {a: av})
-    assert nmse(out, UNARY_REF[op](av.astype(np.float64))) < UNARY_NMSE.get(op, 1e-10)
-    if op == pg.UnaryOp.GELU:  # every value inside (-10, 10) comes from the half table
-        inside = np.abs(av) < 10
-        assert np.array_equal(out[inside], out[inside].astype(np.float16).astype(np.float32))
+    out = run_graph(ops.unary(a, pg.UnaryOp.GELU), {a: av})
+    assert nmse(out, UNARY_REF[pg.UnaryOp.GELU](av.astype(np.float64))) < UNARY_NMSE[pg.UnaryOp.GELU]
+    inside = np.abs(av) < 10
+    assert np.array_equal(out[inside], out[inside].astype(np.float16).astype(np.float32))
 
 
 @pytest.mark.parametrize("op", [pg.UnaryOp.GELU, pg.GluOp.GEGLU], ids=lambda o: o.name)
@@ -115,167 +85,10 @@ def test_gelu_of_nan_and_infinities_is_ggmls(op):
     assert np.allclose(out[np.abs(av) == 3], np.tile([2.9964, -0.0036], 4), atol=2e-3)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("op", [pg.GluOp.SWIGLU, pg.GluOp.GEGLU], ids=lambda o: o.name)
-def test_glu(op, fused):
-    act = UNARY_REF[pg.UnaryOp.SILU if op == pg.GluOp.SWIGLU else pg.UnaryOp.GELU]
-    if fused:
-        a, av = inp((1, 2, 3, 32))
-        out = run_graph(ops.glu(a, None, op), {a: av})
-        x = av.astype(np.float64)
-        ref = act(x[..., :16]) * x[..., 16:]
-    else:
-        a, av = inp((1, 2, 3, 16), name="gate")
-        b, bv = inp((1, 2, 3, 16), name="up")
-        out = run_graph(ops.glu(a, b, op), {a: av, b: bv})
-        ref = act(av.astype(np.float64)) * bv
-    assert nmse(out, ref) < (1e-6 if op == pg.GluOp.GEGLU else 1e-10)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm_and_norm(shape):
-    a, av = inp(shape)
-    x = av.astype(np.float64)
-    ref = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
-    assert nmse(run_graph(ops.rms_norm(a, 1e-6), {a: av}), ref) < 1e-12
-    c = x - x.mean(-1, keepdims=True)
-    ref = c / np.sqrt((c ** 2).mean(-1, keepdims=True) + 1e-5)
-    assert nmse(run_graph(ops.norm(a, 1e-5), {a: av}), ref) < 1e-12
-
-
-def test_rms_norm_on_permuted_view():
-    v, t, data, seen = permuted((1, 3, 4, 16))
-    x = seen.astype(np.float64)
-    ref = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
-    assert nmse(run_graph(ops.rms_norm(v, 1e-6), {t: data}), ref) < 1e-12
-
-
-@pytest.mark.parametrize("mask_type", [None, Type.F32, Type.F16])
-@pytest.mark.parametrize("shape", [(1, 4, 3, 8), (2, 2, 5, 33)])
-def test_soft_max_ext(shape, mask_type):
-    a, av = inp(shape)
-    x = av.astype(np.float64) * 0.7
-    inputs = {a: av}
-    mask = None
-    if mask_type is not None:
-        mv = np.where(rng.random((1, 1, shape[2] + 2, shape[3])) < 0.3, -np.inf, 0).astype(mask_type.np_dtype)
-        mv[..., 0] = 0  # keep at least one visible column per row
-        mask = pg.new_tensor(mask_type, (shape[3], shape[2] + 2), "mask").set_input()  # padded rows, like llama.cpp
-        inputs[mask] = mv
-        x = x + mv[:, :, : shape[2], :].astype(np.float64)
-    e = np.exp(x - x.max(-1, keepdims=True))
-    ref = e / e.sum(-1, keepdims=True)
-    assert nmse(run_graph(ops.soft_max_ext(a, mask, 0.7), inputs), ref) < 1e-10
-
-
-def rope_ref(x, pos, n_dims, mode, base, freq_scale=1.0):
-    """x: (ne3, n_tokens, n_head, head_dim) float64."""
-    out = x.copy()
-    half = n_dims // 2
-    theta = pos[:, None] * freq_scale * base ** (-2.0 * np.arange(half) / n_dims)  # (tokens, half)
-    c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
-    if mode == pg.RopeMode.NEOX:
-        i0, i1 = np.arange(half), np.arange(half) + half
-    else:
-        i0, i1 = np.arange(0, n_dims, 2), np.arange(1, n_dims, 2)
-    out[..., i0] = x[..., i0] * c - x[..., i1] * s
-    out[..., i1] = x[..., i0] * s + x[..., i1] * c
-    return out
-
-
-@pytest.mark.parametrize("mode", [pg.RopeMode.NORMAL, pg.RopeMode.NEOX], ids=lambda m: m.name)
-@pytest.mark.parametrize("n_dims", [64, 32])
-def test_rope(mode, n_dims):
-    a, av = inp((1, 5, 3, 64))  # [head_dim 64, 3 heads, 5 tokens]
-    pos = pg.new_tensor(Type.I32, (5,), "pos").set_input()
-    pv = np.array([0, 1, 7, 100, 2047], dtype=np.int32)
-    out = run_graph(ops.rope_ext(a, pos, None, n_dims, mode, freq_base=10000.0, freq_scale=0.5),
-                    {a: av, pos: pv})
-    assert nmse(out, rope_ref(av.astype(np.float64), pv.astype(np.float64), n_dims, mode, 10000.0, 0.5)) < 1e-10
-
-
 def test_rope_rejects_bad_positions():
     a, _ = inp((1, 5, 3, 64))
     with pytest.raises(ValueError, match="ROPE"):
         ops.rope_ext(a, pg.new_tensor(Type.I32, (4,)), None, 64, 0)
-
-
-@pytest.mark.parametrize("shape", [(1, 1, 5, 32), (1, 2, 3, 64)])
-@pytest.mark.parametrize("src_type", [Type.F32, Type.F16, Type.Q8_0])
-def test_get_rows(shape, src_type):
-    data = rng.standard_normal(shape).astype(np.float32)
-    src = pg.new_tensor(src_type, tuple(reversed(shape)), "table").set_input()
-    stored = pg.quants.quantize(data, src_type)
-    idx = pg.new_tensor(Type.I32, (4, shape[1]), "idx").set_input()
-    iv = rng.integers(0, shape[2], (1, 1, shape[1], 4)).astype(np.int32)
-    out = run_graph(ops.get_rows(src, idx), {src: stored, idx: iv})
-    table = pg.quants.dequantize(stored, src_type).reshape(shape).astype(np.float64)
-    ref = np.stack([table[0, i2][iv[0, 0, i2]] for i2 in range(shape[1])])[None]
-    assert nmse(out, ref) < 1e-14
-
-
-@pytest.mark.parametrize("dst_type", [Type.F32, Type.F16])
-def test_set_rows_writes_into_destination(dst_type):
-    dst = pg.new_tensor(dst_type, (16, 10), "cache")
-    pg.alloc_tensors([dst], pg.cpu_device().get_buffer_type())
-    before = rng.standard_normal((10, 16)).astype(dst_type.np_dtype)
-    pg.tensor_set(dst, before)
-    src, sv = inp((1, 1, 3, 16), name="new")
-    idx = pg.new_tensor(Type.I64, (3,), "rows").set_input()
-    iv = np.array([7, 2, 9], dtype=np.int64)
-    run_graph(ops.set_rows(dst, src, idx), {src: sv, idx: iv})
-    expected = before.astype(np.float64)
-    expected[iv] = sv[0, 0].astype(dst_type.np_dtype)
-    assert np.array_equal(pg.tensor_array(dst)[0, 0].astype(np.float64), expected)
-
-
-@pytest.mark.parametrize("dst_type", [Type.F32, Type.F16, Type.Q8_0])
-def test_cpy_converts_and_relayouts(dst_type):
-    v, t, data, seen = permuted((1, 2, 3, 32))
-    dst = pg.new_tensor(dst_type, (32, 3, 2), "dst")
-    pg.alloc_tensors([dst], pg.cpu_device().get_buffer_type())
-    run_graph(ops.cpy(v, dst), {t: data})
-    got = pg.quants.dequantize(pg.tensor_get(dst).reshape(-1, dst.row_size()), dst_type).reshape(seen.shape)
-    ref = pg.quants.dequantize(pg.quants.quantize(np.ascontiguousarray(seen), dst_type), dst_type)
-    assert np.array_equal(got, ref.reshape(seen.shape))
-
-
-def test_cont_reshape_transpose_view_concat():
-    a, av = inp((1, 2, 3, 4))
-    out = run_graph(ops.cont(ops.transpose(a)), {a: av})
-    assert np.array_equal(out, av.transpose(0, 1, 3, 2))
-    out = run_graph(ops.cont(ops.reshape(a, 12, 2)), {a: av})
-    assert np.array_equal(out.reshape(-1), av.reshape(-1))
-    view = ops.view(a, (2, 3), (a.nb[1],), offset=2 * 4)  # columns 2..3 of every row of the first matrix
-    out = run_graph(ops.cont(view), {a: av})
-    assert np.array_equal(out[0, 0], av[0, 0, :, 2:4])
-    b, bv = inp((1, 2, 5, 4), name="b")
-    out = run_graph(ops.concat(a, b, 1), {a: av, b: bv})
-    assert np.array_equal(out, np.concatenate([av, bv], axis=2))
-
-
-def test_argmax():
-    a, av = inp((1, 1, 4, 50))
-    assert np.array_equal(run_graph(ops.argmax(a), {a: av}).reshape(-1), av[0, 0].argmax(-1))
-
-
-@pytest.mark.parametrize("a_shape,b_shape", [((1, 1, 8, 32), (1, 1, 5, 32)), ((1, 2, 6, 16), (1, 4, 3, 16)),
-                                             ((2, 1, 4, 8), (2, 3, 7, 8))])
-def test_mul_mat_float_with_broadcast(a_shape, b_shape):
-    a, av = inp(a_shape, Type.F16, "a")
-    b, bv = inp(b_shape, name="b")
-    out = run_graph(ops.mul_mat(a, b), {a: av, b: bv})
-    r2, r3 = b_shape[1] // a_shape[1], b_shape[0] // a_shape[0]
-    aa = np.repeat(np.repeat(av.astype(np.float64), r2, axis=1), r3, axis=0)
-    b16 = bv.astype(np.float16).astype(np.float64)  # ggml rounds activations to F16 for F16 weights
-    assert nmse(out, b16 @ aa.swapaxes(-1, -2)) < 1e-12
-
-
-def test_mul_mat_with_transposed_b_view():
-    a, av = inp((1, 1, 6, 16), name="a")
-    bt, btv = inp((1, 1, 16, 4), name="bt")
-    out = run_graph(ops.mul_mat(a, ops.transpose(bt)), {a: av, bt: btv})
-    assert nmse(out, btv[0, 0].T.astype(np.float64) @ av[0, 0].T.astype(np.float64)) < 1e-12
 
 
 def test_shape_errors_name_the_op():

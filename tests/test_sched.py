@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import pyggml as pg
 from pyggml import Type, ops
@@ -143,3 +144,24 @@ def test_a_graph_that_comes_back_gets_its_splits_back_while_its_tensors_stay_put
     run(*bigger)  # needs larger compute buffers: a's tensors move
     moved = run(*a)
     assert not any(x is y for x, y in zip(first, moved))
+
+
+def test_an_op_its_device_cannot_run_in_place_is_a_clear_error():
+    """A write into a tensor (a cache update) runs where the tensor's memory is; when that device
+    lacks the op and the CPU cannot reach its memory (a GPU's), the scheduler says so instead of
+    handing the CPU memory it cannot write."""
+    class Picky(CPUDevice):
+        def __init__(self):
+            super().__init__("PICKY")
+            self.buft.is_host = lambda: False  # as a GPU's memory
+
+        def supports_op(self, op):
+            return op.op != pg.Op.SET_ROWS and super().supports_op(op)
+
+    dev = Picky()
+    cache = pg.new_tensor(Type.F32, (16, 4), "cache")
+    pg.alloc_tensors([cache], dev.get_buffer_type())
+    src, idx = pg.new_tensor(Type.F32, (16, 1), "new").set_input(), pg.new_tensor(Type.I32, (1,), "row").set_input()
+    sched = pg.Scheduler([dev.init_backend(), pg.cpu_device().init_backend()])
+    with pytest.raises(NotImplementedError, match="PICKY cannot compute SET_ROWS .* in place"):
+        sched.alloc_graph(pg.build_forward(ops.set_rows(cache, src, idx)))

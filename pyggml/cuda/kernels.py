@@ -47,7 +47,10 @@ def supports(node: Tensor) -> bool:
     """Types the kernels handle: plain F32/F16 everywhere, quantized weights where listed;
     attention heads of at most ATTN_MAX_D.  (The RPC server asks with bare probes, no sources.)"""
     readable = (*PLAIN, Type.I32, *QUANT_KERNELS)
-    if not (all(s is None or s.type in readable for s in node.src) and node.type in (*PLAIN, Type.I32)):
+    if node.op == Op.SET_ROWS and len(node.src) > 1 and node.src[1] is not None and node.src[1].type == Type.I64:
+        readable = (*readable, Type.I64)  # row ids of either width, as ggml's
+    writable = (*PLAIN, Type.I32, *((Type.Q8_0,) if node.op in (Op.CPY, Op.DUP, Op.CONT) else ()))
+    if not (all(s is None or s.type in readable for s in node.src) and node.type in writable):
         return False
     if node.op == Op.UNARY:  # (a bare probe's zero parameters are ABS)
         try:
@@ -392,9 +395,20 @@ def check_errors() -> None:
             raise IndexError(INDEX_ERRORS.get(code, f"a CUDA kernel reported error {code}"))
 
 
+def _row_ids(idx: Tensor):
+    """Row ids as int32 for the kernels: I64 ids converted, those past int32 made -1 (so the
+    kernel flags them as out of range instead of wrapping them onto a valid row)."""
+    ids = tensor_view(idx)
+    if idx.type != Type.I64:
+        return ids
+    eager()  # CuPy expressions
+    cp = _cp()
+    return cp.where((ids >= 0) & (ids <= np.iinfo(np.int32).max), ids, -1).astype(cp.int32)
+
+
 def k_set_rows(node: Tensor) -> None:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
-    x, ids, y = _dense_rows(values(src)), tensor_view(idx), tensor_view(node)
+    x, ids, y = _dense_rows(values(src)), _row_ids(idx), tensor_view(node)
     ne3, ne2, ne1, ne0 = x.shape
     is1, is2, is3 = _strides(ids)[:3]
     kernel = "set_rows_f16" if node.type == Type.F16 else "set_rows_f32"
@@ -512,9 +526,27 @@ def k_get_rows(node: Tensor) -> None:
 def k_cpy(node: Tensor) -> None:
     eager()  # CuPy expressions
     src = node.src[0]
+    if node.type == Type.Q8_0:
+        _quantize_q8_0(values(src).reshape(node.ne[::-1]), tensor_rows(node))
+        return
     x = values(src) if src.type != node.type else tensor_view(src)
     out = tensor_view(node)
     out[...] = x.reshape(out.shape).astype(out.dtype) if x.shape != out.shape else x.astype(out.dtype)
+
+
+def _quantize_q8_0(x, rows) -> None:
+    """F32 values [ne3, ne2, ne1, ne0] into Q8_0 rows (uint8 [ne3, ne2, ne1, row_bytes]) with ggml's
+    arithmetic (quants/legacy.quant_q8_0): d = amax / 127 per 32 values, q = roundf(x / d)."""
+    cp = _cp()
+    blocks = x.reshape(*x.shape[:3], -1, 32).astype(cp.float32)
+    d = cp.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = cp.where(d == 0, np.float32(0), np.float32(1) / cp.where(d == 0, np.float32(1), d))
+    scaled = blocks * inv
+    a = cp.abs(scaled)
+    rounded = cp.floor(a) + (a - cp.floor(a) >= 0.5)  # roundf: halves away from zero
+    q = cp.where(scaled < 0, -rounded, rounded).astype(cp.int8)
+    packed = cp.concatenate([d.astype(cp.float16).view(cp.uint8), q.view(cp.uint8)], axis=-1)
+    rows[...] = packed.reshape(rows.shape)
 
 
 def k_concat(node: Tensor) -> None:
