@@ -21,6 +21,16 @@ class _DryRun(Exception):
     pass
 
 
+def compile_kernels_once() -> None:
+    """On a machine where this version of the CPU kernels was never compiled, compile them now,
+    saying so, rather than leave the first answer waiting in silence."""
+    from pyggml.cpu import kernel_cache, warm_up
+    if kernel_cache.is_cold():
+        click.echo(f"Compiling the CPU kernels for this machine, once (about half a minute); later runs load "
+                   f"them from {kernel_cache.FOLDER}", err=True)
+        warm_up()
+
+
 def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kwargs: Any):
     """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1;
     ``show_placement`` prints the plan before loading, ``dry_run`` exits there."""
@@ -32,6 +42,7 @@ def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kw
         if dry_run:
             raise _DryRun
     try:
+        compile_kernels_once()
         return Model(on_plan=on_plan, **kwargs)
     except _DryRun:
         sys.exit(0)

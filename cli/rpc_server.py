@@ -116,6 +116,9 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         generate_key(gen_key)
         return
     devices = local_devices()
+    if not list_devices:  # a first compile would otherwise stall every client's first request
+        from .common import compile_kernels_once
+        compile_kernels_once()
     if list_devices:
         click.echo("devices:")
         for i, d in enumerate(devices):

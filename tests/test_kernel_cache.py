@@ -41,3 +41,21 @@ def test_the_kernels_are_cached_in_the_folder_of_their_sources():
     from pyggml.hub import cache_dir
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
     assert os.path.commonpath([qdot.exact_quant_matmul._cache._cache_path, folder]) == str(folder)
+
+
+def test_a_cold_cache_is_said_and_compiled_before_the_first_answer(tmp_path, monkeypatch, capsys):
+    """A machine that never compiled this version of the kernels: the tools say so in one line and
+    compile them while loading, instead of leaving the first answer waiting in silence."""
+    from pyggml.cli.common import compile_kernels_once
+    from pyggml.cpu import kernel_cache
+    monkeypatch.setattr(kernel_cache, "FOLDER", tmp_path)
+    assert kernel_cache.is_cold()
+    compiled = []
+    monkeypatch.setattr("pyggml.cpu.warm_up", lambda: compiled.append(True))
+    compile_kernels_once()
+    assert compiled and "Compiling the CPU kernels for this machine, once" in capsys.readouterr().err
+    (tmp_path / "cpu_x").mkdir()
+    (tmp_path / "cpu_x" / "nn.silu-74.py311.nbi").write_bytes(b"")  # as numba leaves it
+    assert not kernel_cache.is_cold()
+    compile_kernels_once()
+    assert len(compiled) == 1 and capsys.readouterr().err == ""

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
+FOLDER: Path | None = None  # the cache folder in use, once use_versioned_cache chose it
 
 
 def kernel_sources() -> list[Path]:
@@ -46,4 +47,12 @@ def use_versioned_cache() -> None:
     except OSError:
         return
     if os.access(folder, os.W_OK):
+        global FOLDER
         numba.config.CACHE_DIR = str(folder)
+        FOLDER = folder
+
+
+def is_cold() -> bool:
+    """Whether this version of the kernels has not been compiled on this machine yet (numba
+    writes an index file per cached function)."""
+    return FOLDER is not None and next(FOLDER.rglob("*.nbi"), None) is None
