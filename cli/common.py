@@ -24,11 +24,12 @@ class _DryRun(Exception):
 def compile_kernels_once() -> None:
     """On a machine where this version of the CPU kernels was never compiled, compile them now,
     saying so, rather than leave the first answer waiting in silence."""
-    from pyggml.cpu import kernel_cache, warm_up
+    from pyggml.cpu import kernel_cache
+    from pyggml.cpu.warmup import compile_in_parallel
     if kernel_cache.is_cold():
-        click.echo(f"Compiling the CPU kernels for this machine, once (about half a minute); later runs load "
+        click.echo(f"Compiling the CPU kernels for this machine, once (under a minute); later runs load "
                    f"them from {kernel_cache.FOLDER}", err=True)
-        warm_up()
+        compile_in_parallel()
 
 
 def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kwargs: Any):

@@ -51,7 +51,7 @@ def test_a_cold_cache_is_said_and_compiled_before_the_first_answer(tmp_path, mon
     monkeypatch.setattr(kernel_cache, "FOLDER", tmp_path)
     assert kernel_cache.is_cold()
     compiled = []
-    monkeypatch.setattr("pyggml.cpu.warm_up", lambda: compiled.append(True))
+    monkeypatch.setattr("pyggml.cpu.warmup.compile_in_parallel", lambda: compiled.append(True))
     compile_kernels_once()
     assert compiled and "Compiling the CPU kernels for this machine, once" in capsys.readouterr().err
     (tmp_path / "cpu_x").mkdir()

@@ -22,11 +22,21 @@ FUSED_MAX_COLS = 16
 TILE_ROWS = 1024
 
 
+def frozen(w: np.ndarray) -> np.ndarray:
+    """Weight rows as a read-only array.  They come read-only from a mapped GGUF file and writable
+    from a buffer (an RPC server's, a test's); numba compiles a kernel once for each, and the
+    products' kernel takes it tens of seconds, so every caller hands them over the same way."""
+    if w.flags.writeable:
+        w = w.view()
+        w.flags.writeable = False
+    return w
+
+
 def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
     """Decode quantized rows (uint8 [M, row_bytes]) to float32 [M, k]."""
     out = np.empty((w.shape[0], k), dtype=np.float32)
     if w.shape[0]:
-        decode_rows(int(DECODER[qtype]), np.ascontiguousarray(w), out, F16_TABLE)
+        decode_rows(int(DECODER[qtype]), frozen(np.ascontiguousarray(w)), out, F16_TABLE)
     return out
 
 
@@ -37,6 +47,7 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     if m_rows == 0 or n_cols == 0:
         return np.zeros((n_cols, m_rows), dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    w = frozen(w)
     kind = int(VEC_DOT.get(qtype, Act.F32))
     out = np.empty((n_cols, m_rows), dtype=np.float32)
     if qtype in EXACT:
