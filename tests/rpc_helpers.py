@@ -29,7 +29,7 @@ class ServerProcess:
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
                                      stdout=subprocess.PIPE, stderr=_server_log(log),
                                      env={**os.environ, **(env or {})})
-        self.banner = self._read_banner(30)
+        self.banner = self._read_banner(180)  # a first start on a machine compiles the kernels first
         first = self.banner[0]
         self.endpoint = first.split("tcp://", 1)[1].split(",", 1)[0]
 
