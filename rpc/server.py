@@ -38,6 +38,7 @@ from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_exten
 
 log = logging.getLogger("pyggml.rpc.server")
 
+
 @dataclass(frozen=True)
 class Limits:
     """What one session may hold at once; a request beyond a limit is refused by name."""

@@ -59,3 +59,17 @@ def test_a_cold_cache_is_said_and_compiled_before_the_first_answer(tmp_path, mon
     assert not kernel_cache.is_cold()
     compile_kernels_once()
     assert len(compiled) == 1 and capsys.readouterr().err == ""
+
+
+def test_old_versions_of_the_cache_are_pruned(tmp_path):
+    from pyggml.cpu.kernel_cache import prune
+    folders = []
+    for i in range(12):
+        f = tmp_path / f"{i:016x}"
+        (f / "cpu_x").mkdir(parents=True)
+        os.utime(f, (1000 + i, 1000 + i))
+        folders.append(f)
+    (tmp_path / "not-a-version").mkdir()
+    prune(folders[0], keep=4)  # the oldest, now used again
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([folders[0].name, *(f.name for f in folders[9:]), "not-a-version"])

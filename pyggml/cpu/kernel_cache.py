@@ -16,6 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
 FOLDER: Path | None = None  # the cache folder in use, once use_versioned_cache chose it
+KEEP = 8  # versions kept (the most recently used); each holds tens of MB of machine code
 
 
 def kernel_sources() -> list[Path]:
@@ -50,6 +51,22 @@ def use_versioned_cache() -> None:
         global FOLDER
         numba.config.CACHE_DIR = str(folder)
         FOLDER = folder
+        prune(folder)
+
+
+def prune(current: Path, keep: int = KEEP) -> None:
+    """Mark ``current`` used now and remove all but the ``keep`` versions used last: every edit or
+    upgrade of the kernel sources makes a new one, and nothing else ever removes the old."""
+    import shutil
+    try:
+        os.utime(current)
+        versions = sorted((p for p in current.parent.iterdir() if p.is_dir() and len(p.name) == 16),
+                          key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for old in versions[keep:]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def is_cold() -> bool:
