@@ -10,6 +10,13 @@ llama.cpp on the same machine and thread count, and the ratio.  Each engine runs
 own process so that peak memory is its own.
 
     python bench/generate.py [--models smollm2,gemma3-270m] [--threads 2] [-n 64]
+    python bench/generate.py --synthetic-moe --llama-bench ~/.cache/llama.cpp-ref/build/bin/llama-bench
+
+``--synthetic-moe`` adds a ~1B-parameter qwen3moe of random weights (24 layers, 32 experts of
+which 4 run per token, Q4_0; written once into ~/.cache/pyggml/bench) - a mixture of experts
+at the size people run on CPUs.  ``--llama-bench PATH`` (llama.cpp's own benchmark, e.g. from
+``../shared/bin/build-llamacpp``; never a dependency) puts its prompt and generation figures
+for the same files beside ours.
 """
 from __future__ import annotations
 
@@ -20,6 +27,10 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE_FILE = Path("~/.cache/pyggml/bench/qwen3moe-1b-q4_0.gguf").expanduser()
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
           "movable metal type, oil-based ink and a wooden press adapted from those used for wine. ") * 6
@@ -39,10 +50,12 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     from pyggml.cpu import warm_up
     warm_up()  # numba's JIT, its threads and the CPU kernels loaded: the runtime, before any model
     runtime = resident()
+    if Path(alias) == MOE_FILE:
+        return run_pyggml_untokenized(alias, threads, n_gen, n_prompt, runtime)
     t0 = time.perf_counter()
     m = pyggml.Model(alias, n_ctx=1024, n_threads=threads, progress=False)
     load_s = time.perf_counter() - t0
-    ids = m.tokenize(PROMPT)[:n_prompt]
+    ids = (m.tokenize(PROMPT) + list(range(3, 3 + n_prompt)))[:n_prompt]  # (a synthetic vocabulary has few words)
     list(m.generate(ids[:8], max_tokens=4, temperature=0))  # compile the kernels of both paths first
     m.context.clear()
     m.timings.reset()
@@ -55,6 +68,31 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else float("nan")
     return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
             "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(), "runtime_rss": runtime,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run_pyggml_untokenized(path: str, threads: int, n_gen: int, n_prompt: int, runtime: int) -> dict:
+    """A model whose random vocabulary no tokenizer is built for: token ids straight into the
+    context, greedy steps through the top-1 output (what generation reads back)."""
+    from pyggml.cpu import configure_threads
+    from pyggml.models import Context, load_model
+    configure_threads(threads)
+    t0 = time.perf_counter()
+    ctx = Context(load_model(path, progress=False), n_ctx=1024)
+    load_s = time.perf_counter() - t0
+    ids = list(range(3, 3 + n_prompt))
+    ctx.decode(ids[:8])
+    ctx.decode([int(ctx.decode([5], n_top=1).ids[0, 0])], n_top=1)  # compile the kernels of both paths first
+    ctx.clear()
+    t0 = time.perf_counter()
+    top = ctx.decode(ids, n_top=1)
+    pp = len(ids) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        top = ctx.decode([int(top.ids[0, 0])], n_top=1)
+    tg = n_gen / (time.perf_counter() - t0)
+    return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n_gen,
+            "gguf_bytes": os.path.getsize(path), "kv_bytes": ctx.kv.nbytes(), "runtime_rss": runtime,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -85,10 +123,48 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def synthetic_moe() -> Path:
+    """The ~1B qwen3moe of random weights (built once: about a minute)."""
+    if MOE_FILE.exists():
+        return MOE_FILE
+    sys.path.insert(0, str(ROOT))
+    from tests.synthetic import Shape, random_weights, write_model
+    s = Shape(n_embd=1024, n_layer=24, n_ff=1536, n_head=16, n_head_kv=4, n_vocab=32000, n_expert=32,
+              n_expert_used=4, n_ff_exp=384)
+    print(f"writing {MOE_FILE} (random weights, once) ...", flush=True)
+    weights = random_weights("qwen3moe", s, seed=1)
+    types = {name: "Q8_0" if name in ("token_embd.weight", "output.weight") else "Q4_0"
+             for name, v in weights.items() if v.ndim >= 2 and "gate_inp" not in name}
+    MOE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    partial = MOE_FILE.with_suffix(".partial")
+    write_model(partial, "qwen3moe", s, weights, types, vocab=True)
+    partial.rename(MOE_FILE)
+    return MOE_FILE
+
+
+def model_file(alias: str) -> str:
+    if os.path.exists(alias):
+        return alias
+    from pyggml import hub
+    return str(hub.fetch(alias))
+
+
+def run_llama_bench(binary: str, path: str, threads: int, n_gen: int, n_prompt: int) -> dict | None:
+    """llama.cpp's own figures for one file: prompt and generation tokens/s (llama-bench -o json)."""
+    r = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-o", "json"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"llama-bench failed on {path}: {r.stderr.strip().splitlines()[-1:]}")
+        return None
+    rows = json.loads(r.stdout)
+    pp = next(row["avg_ts"] for row in rows if row.get("n_prompt") and not row.get("n_gen"))
+    tg = next(row["avg_ts"] for row in rows if row.get("n_gen") and not row.get("n_prompt"))
+    return {"engine": "llama-bench", "prompt_tps": pp, "gen_tps": tg}
+
+
 def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int, python: str | None = None) -> dict | None:
     if engine == "llama.cpp":  # llama.cpp's child gets the file itself: it may run where pyggml is not installed
-        from pyggml import hub
-        alias = str(hub.fetch(alias))
+        alias = model_file(alias)
     cmd = [python or sys.executable, __file__, "--child", engine, "--models", alias, "--threads", str(threads),
            "-n", str(n_gen), "--prompt-tokens", str(n_prompt)]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -107,6 +183,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--llama-python", default=None, metavar="PYTHON",
                     help="an interpreter with llama-cpp-python, when it is not installed beside pyggml")
+    ap.add_argument("--synthetic-moe", action="store_true", help="also a ~1B qwen3moe of random weights")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, for its figures")
     ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -126,20 +204,29 @@ def main() -> None:
     print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
     print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
           f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16}")
-    for alias in a.models.split(","):
+    models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe())] if a.synthetic_moe else [])
+    for alias in models:
         results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens)]
         if have_llama:
             results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens, a.llama_python))
+        label = Path(alias).stem[:12] if os.path.exists(alias) else alias
         kv = results[0]["kv_bytes"]  # llama.cpp's F16 cache of the same n_ctx has the same size
         for r in filter(None, results):
             model = r["peak_rss"] - r["runtime_rss"]
-            print(f"{alias:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
+            print(f"{label:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
                   f"{r['peak_rss'] / 2**20:>12.0f} {r['runtime_rss'] / 2**20:>11.0f} {model / 2**20:>9.0f} "
                   f"{model / (r['gguf_bytes'] + kv):>16.2f}")
         if len(results) == 2 and results[1]:
             ours, ref = results
             print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "
                   f"{ours['gen_tps'] / ref['gen_tps']:>8.2f}")
+        if a.llama_bench:
+            ref = run_llama_bench(a.llama_bench, model_file(alias), a.threads, a.n, a.prompt_tokens)
+            if ref:
+                ours = results[0]
+                print(f"{'':<12} {'llama-bench':<10} {'':>7} {ref['prompt_tps']:>11.1f} {ref['gen_tps']:>8.1f}")
+                print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "
+                      f"{ours['gen_tps'] / ref['gen_tps']:>8.2f}")
 
 
 if __name__ == "__main__":
