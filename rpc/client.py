@@ -3,8 +3,9 @@
 Requests that need no answer (``SET_TENSOR``, ``GRAPH_RECOMPUTE``) are held back and leave
 together with the next request that waits for one, in one system call (the server is woken once
 for a decode step's inputs, its graph and its first read); several reads can be asked at once
-(:meth:`Connection.request_many`).  Every request that needs a reply waits for it - but never forever: a closed connection is seen at once, the server's heartbeats tell a
-busy server from a stopped one (see :mod:`.transport`), and an overall timeout bounds the rest.
+(:meth:`Connection.request_many`).  Every request that needs a reply waits for it - but never
+forever: a closed connection is seen at once, the server's heartbeats tell a busy server from a
+stopped one (see :mod:`.transport`), and an overall timeout bounds the rest.
 Each of these becomes an :class:`RPCError` naming the endpoint, and the connection is closed
 for good (its buffers died with the server's session).
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import Counter
 import ssl
 import threading
 import time
+from collections import Counter
 
 from . import keys
 from . import protocol as P
