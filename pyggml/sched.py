@@ -162,11 +162,6 @@ class Scheduler:
                         split.copies.append((s, copy))
                     self._rewired.append((node, j, s, copy))
                     node.src[j] = copy
-            split.graph = Graph()
-            split.graph.nodes = list(split.nodes)
-        read_across = frozenset(id(s) for split in self.splits for s, _ in split.copies)
-        for split in self.splits:
-            split.graph.read_across = read_across
 
     def alloc_graph(self, graph: Graph) -> None:
         """Assign, split and allocate ``graph`` (done once per graph, reused afterwards)."""
@@ -193,8 +188,8 @@ class Scheduler:
         inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
         placement = [(t.buffer, t.offset) for t in order + inputs]  # the buffers held: an id() could come back
-        if placement != part.placement:  # what backends derived from the split graphs is stale
-            read_across = self.splits[0].graph.read_across if self.splits else frozenset()
+        if placement != part.placement:  # new split graphs: what backends derived from the old is stale
+            read_across = frozenset(id(s) for split in self.splits for s, _ in split.copies)
             for split in self.splits:
                 split.graph = Graph()
                 split.graph.nodes = list(split.nodes)

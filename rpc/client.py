@@ -98,8 +98,9 @@ class Connection:
         if self.closed_reason is not None:
             raise RPCError(self.endpoint, f"connection unusable: {self.closed_reason}")
 
-    def _send(self, cmd: Command, payload: bytes, frames: list, flags: int) -> int:
-        """Queue one message; send the queue unless it is a small one without a reply."""
+    def _send(self, cmd: Command, payload: bytes, frames: list, flags: int, more: bool = False) -> int:
+        """Queue one message; send the queue unless it is a small one without a reply, or
+        ``more`` requests follow it."""
         self._check_open()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         self.sent[cmd] += 1
@@ -112,7 +113,8 @@ class Connection:
             self._corked_bytes += size
             return self.seq
         self._corked.append(message)
-        self._flush()
+        if not more:
+            self._flush()
         return self.seq
 
     def _flush(self) -> None:
@@ -125,12 +127,6 @@ class Connection:
             self._fail(f"the server took no bytes for {SEND_TIMEOUT_S:.0f} s (is it stopped?)")
         except OSError as e:
             self._fail(self._broken(e))
-
-    def flush(self) -> None:
-        """Send what is held back now (a request with a reply does it anyway)."""
-        with self._lock:
-            self._check_open()
-            self._flush()
 
     @staticmethod
     def _broken(e: BaseException) -> str:
@@ -155,7 +151,8 @@ class Connection:
         """Several requests sent together, their answers read in order: one round trip.  The
         first error is raised after every answer has been read."""
         with self._lock:
-            seqs = [self._send(cmd, payload, list(frames), 0) for cmd, payload, frames in requests]
+            seqs = [self._send(cmd, payload, list(frames), 0, more=i + 1 < len(requests))
+                    for i, (cmd, payload, frames) in enumerate(requests)]
             self.round_trips += 1
             t0 = time.perf_counter()
             try:

@@ -91,7 +91,7 @@ class MessageReader:
     def __init__(self, max_frames: int, max_bytes: int) -> None:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
-        self._scratch = memoryview(bytearray(64 << 10))
+        self._scratch: memoryview | None = None  # for refused bytes, made when first needed
         self._start()
 
     def _start(self) -> None:
@@ -105,6 +105,8 @@ class MessageReader:
     def read(self, recv_into: Callable) -> tuple[list[memoryview], str | None]:
         while True:
             if self._phase == "discard":  # the rest of a refused message, already answered
+                if self._scratch is None:
+                    self._scratch = memoryview(bytearray(64 << 10))
                 while self._discard:
                     n = recv_into(self._scratch, min(len(self._scratch), self._discard))
                     if n == 0:
@@ -213,13 +215,15 @@ class Listener:
         self._again: set[Peer] = set()      # may have bytes the selector cannot see (TLS) or more messages
         self._dirty: set[Peer] = set()      # the heartbeat thread left bytes unsent: register for writing
         self._dirty_lock = threading.Lock()
+        self._lost: list[Disconnected] = []  # connections a send found broken, reported by the next poll
         self.serving: Peer | None = None    # whose request the server is working on (it gets heartbeats)
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
 
     # -- the loop's side --------------------------------------------------------------------------
     def poll(self, timeout: float) -> list[Message | Disconnected]:
-        events: list[Message | Disconnected] = []
+        events: list[Message | Disconnected] = self._lost
+        self._lost = []
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
         for peer in dirty:
@@ -312,7 +316,12 @@ class Listener:
             for i, part in enumerate(parts):
                 peer.out.append((part, i == len(parts) - 1))
             peer.queued += 1
-            self._flush_locked(peer)
+            try:
+                self._flush_locked(peer)
+            except OSError as e:  # the client reset the connection: its session ends, the server goes on
+                self._close_locked(peer)
+                self._lost.append(Disconnected(peer, str(e) or type(e).__name__))
+                return True
             self._update_interest(peer)
         return True
 

@@ -106,6 +106,32 @@ def test_what_is_not_a_message_ends_only_its_own_connection(server, junk):
     still_serving(server)
 
 
+def test_a_client_that_resets_its_connection_while_answers_are_sent_takes_only_its_session(server):
+    """A client that pipelined requests and reset its connection made the server's next answer fail
+    with ECONNRESET - which escaped the serving loop and ended the server for everyone."""
+    def free() -> int:
+        probe = RawClient(server.endpoint)
+        value = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])[0]
+        probe.close()
+        return value
+
+    before = free()
+    hello = framed([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+    work = framed([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, 1 << 20)]) + b"".join(
+        framed([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, i)]) for i in range(3, 40))
+    for _ in range(100):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(hello + work)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        sock.close()
+        assert server.alive(), "the server died of a reset connection"
+    deadline = time.monotonic() + 10
+    while free() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free() == before, "the reset sessions' buffers are still held"
+    still_serving(server)
+
+
 def test_a_request_declaring_a_terabyte_is_refused_before_its_bytes_arrive(client, server):
     """The frame count and sizes come first: the server answers from them, keeps none of the rest,
     and reads past what the client goes on sending."""
