@@ -11,6 +11,7 @@ own process so that peak memory is its own.
 
     python bench/generate.py [--models smollm2,gemma3-270m] [--threads 2] [-n 64]
     python bench/generate.py --synthetic-moe --llama-bench ~/.cache/llama.cpp-ref/build/bin/llama-bench
+    python bench/generate.py --models smollm2 --profile   # + time per op kind, and outside the kernels
 
 ``--synthetic-moe`` adds a ~1B-parameter qwen3moe of random weights (24 layers, 32 experts of
 which 4 run per token, Q4_0; written once into ~/.cache/pyggml/bench) - a mixture of experts
@@ -42,7 +43,7 @@ def resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
+def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: bool = False) -> dict:
     import jinja2.sandbox  # noqa: F401 - the libraries tokenizers and chat templates use belong to the runtime
     import tokenizers  # noqa: F401
 
@@ -51,7 +52,7 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     warm_up()  # numba's JIT, its threads and the CPU kernels loaded: the runtime, before any model
     runtime = resident()
     if Path(alias) == MOE_FILE:
-        return run_pyggml_untokenized(alias, threads, n_gen, n_prompt, runtime)
+        return run_pyggml_untokenized(alias, threads, n_gen, n_prompt, runtime, profile)
     t0 = time.perf_counter()
     m = pyggml.Model(alias, n_ctx=1024, n_threads=threads, progress=False)
     load_s = time.perf_counter() - t0
@@ -66,12 +67,68 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     out = list(m.generate(ids, max_tokens=n_gen, temperature=0))
     t = m.timings
     tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else float("nan")
-    return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
-            "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(), "runtime_rss": runtime,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
+              "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(), "runtime_rss": runtime,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if profile:
+        ctx = m.context
+
+        def generation() -> None:
+            top = ctx.decode(ids[-1:], n_top=1)
+            for _ in range(n_gen - 1):
+                top = ctx.decode([int(top.ids[0, 0])], n_top=1)
+        result["profile"] = profiled(ctx, ids, generation, n_gen)
+    return result
 
 
-def run_pyggml_untokenized(path: str, threads: int, n_gen: int, n_prompt: int, runtime: int) -> dict:
+def profiled(ctx, ids: list[int], generation, n_gen: int) -> dict:
+    """Per op kind, the seconds the CPU backends spent in each phase (the prompt; the generated
+    tokens, ``generation``), beside the phase's wall time: what is not in a kernel is the
+    per-step overhead (graph inputs, scheduling, reading results back)."""
+    from pyggml.cpu import CPUBackend, OpProfile
+    backends = [b for b in ctx.backends if isinstance(b, CPUBackend)]
+    phases = {}
+    ctx.clear()  # the prompt from an empty cache, then the generation after it
+    for phase, run, steps in (("prompt", lambda: ctx.decode(ids), len(ids)), ("gen", generation, n_gen)):
+        profiles = [OpProfile() for _ in backends]
+        for b, p in zip(backends, profiles):
+            b.profile = p
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+        for b in backends:
+            b.profile = None
+        seconds: dict[str, float] = {}
+        calls: dict[str, int] = {}
+        for p in profiles:
+            for op, sec in p.seconds.items():
+                seconds[op] = seconds.get(op, 0.0) + sec
+                calls[op] = calls.get(op, 0) + p.calls[op]
+        phases[phase] = {"wall_s": wall, "tokens": steps, "graphs": sum(p.graphs for p in profiles),
+                         "seconds": seconds, "calls": calls}
+    return phases
+
+
+def print_profile(label: str, phases: dict) -> None:
+    gen, prompt = phases["gen"], phases["prompt"]
+    print(f"\n{label} profile: ms per generated token ({gen['tokens']} steps) and per prompt token "
+          f"({prompt['tokens']}-token prompt), by op kind")
+    print(f"  {'op':<16} {'gen ms':>8} {'calls':>6} {'us/call':>8} {'prompt ms':>10}")
+    ops = sorted(set(gen["seconds"]) | set(prompt["seconds"]), key=lambda op: -gen["seconds"].get(op, 0.0))
+    for op in ops:
+        g, c = gen["seconds"].get(op, 0.0), gen["calls"].get(op, 0)
+        per_call = f"{g / c * 1e6:>8.1f}" if c else f"{'':>8}"
+        print(f"  {op:<16} {g / gen['tokens'] * 1e3:>8.3f} {c // max(1, gen['tokens']):>6} {per_call} "
+              f"{prompt['seconds'].get(op, 0.0) / prompt['tokens'] * 1e3:>10.3f}")
+    for name, phase in (("gen", gen), ("prompt", prompt)):
+        kernels = sum(phase["seconds"].values())
+        print(f"  {name}: {phase['wall_s'] / phase['tokens'] * 1e3:.3f} ms per token, of which kernels "
+              f"{kernels / phase['tokens'] * 1e3:.3f} and outside them {(phase['wall_s'] - kernels) / phase['tokens'] * 1e3:.3f}"
+              f" ({phase['graphs']} graphs)")
+
+
+def run_pyggml_untokenized(path: str, threads: int, n_gen: int, n_prompt: int, runtime: int,
+                           profile: bool = False) -> dict:
     """A model whose random vocabulary no tokenizer is built for: token ids straight into the
     context, greedy steps through the top-1 output (what generation reads back)."""
     from pyggml.cpu import configure_threads
@@ -91,9 +148,16 @@ def run_pyggml_untokenized(path: str, threads: int, n_gen: int, n_prompt: int, r
     for _ in range(n_gen):
         top = ctx.decode([int(top.ids[0, 0])], n_top=1)
     tg = n_gen / (time.perf_counter() - t0)
-    return {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n_gen,
-            "gguf_bytes": os.path.getsize(path), "kv_bytes": ctx.kv.nbytes(), "runtime_rss": runtime,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n_gen,
+              "gguf_bytes": os.path.getsize(path), "kv_bytes": ctx.kv.nbytes(), "runtime_rss": runtime,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if profile:
+        def generation() -> None:
+            top = ctx.decode([5], n_top=1)
+            for _ in range(n_gen - 1):
+                top = ctx.decode([int(top.ids[0, 0])], n_top=1)
+        result["profile"] = profiled(ctx, ids, generation, n_gen)
+    return result
 
 
 def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
@@ -162,11 +226,12 @@ def run_llama_bench(binary: str, path: str, threads: int, n_gen: int, n_prompt: 
     return {"engine": "llama-bench", "prompt_tps": pp, "gen_tps": tg}
 
 
-def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int, python: str | None = None) -> dict | None:
+def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int, python: str | None = None,
+          profile: bool = False) -> dict | None:
     if engine == "llama.cpp":  # llama.cpp's child gets the file itself: it may run where pyggml is not installed
         alias = model_file(alias)
     cmd = [python or sys.executable, __file__, "--child", engine, "--models", alias, "--threads", str(threads),
-           "-n", str(n_gen), "--prompt-tokens", str(n_prompt)]
+           "-n", str(n_gen), "--prompt-tokens", str(n_prompt)] + (["--profile"] if profile else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         if engine == "pyggml":
@@ -185,11 +250,15 @@ def main() -> None:
                     help="an interpreter with llama-cpp-python, when it is not installed beside pyggml")
     ap.add_argument("--synthetic-moe", action="store_true", help="also a ~1B qwen3moe of random weights")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, for its figures")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the measured runs, a timed pass of pyggml's: time per op kind and outside the kernels")
     ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        run = run_pyggml if a.child == "pyggml" else run_llama_cpp
-        print(json.dumps(run(a.models, a.threads, a.n, a.prompt_tokens)))
+        if a.child == "pyggml":
+            print(json.dumps(run_pyggml(a.models, a.threads, a.n, a.prompt_tokens, a.profile)))
+        else:
+            print(json.dumps(run_llama_cpp(a.models, a.threads, a.n, a.prompt_tokens)))
         return
     if a.llama_python:
         have_llama = subprocess.run([a.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
@@ -206,7 +275,7 @@ def main() -> None:
           f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16}")
     models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe())] if a.synthetic_moe else [])
     for alias in models:
-        results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens)]
+        results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens, profile=a.profile)]
         if have_llama:
             results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens, a.llama_python))
         label = Path(alias).stem[:12] if os.path.exists(alias) else alias
@@ -227,6 +296,8 @@ def main() -> None:
                 print(f"{'':<12} {'llama-bench':<10} {'':>7} {ref['prompt_tps']:>11.1f} {ref['gen_tps']:>8.1f}")
                 print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "
                       f"{ours['gen_tps'] / ref['gen_tps']:>8.2f}")
+        if a.profile:
+            print_profile(label, results[0]["profile"])
 
 
 if __name__ == "__main__":

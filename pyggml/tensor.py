@@ -30,7 +30,7 @@ class TensorFlag(enum.IntFlag):
 
 class Tensor:
     __slots__ = ("type", "ne", "nb", "op", "op_params", "src", "view_src", "view_offs",
-                 "buffer", "offset", "name", "flags", "host_view", "__weakref__")
+                 "buffer", "offset", "name", "flags", "__weakref__")
 
     def __init__(self, type: Type, ne: Sequence[int], nb: Sequence[int] | None = None, *,
                  op: "int" = 0, src: Sequence[Tensor | None] = (), view_src: Tensor | None = None,
@@ -53,9 +53,6 @@ class Tensor:
         self.offset = 0
         self.name = name
         self.flags = TensorFlag(0)
-        # the CPU buffer's numpy view of these bytes, kept while (buffer, its array, offset) stay the
-        # same: a memo of cpu/buffer.tensor_view, not state of any graph
-        self.host_view: tuple | None = None
         if view_src is not None:  # a view of allocated data is allocated too
             root = view_src
             self.view_src = root

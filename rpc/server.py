@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyggml.backend import Backend, Buffer, Device
-from pyggml.graph import Graph
 from pyggml.tensor import Tensor
 from pyggml.types import Type
 
@@ -65,7 +64,8 @@ class ServedDevice:
 class Session:
     peer: Peer
     buffers: dict[int, tuple[int, Buffer]] = field(default_factory=dict)   # handle -> (device, buffer)
-    graphs: dict[int, tuple[int, Graph, set[int]]] = field(default_factory=dict)  # slot -> (device, graph, handles)
+    # slot -> (device, the backend's plan of the graph, the buffer handles it uses)
+    graphs: dict[int, tuple[int, object, set[int]]] = field(default_factory=dict)
     deferred_error: str | None = None
     cached: int = 0  # bytes this session has written into the tensor cache
 
@@ -410,9 +410,10 @@ class RPCServer:
                                 f"{P.GRAPH_SLOTS} graphs")
         check_cost(graph, s.owned(), sd.memory()[0])
         s.graphs.pop(slot, None)
-        self._compute(sd, graph)
+        plan = sd.backend.graph_plan_create(graph)
+        self._compute(sd, plan)
         if slot:
-            s.graphs[slot] = (dev, graph, handles)
+            s.graphs[slot] = (dev, plan, handles)
         return b"", []
 
     def _graph_recompute(self, s: Session, payload: memoryview, data: list) -> Reply:
@@ -425,8 +426,8 @@ class RPCServer:
         return b"", []
 
     @staticmethod
-    def _compute(sd: ServedDevice, graph: Graph) -> None:
-        sd.backend.graph_compute(graph)
+    def _compute(sd: ServedDevice, plan: object) -> None:
+        sd.backend.graph_plan_compute(plan)
         sd.backend.synchronize()
 
 

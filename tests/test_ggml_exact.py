@@ -43,8 +43,9 @@ LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # one vec_dot formula for any
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_batched_columns_equal_single_columns(name):
-    """From 4 columns the lane sums are 8-bit integer dot products (simd.lane_dots); for these
-    types ggml's batched arithmetic is its vec_dot, so every column must equal its own."""
+    """From 4 columns the rows are unpacked once and dotted with two columns at a time
+    (simd.block_dots_2x2); for these types ggml's batched arithmetic is its vec_dot, so every
+    column must equal its own (9 columns: the odd last one goes with itself)."""
     w, x = DATA[name + "_w"], DATA[name + "_x"]
     qtype = pg.Type[name]
     xs = np.concatenate([x, x[::-1], x * np.float32(0.5)])  # 9 columns

@@ -82,6 +82,31 @@ def test_incremental_decoding_matches_the_batch(any_model):
     assert (steps.argmax(1) == batch[2:].argmax(1)).mean() >= 0.75
 
 
+def test_a_plan_gives_the_bits_of_op_by_op(any_model, monkeypatch):
+    """The CPU backend's plans (every node bound once, its views and kernels resolved, one
+    activation converted once for the products that share it) compute what binding and running
+    each node anew does (graph_compute): the same bits, for a prompt and for decode steps."""
+    m = any_model
+    ctx = m.context
+    ids = m.tokenize("The quick brown fox jumps over the lazy dog")
+
+    def run() -> list[np.ndarray]:
+        ctx.clear()
+        return [ctx.decode(ids, all_logits=True)] + [ctx.decode([t]) for t in ids[:3]]
+    planned = run()
+    cpu = ctx.backends[-1]
+    calls = []
+
+    def op_by_op(plan):
+        calls.append(plan)
+        cpu.graph_compute(plan.graph)
+    monkeypatch.setattr(cpu, "graph_plan_compute", op_by_op)
+    one_by_one = run()
+    assert calls, "the context did not compute through its CPU backend's plans"
+    for a, b in zip(planned, one_by_one):
+        assert np.array_equal(a, b)
+
+
 def test_decode_graph_is_reused(any_model):
     ctx = any_model.context
     ctx.clear()

@@ -13,7 +13,7 @@ are exact in any order; only the float steps are ggml's.
 Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
 block (``block``: the next values of its accumulators) and the result from the accumulators
 (``finish``).  ``_row_pair_kernel`` makes the loop around them, for two rows side by side
-(each chain of fused multiply-adds then hides the other's latency, as simd.lane_chain8x2).
+(each chain of fused multiply-adds then hides the other's latency, as in simd.block_dots_2x2).
 """
 from __future__ import annotations
 

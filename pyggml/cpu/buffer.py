@@ -79,20 +79,13 @@ class CPUBuffer(Buffer):
 
 def tensor_view(t: Tensor) -> np.ndarray:
     """A numpy view of a plain-typed tensor's bytes, shaped ne[::-1] with its strides (no copy).
-
-    Kept on the tensor while it stays at the same place: a decode step asks for ~1500 views,
-    and making each anew was 10% of the step."""
+    Graph plans make each once (kernels.py's binders), not at every step."""
     buf = t.buffer
-    cached = t.host_view
-    if cached is not None and cached[0] is buf and cached[1] is buf.data and cached[2] == t.offset:
-        return cached[3]
     if not isinstance(buf, CPUBuffer):
         raise ValueError(f"tensor {t.name or '?'} is not in host memory")
     ne, nb = t.ne, t.nb
-    view = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=t.type.np_dtype, buffer=buf.data, offset=t.offset,
+    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=t.type.np_dtype, buffer=buf.data, offset=t.offset,
                       strides=(nb[3], nb[2], nb[1], nb[0]))
-    t.host_view = (buf, buf.data, t.offset, view)
-    return view
 
 
 def tensor_rows(t: Tensor) -> np.ndarray:

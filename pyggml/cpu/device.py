@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
 from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from .buffer import CPUBufferType
-from .kernels import OP_TABLE
+from .kernels import OP_TABLE, Step
 
 _threads_configured = False
 
@@ -98,6 +98,7 @@ class CPUBackend(Backend):
     def __init__(self, device: CPUDevice) -> None:
         self.device = device
         self.n_threads = configure_threads(device.n_threads)
+        self.profile: OpProfile | None = None  # set one to time every step of every plan, by op
 
     def get_name(self) -> str:
         return self.device.get_name()
@@ -109,36 +110,60 @@ class CPUBackend(Backend):
         self.n_threads = configure_threads(n)
 
     def graph_plan_create(self, graph: Graph) -> CPUPlan:
-        return CPUPlan(graph, [(kernel_of(node), node) for node in graph.nodes if node.op not in VIEW_OPS])
+        shared: dict = {}
+        nodes = [node for node in graph.nodes if node.op not in VIEW_OPS]
+        return CPUPlan(graph, [bind(node, shared) for node in nodes], [node.op.name for node in nodes])
 
     def graph_plan_compute(self, plan: CPUPlan) -> None:
-        for kernel, node in plan.steps:
-            kernel(node)
+        if self.profile is not None:
+            self.profile.run(plan)
+            return
+        for step in plan.steps:
+            step()
 
     def graph_compute(self, graph: Graph) -> None:
+        """Op by op: each node bound and run (what a plan does once, then runs again and again)."""
         for node in graph.nodes:
-            compute_node(node)
+            if node.op not in VIEW_OPS:
+                bind(node, {})()
 
 
 @dataclass
 class CPUPlan:
-    """A graph's kernels, looked up and checked once: what the scheduler keeps per split."""
+    """A graph's nodes bound to their steps (kernels.py), made once and run at every compute;
+    the steps hold the views of every tensor they read and write."""
     graph: Graph
-    steps: list[tuple[Callable[[Tensor], None], Tensor]]
+    steps: list[Step]
+    ops: list[str]  # each step's op
 
 
-def kernel_of(node: Tensor) -> Callable[[Tensor], None]:
-    kernel = OP_TABLE.get(node.op)
-    if kernel is None:
+@dataclass
+class OpProfile:
+    """Seconds and calls per op over the plans a backend ran while it held this profile."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    graphs: int = 0
+
+    def run(self, plan: CPUPlan) -> None:
+        clock, seconds, calls = time.perf_counter, self.seconds, self.calls
+        for op, step in zip(plan.ops, plan.steps):
+            t0 = clock()
+            step()
+            seconds[op] = seconds.get(op, 0.0) + clock() - t0
+            calls[op] = calls.get(op, 0) + 1
+        self.graphs += 1
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+def bind(node: Tensor, shared: dict) -> Step:
+    binder = OP_TABLE.get(node.op)
+    if binder is None:
         raise NotImplementedError(f"CPU backend: op {node.op.name} is not implemented")
     if node.buffer is None:
         raise ValueError(f"CPU backend: node {node.name or node.op.name} has no buffer (graph not allocated)")
-    return kernel
+    return binder(node, shared)
 
 
-def compute_node(node: Tensor) -> None:
-    if node.op not in VIEW_OPS:
-        kernel_of(node)(node)
-
-
-__all__ = ["CPUBackend", "CPUDevice", "CPUPlan", "configure_threads"]
+__all__ = ["CPUBackend", "CPUDevice", "CPUPlan", "OpProfile", "configure_threads"]

@@ -1,7 +1,15 @@
-"""The CPU backend's op table: one numpy (or numba) function per op.
+"""The CPU backend's op table: for each op a binder, which turns a node into a step.
 
-Each kernel receives the node to compute; its sources and its own storage are read and
-written in place through numpy views of the buffers (``tensor_view``), in float32.
+A binder takes an allocated node and returns its step: a function of no arguments that
+computes the node in place, in float32.  What does not depend on the data is resolved when
+the binder runs - the numpy views of the node's sources and result (``tensor_view``), its
+parameters, which kernel to call and how its arguments are laid out - so that a graph plan
+(``CPUBackend.graph_plan_create``), which binds every node once, pays per step only for the
+kernels and the checks that read the data (indices in range, the cells a mask shows).
+Computing one node op by op is ``bind(node)()``: the same step, made and dropped.
+
+``shared`` is the plan's: a binder may leave there what a later node of the same graph can
+reuse (the products of one activation with several weights convert it once).
 """
 from __future__ import annotations
 
@@ -18,11 +26,13 @@ from ..types import Type
 from . import nn
 from .buffer import tensor_rows, tensor_view
 from .qdecode import F16_TABLE, f16_values
-from .qmatmul import dequantize_rows, quant_matmul
+from .qmatmul import QuantProduct, dequantize_rows
 from .qmatmul import supports as quant_supported
 
 f32 = np.float32
-Kernel = Callable[[Tensor], None]
+Step = Callable[[], None]
+Read = Callable[[], np.ndarray]
+Binder = Callable[[Tensor, dict], Step]
 
 
 def _f16_floats(view: np.ndarray) -> np.ndarray:
@@ -32,48 +42,85 @@ def _f16_floats(view: np.ndarray) -> np.ndarray:
     return out
 
 
-def values(t: Tensor) -> np.ndarray:
-    """A tensor's values as float32 [ne3, ne2, ne1, ne0] (a view when it already is F32)."""
+def reader(t: Tensor) -> Read:
+    """A function giving t's values as float32 [ne3, ne2, ne1, ne0] each time it is called (the
+    view itself when t is F32; a conversion of the bytes otherwise)."""
     if t.type == Type.F32:
-        return tensor_view(t)
+        view = tensor_view(t)
+        return lambda: view
     if t.type == Type.F16:
-        return _f16_floats(tensor_view(t))
+        view = tensor_view(t)
+        return lambda: _f16_floats(view)
     if t.type.np_dtype is not None and t.type != Type.BF16:
-        return tensor_view(t).astype(f32)
-    rows = tensor_rows(t)
-    return quants.dequantize(rows.reshape(-1, rows.shape[-1]), t.type).reshape(t.ne[::-1])
+        view = tensor_view(t)
+        return lambda: view.astype(f32)
+    rows, shape, qtype = tensor_rows(t), t.ne[::-1], t.type
+    return lambda: quants.dequantize(rows.reshape(-1, rows.shape[-1]), qtype).reshape(shape)
 
 
-def store(dst: Tensor, x: np.ndarray) -> None:
-    """Write float values into dst, converting to dst's type (quantizing row by row)."""
+def writer(dst: Tensor) -> Callable[[np.ndarray], None]:
+    """A function writing float values into dst, converting to dst's type (quantizing row by row)."""
+    shape = dst.ne[::-1]
     if dst.type.np_dtype is not None and dst.type != Type.BF16:
-        tensor_view(dst)[...] = x.reshape(dst.ne[::-1])
-    else:
-        q = quants.quantize(np.ascontiguousarray(x, dtype=f32).reshape(dst.ne[::-1]), dst.type)
-        tensor_rows(dst)[...] = q
+        view = tensor_view(dst)
+
+        def write(x: np.ndarray) -> None:
+            view[...] = x.reshape(shape)
+        return write
+    rows, qtype = tensor_rows(dst), dst.type
+
+    def write_quantized(x: np.ndarray) -> None:
+        rows[...] = quants.quantize(np.ascontiguousarray(x, dtype=f32).reshape(shape), qtype)
+    return write_quantized
+
+
+def _broadcasts(b_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    return b_shape == shape or all(x in (1, y) for x, y in zip(b_shape, shape))
 
 
 def _tile(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """ggml's broadcasting: b repeats to fill shape (each of b's dims divides shape's)."""
-    if b.shape == shape or all(x in (1, y) for x, y in zip(b.shape, shape)):
+    if _broadcasts(b.shape, shape):
         return b
     return np.tile(b, tuple(y // x for x, y in zip(b.shape, shape)))
 
 
-def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Kernel:
-    def kernel(node: Tensor) -> None:
-        a, b = node.src[0], node.src[1]
+def _rows(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
+
+
+def _by_rows(kernel: Callable, *inputs: np.ndarray, params: tuple = (), out: np.ndarray | None = None) -> np.ndarray:
+    """A numba row kernel of nn.py (``kernel(*rows, *params, out)``) over arrays of any shape;
+    straight into ``out`` when it is a contiguous float32 array of the inputs' shape."""
+    shape = inputs[0].shape
+    direct = out is not None and out.shape == shape and out.dtype == f32 and out.flags.c_contiguous
+    res = out if direct else np.empty(shape, dtype=f32)
+    kernel(*(_rows(x) for x in inputs), *params, res.reshape(-1, shape[-1]))
+    if out is not None and not direct:
+        out[...] = res
+    return res
+
+
+def _binary(fn: Callable[..., np.ndarray]) -> Binder:
+    def bind(node: Tensor, shared: dict) -> Step:
+        a, b = reader(node.src[0]), reader(node.src[1])
         out = tensor_view(node)
-        fn(values(a), _tile(values(b), out.shape), out=out)
-    return kernel
+        if _broadcasts(node.src[1].ne[::-1], out.shape):
+            return lambda: fn(a(), b(), out=out)
+        return lambda: fn(a(), _tile(b(), out.shape), out=out)
+    return bind
 
 
-def k_scale(node: Tensor) -> None:
+def bind_scale(node: Tensor, shared: dict) -> Step:
     p = ScaleParams.of(node)
-    out = tensor_view(node)
-    np.multiply(values(node.src[0]), f32(p.scale), out=out)
-    if p.bias:
-        out += f32(p.bias)
+    x, out = reader(node.src[0]), tensor_view(node)
+    scale, bias = f32(p.scale), f32(p.bias)
+
+    def step() -> None:
+        np.multiply(x(), scale, out=out)
+        if bias:
+            out[...] += bias
+    return step
 
 
 def _gelu_erf(x: np.ndarray) -> np.ndarray:
@@ -83,17 +130,6 @@ def _gelu_erf(x: np.ndarray) -> np.ndarray:
 
 def _hardsigmoid(x: np.ndarray) -> np.ndarray:
     return np.minimum(f32(1), np.maximum(f32(0), (x + f32(3)) / f32(6)))
-
-
-def _rows(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
-
-
-def _by_rows(kernel: Callable, *inputs: np.ndarray, params: tuple = ()) -> np.ndarray:
-    """A numba row kernel of nn.py (``kernel(*rows, *params, out)``) over arrays of any shape."""
-    out = np.empty(inputs[0].shape, dtype=f32)
-    kernel(*(_rows(x) for x in inputs), *params, out.reshape(-1, inputs[0].shape[-1]))
-    return out
 
 
 # SiLU and GELU with ggml's rounding (nn.py); the others as numpy computes them
@@ -115,211 +151,307 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
 }
 
-GLU: dict[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    GluOp.REGLU: lambda a, b: np.maximum(a, f32(0)) * b,
-    GluOp.SWIGLU: lambda a, b: _by_rows(nn.swiglu, a, b),  # the activation and the product in one pass
-    GluOp.GEGLU: lambda a, b: _by_rows(nn.geglu, a, b),
+GLU: dict[int, Callable[..., np.ndarray]] = {
+    GluOp.REGLU: lambda a, b, out: np.multiply(np.maximum(a, f32(0)), b, out=out),
+    GluOp.SWIGLU: lambda a, b, out: _by_rows(nn.swiglu, a, b, out=out),  # activation and product in one pass
+    GluOp.GEGLU: lambda a, b, out: _by_rows(nn.geglu, a, b, out=out),
 }
 
 
-def k_unary(node: Tensor) -> None:
-    tensor_view(node)[...] = UNARY[UnaryParams.of(node).op](values(node.src[0]))
+def bind_unary(node: Tensor, shared: dict) -> Step:
+    fn, x, out = UNARY[UnaryParams.of(node).op], reader(node.src[0]), tensor_view(node)
+
+    def step() -> None:
+        out[...] = fn(x())
+    return step
 
 
-def k_glu(node: Tensor) -> None:
-    a = values(node.src[0])
-    if node.src[1] is None:
-        half = a.shape[-1] // 2
-        a, b = a[..., :half], a[..., half:]
-    else:
-        b = values(node.src[1])
+def bind_glu(node: Tensor, shared: dict) -> Step:
     p = GluParams.of(node)
-    if p.swapped:
-        a, b = b, a
-    tensor_view(node)[...] = GLU[p.op](a, b)
+    fn, out = GLU[p.op], tensor_view(node)
+    first = reader(node.src[0])
+    if node.src[1] is None:  # gate and value side by side in one tensor
+        half = node.src[0].ne[0] // 2
+
+        def halves() -> tuple[np.ndarray, np.ndarray]:
+            v = first()
+            return v[..., :half], v[..., half:]
+    else:
+        second = reader(node.src[1])
+
+        def halves() -> tuple[np.ndarray, np.ndarray]:
+            return first(), second()
+
+    def step() -> None:
+        a, b = halves()
+        if p.swapped:
+            a, b = b, a
+        fn(a, b, out)
+    return step
 
 
-def k_rms_norm(node: Tensor) -> None:
-    tensor_view(node)[...] = _by_rows(nn.rms_norm, values(node.src[0]), params=(NormParams.of(node).eps,))
+def bind_rms_norm(node: Tensor, shared: dict) -> Step:
+    x, out, eps = reader(node.src[0]), tensor_view(node), NormParams.of(node).eps
+    return lambda: _by_rows(nn.rms_norm, x(), params=(eps,), out=out)
 
 
-def k_norm(node: Tensor) -> None:
-    x = values(node.src[0]).astype(np.float64)
-    eps = NormParams.of(node).eps
-    centered = x - x.mean(axis=-1, keepdims=True)
-    tensor_view(node)[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
+def bind_norm(node: Tensor, shared: dict) -> Step:
+    x, out, eps = reader(node.src[0]), tensor_view(node), NormParams.of(node).eps
+
+    def step() -> None:
+        v = x().astype(np.float64)
+        centered = v - v.mean(axis=-1, keepdims=True)
+        out[...] = centered / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
+    return step
 
 
-def k_soft_max(node: Tensor) -> None:
+def bind_soft_max(node: Tensor, shared: dict) -> Step:
     a, mask = node.src[0], node.src[1]
-    x = values(a) * f32(SoftMaxParams.of(node).scale)
-    if mask is not None:
-        m = values(mask)[:, :, :a.ne[1], :]
-        x += _tile(m, x.shape)
-    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
-    nn.softmax_rows(rows)
-    tensor_view(node)[...] = rows.reshape(x.shape)
+    x, out, scale = reader(a), tensor_view(node), f32(SoftMaxParams.of(node).scale)
+    m = reader(mask) if mask is not None else None
+    n_rows = a.ne[1]
+
+    def step() -> None:
+        v = x() * scale
+        if m is not None:
+            v += _tile(m()[:, :, :n_rows, :], v.shape)
+        rows = np.ascontiguousarray(v).reshape(-1, v.shape[-1])
+        nn.softmax_rows(rows)
+        out[...] = rows.reshape(v.shape)
+    return step
 
 
-def k_rope(node: Tensor) -> None:
+def bind_rope(node: Tensor, shared: dict) -> Step:
     a, pos, ff = node.src[0], node.src[1], node.src[2]
     p = RopeParams.of(node)
-    factors = tensor_view(ff).reshape(-1) if ff is not None else np.ones(1, dtype=f32)
-    cos, sin = nn.rope_cache(tensor_view(pos).reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale,
-                             p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors,
-                             ff is not None)
-    x = np.ascontiguousarray(values(a))  # [ne3, n_tokens, n_head, head_dim]
-    res = np.empty(x.shape, dtype=f32)
-    nn.rope_rotate(x, res, cos, sin, p.n_dims, p.mode == RopeMode.NEOX)
-    tensor_view(node)[...] = res
+    factors = tensor_view(ff) if ff is not None else np.ones(1, dtype=f32)
+    positions, x, out = tensor_view(pos), reader(a), tensor_view(node)
+    neox = p.mode == RopeMode.NEOX
+    # rope_rotate reads each pair before it writes it: the result may go straight into out
+    direct = out.flags.c_contiguous
+
+    def step() -> None:
+        cos, sin = nn.rope_cache(positions.reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale,
+                                 p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig,
+                                 factors.reshape(-1), ff is not None)
+        v = np.ascontiguousarray(x())  # [ne3, n_tokens, n_head, head_dim]
+        if direct:
+            nn.rope_rotate(v, out, cos, sin, p.n_dims, neox)
+            return
+        res = np.empty(v.shape, dtype=f32)
+        nn.rope_rotate(v, res, cos, sin, p.n_dims, neox)
+        out[...] = res
+    return step
 
 
-def k_mul_mat(node: Tensor) -> None:
+def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
+    """The activations of b for ``product``: converted by the first product of the plan that
+    reads b in that form, and handed to the others that follow it (each step runs in graph
+    order, so the first has always run when the others do)."""
+    key = ("activations", id(b), product.activation_key)
+    slot = shared.get(key)
+    if slot is not None:
+        return lambda: slot[0]
+    slot = shared[key] = [None]
+    width = b.ne[0]
+
+    def convert() -> object:
+        slot[0] = product.activations(x().reshape(-1, width))
+        return slot[0]
+    return convert
+
+
+def bind_mul_mat(node: Tensor, shared: dict) -> Step:
     a, b = node.src[0], node.src[1]
     out = tensor_view(node)  # [b3, b2, N, M]
-    x = values(b)            # [b3, b2, N, K]
+    x = reader(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
     if quant_supported(a.type):  # quantized and F16 weights: decoded row by row
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
-            out[...] = quant_matmul(w[0, 0], a.type, x.reshape(-1, x.shape[-1])).reshape(out.shape)
-            return
-        for i3 in range(b.ne[3]):
-            for i2 in range(b.ne[2]):
-                wi = np.ascontiguousarray(w[i3 // r3, i2 // r2])
-                out[i3, i2] = quant_matmul(wi, a.type, x[i3, i2])
-        return
-    wa = values(a)            # [a3, a2, M, K]
-    a3, a2, m, k = wa.shape
-    n = x.shape[2]
-    xs = x.reshape(a3, r3, a2, r2, n, k)
-    res = np.matmul(xs, wa.reshape(a3, 1, a2, 1, m, k).swapaxes(-1, -2))
-    out[...] = res.reshape(out.shape)
+            product = QuantProduct(w[0, 0], a.type)
+            acts = _shared_activations(shared, b, product, x)
+            if out.flags.c_contiguous:
+                flat = out.reshape(-1, a.ne[1])
+                return lambda: product(acts(), flat)
+
+            def step_copy() -> None:
+                res = np.empty((out.size // a.ne[1], a.ne[1]), dtype=f32)
+                product(acts(), res)
+                out[...] = res.reshape(out.shape)
+            return step_copy
+        products = {(i3, i2): QuantProduct(w[i3 // r3, i2 // r2], a.type)
+                    for i3 in range(b.ne[3]) for i2 in range(b.ne[2])}
+
+        def step_batched() -> None:
+            xv = x()
+            for (i3, i2), product in products.items():
+                res = np.empty(out.shape[2:], dtype=f32)
+                product(product.activations(xv[i3, i2]), res)
+                out[i3, i2] = res
+        return step_batched
+    wa = reader(a)            # [a3, a2, M, K]
+
+    def step_float() -> None:
+        xv, av = x(), wa()
+        a3, a2, m, k = av.shape
+        xs = xv.reshape(a3, r3, a2, r2, xv.shape[2], k)
+        res = np.matmul(xs, av.reshape(a3, 1, a2, 1, m, k).swapaxes(-1, -2))
+        out[...] = res.reshape(out.shape)
+    return step_float
 
 
-def _cells(t: Tensor, n: int) -> np.ndarray:
-    """The first n cells (ne1) of a K or V cache view as float32 [ne3, ne2, n, ne0]."""
-    if t.type != Type.F16:
-        return values(t)[:, :, :n]
-    return _f16_floats(tensor_view(t)[:, :, :n])
+def _cells_by_cell(t: Tensor) -> Callable[[], list[np.ndarray]]:
+    """Per ne3 slice, the K or V cache's cells as nn.attention_cells reads them ([cells,
+    n_head_kv * d]: F16 bits, or float32 values): views of the cache made now where its heads lie
+    side by side in each cell, else made from its values at every step."""
+    if t.type in (Type.F16, Type.F32):
+        view = tensor_view(t)
+        view = view.view(np.uint16) if t.type == Type.F16 else view
+        cells = [nn.by_cell(view[i3]) for i3 in range(t.ne[3])]
+        if all(np.may_share_memory(c, view) for c in cells):
+            return lambda: cells
+        return lambda: [nn.by_cell(view[i3]) for i3 in range(t.ne[3])]
+    values = reader(t)
+    return lambda: [nn.by_cell(x) for x in values()]
 
 
-def k_flash_attn_ext(node: Tensor) -> None:
+def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
-    mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention computes it."""
+    mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention_cells computes it, reading the
+    cache where it lies."""
     q, k, v, mask = node.src[:4]
     p = FlashAttnParams.of(node)
-    scale, softcap = p.scale, p.logit_softcap
-    n_tokens = q.ne[1]
+    scale, softcap = f32(p.scale), f32(p.logit_softcap)
+    n_tokens, n_kv, n_head_kv = q.ne[1], k.ne[1], k.ne[2]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
-    n_cells = k.ne[1]
-    if mask is not None:
-        m = values(mask)[0, 0, :n_tokens, :n_cells]
-        # nn.attention skips the cells no query sees (probability 0): leave those past the last
-        # seen one out of the F16 conversion too; whole 64s keep every sum's lanes as they were
-        seen = np.flatnonzero(np.isfinite(m).any(axis=0))
-        n_cells = min(n_cells, (int(seen[-1]) // 64 + 1) * 64) if seen.size else n_cells
-        m = np.ascontiguousarray(m[:, :n_cells])
-    else:
-        m = np.zeros((n_tokens, n_cells), dtype=f32)
-    qv, kv, vv = values(q), _cells(k, n_cells), _cells(v, n_cells)
-    for i3 in range(q.ne[3]):
-        res = np.empty(out.shape[1:], dtype=f32)
-        nn.attention(np.ascontiguousarray(qv[i3]), np.ascontiguousarray(kv[i3]), np.ascontiguousarray(vv[i3]),
-                     m, scale, softcap, res)
-        out[i3] = res
+    qv, keys, values = reader(q), _cells_by_cell(k), _cells_by_cell(v)
+    masked = reader(mask) if mask is not None else None
+    no_mask = np.zeros((n_tokens, n_kv), dtype=f32)
+    direct = out.flags.c_contiguous
+
+    def step() -> None:
+        if masked is not None:
+            m = masked()[0, 0, :n_tokens]
+            m = np.ascontiguousarray(m[:, :nn.seen_cells(m)])
+        else:
+            m = no_mask
+        qa, ka, va = qv(), keys(), values()
+        for i3 in range(q.ne[3]):
+            res = out[i3] if direct else np.empty(out.shape[1:], dtype=f32)
+            nn.attention_cells(np.ascontiguousarray(qa[i3]), ka[i3], va[i3], n_head_kv, m, scale, softcap, res)
+            if not direct:
+                out[i3] = res
+    return step
 
 
-def _index_array(t: Tensor) -> np.ndarray:
-    return tensor_view(t).astype(np.int64)
+def _index_array(t: Tensor) -> Callable[[], np.ndarray]:
+    view = tensor_view(t)
+    return lambda: view.astype(np.int64)
 
 
-def k_get_rows(node: Tensor) -> None:
+def bind_get_rows(node: Tensor, shared: dict) -> Step:
     a, idx = node.src[0], node.src[1]
-    ids = _index_array(idx)  # [1, i2, i1, n]
-    if np.any(ids < 0) or np.any(ids >= a.ne[1]):
-        raise IndexError(f"GET_ROWS: index out of range [0, {a.ne[1]}) in {idx.name or 'indices'}")
-    out = tensor_view(node)  # [i2, i1, n, ne0]
-    if a.type.is_quantized:
-        rows = tensor_rows(a)
+    index = _index_array(idx)  # [1, i2, i1, n]
+    out = tensor_view(node)    # [i2, i1, n, ne0]
+    n_rows, name = a.ne[1], idx.name or "indices"
+    src = (lambda rows=tensor_rows(a): rows) if a.type.is_quantized else reader(a)
+    decode = (lambda picked: dequantize_rows(picked, a.type, a.ne[0])) if quant_supported(a.type) \
+        else (lambda picked: quants.dequantize(picked, a.type))
+
+    def step() -> None:
+        ids = index()
+        if np.any(ids < 0) or np.any(ids >= n_rows):
+            raise IndexError(f"GET_ROWS: index out of range [0, {n_rows}) in {name}")
+        rows = src()
         for i2 in range(idx.ne[2]):
             for i1 in range(idx.ne[1]):
-                picked = np.ascontiguousarray(rows[i2, i1][ids[0, i2, i1]])
-                out[i2, i1] = dequantize_rows(picked, a.type, a.ne[0]) if quant_supported(a.type) \
-                    else quants.dequantize(picked, a.type)
-        return
-    src = values(a)
-    for i2 in range(idx.ne[2]):
-        for i1 in range(idx.ne[1]):
-            out[i2, i1] = src[i2, i1][ids[0, i2, i1]]
+                picked = rows[i2, i1][ids[0, i2, i1]]
+                out[i2, i1] = decode(np.ascontiguousarray(picked)) if a.type.is_quantized else picked
+    return step
 
 
-def k_set_rows(node: Tensor) -> None:
+def bind_set_rows(node: Tensor, shared: dict) -> Step:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
-    ids = _index_array(idx)  # [1, i2, i1, n]
-    if np.any(ids < 0) or np.any(ids >= dst.ne[1]):
-        raise IndexError(f"SET_ROWS: index out of range [0, {dst.ne[1]})")
-    x = values(src)          # [s3, s2, n, ne0]
+    index = _index_array(idx)  # [1, i2, i1, n]
+    x = reader(src)            # [s3, s2, n, ne0]
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
-    if node.type.is_quantized:
-        rows = tensor_rows(node)
+    n_rows, quantized = dst.ne[1], node.type.is_quantized
+    out = tensor_rows(node) if quantized else tensor_view(node)
+
+    def step() -> None:
+        ids = index()
+        if np.any(ids < 0) or np.any(ids >= n_rows):
+            raise IndexError(f"SET_ROWS: index out of range [0, {n_rows})")
+        xv = x()
         for i3 in range(src.ne[3]):
             for i2 in range(src.ne[2]):
-                rows[i3, i2][ids[0, i3 // r3, i2 // r2]] = quants.quantize(x[i3, i2], node.type)
-        return
-    out = tensor_view(node)
-    for i3 in range(src.ne[3]):
-        for i2 in range(src.ne[2]):
-            out[i3, i2][ids[0, i3 // r3, i2 // r2]] = x[i3, i2]
+                rows = xv[i3, i2]
+                out[i3, i2][ids[0, i3 // r3, i2 // r2]] = quants.quantize(rows, node.type) if quantized else rows
+    return step
 
 
-def k_cpy(node: Tensor) -> None:
+def bind_cpy(node: Tensor, shared: dict) -> Step:
     """CPY/CONT/DUP: same values, possibly another type and another layout."""
     src = node.src[0]
+    shape = node.ne[::-1]
     if src.type == node.type and node.type.np_dtype is not None:
-        tensor_view(node)[...] = tensor_view(src).reshape(node.ne[::-1]) if src.is_contiguous() \
-            else np.ascontiguousarray(tensor_view(src)).reshape(node.ne[::-1])
-        return
-    store(node, values(src).reshape(node.ne[::-1]))
+        view, out = tensor_view(src), tensor_view(node)
+        flat = view.reshape(shape) if src.is_contiguous() else None
+        if flat is not None and np.may_share_memory(flat, view):  # a view of the source, not a copy of it now
+            return lambda: out.__setitem__(Ellipsis, flat)
+        return lambda: out.__setitem__(Ellipsis, np.ascontiguousarray(view).reshape(shape))
+    x, write = reader(src), writer(node)
+    return lambda: write(x())
 
 
-def k_concat(node: Tensor) -> None:
-    dim = ConcatParams.of(node).dim
-    tensor_view(node)[...] = np.concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
+def bind_concat(node: Tensor, shared: dict) -> Step:
+    axis = 3 - ConcatParams.of(node).dim
+    a, b, out = reader(node.src[0]), reader(node.src[1]), tensor_view(node)
+    return lambda: out.__setitem__(Ellipsis, np.concatenate([a(), b()], axis=axis))
 
 
-def k_sum_rows(node: Tensor) -> None:
+def bind_sum_rows(node: Tensor, shared: dict) -> Step:
     """Rows summed in double, then rounded (ggml_vec_sum_f32 accumulates in ggml_float)."""
-    tensor_view(node)[...] = values(node.src[0]).sum(axis=-1, keepdims=True, dtype=np.float64).astype(f32)
+    x, out = reader(node.src[0]), tensor_view(node)
+    return lambda: out.__setitem__(Ellipsis, x().sum(axis=-1, keepdims=True, dtype=np.float64).astype(f32))
 
 
-def k_clamp(node: Tensor) -> None:
+def bind_clamp(node: Tensor, shared: dict) -> Step:
     p = ClampParams.of(node)
-    np.clip(values(node.src[0]), f32(p.min), f32(p.max), out=tensor_view(node))
+    x, out, lo, hi = reader(node.src[0]), tensor_view(node), f32(p.min), f32(p.max)
+    return lambda: np.clip(x(), lo, hi, out=out)
 
 
-def k_mul_mat_id(node: Tensor) -> None:
+def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     """Tokens grouped by expert: each expert's rows are read once per batch, for all the
     tokens routed to it (as ggml groups them)."""
     a, b, ids = node.src[:3]
-    idx = tensor_view(ids)[0, 0]            # [n_tokens, n_used]
-    n_expert = a.ne[2]
-    bad = idx[(idx < 0) | (idx >= n_expert)]
-    if bad.size:
-        raise ValueError(f"MUL_MAT_ID: expert id {int(bad[0])} outside 0..{n_expert - 1}")
-    x = values(b)[0]                         # [n_tokens, n_b, K]
+    index = tensor_view(ids)[0, 0]           # [n_tokens, n_used]
+    x = reader(b)                            # [1, n_tokens, n_b, K]
     out = tensor_view(node)[0]               # [n_tokens, n_used, M]
-    n_b = x.shape[1]
+    n_expert = a.ne[2]
     rows = tensor_rows(a) if quant_supported(a.type) else None
-    for e in np.unique(idx):
-        t_sel, u_sel = np.nonzero(idx == e)
-        cols = np.ascontiguousarray(x[t_sel, u_sel % n_b])
-        if rows is not None:
-            w = rows[0, e]
-            res = quant_matmul(w if w.flags.c_contiguous else np.ascontiguousarray(w), a.type, cols)
-        else:
-            res = cols @ values(a)[0, e].T
-        out[t_sel, u_sel] = res
+    experts = reader(a) if rows is None else None
+
+    def step() -> None:
+        idx = index
+        bad = idx[(idx < 0) | (idx >= n_expert)]
+        if bad.size:
+            raise ValueError(f"MUL_MAT_ID: expert id {int(bad[0])} outside 0..{n_expert - 1}")
+        xv = x()[0]
+        n_b = xv.shape[1]
+        for e in np.unique(idx):
+            t_sel, u_sel = np.nonzero(idx == e)
+            cols = np.ascontiguousarray(xv[t_sel, u_sel % n_b])
+            if rows is not None:
+                product = QuantProduct(rows[0, e], a.type)
+                res = np.empty((len(cols), a.ne[1]), dtype=f32)
+                product(product.activations(cols), res)
+            else:
+                res = cols @ experts()[0, e].T
+            out[t_sel, u_sel] = res
+    return step
 
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
@@ -339,48 +471,55 @@ def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     return ids[np.lexsort((ids, -row[ids]))]
 
 
-def k_argsort(node: Tensor) -> None:
-    x = values(node.src[0])
-    order = ArgsortParams.of(node).order
-    tensor_view(node)[...] = np.argsort(-x if order == SortOrder.DESC else x, axis=-1, kind="stable").astype(np.int32)
+def bind_argsort(node: Tensor, shared: dict) -> Step:
+    x, out = reader(node.src[0]), tensor_view(node)
+    descending = ArgsortParams.of(node).order == SortOrder.DESC
+
+    def step() -> None:
+        v = x()
+        out[...] = np.argsort(-v if descending else v, axis=-1, kind="stable").astype(np.int32)
+    return step
 
 
-def k_top_k(node: Tensor) -> None:
-    x = values(node.src[0])
-    out = tensor_view(node)
-    k = node.ne[0]
-    for idx in np.ndindex(*x.shape[:-1]):
-        out[idx] = top_k_indices(x[idx], k)
+def bind_top_k(node: Tensor, shared: dict) -> Step:
+    x, out, k = reader(node.src[0]), tensor_view(node), node.ne[0]
+
+    def step() -> None:
+        v = x()
+        for idx in np.ndindex(*v.shape[:-1]):
+            out[idx] = top_k_indices(v[idx], k)
+    return step
 
 
-def k_argmax(node: Tensor) -> None:
-    tensor_view(node)[...] = values(node.src[0])[0, 0].argmax(axis=-1).astype(np.int32).reshape(1, 1, 1, -1)
+def bind_argmax(node: Tensor, shared: dict) -> Step:
+    x, out = reader(node.src[0]), tensor_view(node)
+    return lambda: out.__setitem__(Ellipsis, x()[0, 0].argmax(axis=-1).astype(np.int32).reshape(1, 1, 1, -1))
 
 
-OP_TABLE: dict[Op, Kernel] = {
+OP_TABLE: dict[Op, Binder] = {
     Op.ADD: _binary(np.add),
     Op.SUB: _binary(np.subtract),
     Op.MUL: _binary(np.multiply),
     Op.DIV: _binary(np.divide),
-    Op.SCALE: k_scale,
-    Op.UNARY: k_unary,
-    Op.GLU: k_glu,
-    Op.RMS_NORM: k_rms_norm,
-    Op.NORM: k_norm,
-    Op.SOFT_MAX: k_soft_max,
-    Op.ROPE: k_rope,
-    Op.MUL_MAT: k_mul_mat,
-    Op.GET_ROWS: k_get_rows,
-    Op.SET_ROWS: k_set_rows,
-    Op.CPY: k_cpy,
-    Op.CONT: k_cpy,
-    Op.DUP: k_cpy,
-    Op.CONCAT: k_concat,
-    Op.ARGMAX: k_argmax,
-    Op.ARGSORT: k_argsort,
-    Op.SUM_ROWS: k_sum_rows,
-    Op.CLAMP: k_clamp,
-    Op.MUL_MAT_ID: k_mul_mat_id,
-    Op.TOP_K: k_top_k,
-    Op.FLASH_ATTN_EXT: k_flash_attn_ext,
+    Op.SCALE: bind_scale,
+    Op.UNARY: bind_unary,
+    Op.GLU: bind_glu,
+    Op.RMS_NORM: bind_rms_norm,
+    Op.NORM: bind_norm,
+    Op.SOFT_MAX: bind_soft_max,
+    Op.ROPE: bind_rope,
+    Op.MUL_MAT: bind_mul_mat,
+    Op.GET_ROWS: bind_get_rows,
+    Op.SET_ROWS: bind_set_rows,
+    Op.CPY: bind_cpy,
+    Op.CONT: bind_cpy,
+    Op.DUP: bind_cpy,
+    Op.CONCAT: bind_concat,
+    Op.ARGMAX: bind_argmax,
+    Op.ARGSORT: bind_argsort,
+    Op.SUM_ROWS: bind_sum_rows,
+    Op.CLAMP: bind_clamp,
+    Op.MUL_MAT_ID: bind_mul_mat_id,
+    Op.TOP_K: bind_top_k,
+    Op.FLASH_ATTN_EXT: bind_flash_attn_ext,
 }

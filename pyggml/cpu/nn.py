@@ -21,13 +21,22 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .activations import round_f16
-from .simd import expf_v, fma32, reduce16, silu_v
+from .simd import expf_v, fma32, half_to_float, reduce16, silu_v
 
 f32 = np.float32
 _jit = njit(cache=True, inline="always", boundscheck=False)
+
+
+@_jit
+def _hidden16(w, o):
+    for i in range(o, o + 16):
+        if w[i] != -np.inf:
+            return False
+    return True
 
 
 @_jit
@@ -39,6 +48,10 @@ def _softmax_row(w, n):
     total = 0.0
     full = n - n % 16
     for o in range(0, full, 16):
+        if mx != -np.inf and _hidden16(w, o):
+            # 16 masked cells: each exp is exactly 0, and zeros leave the sum as it is
+            w[o:o + 16] = 0.0
+            continue
         for i in range(o, o + 16):
             w[i] = expf_v(w[i] - mx)
         total += np.float64(reduce16(w, o))
@@ -219,19 +232,31 @@ def rope_rotate(x, out, cos, sin, n_dims, neox):
 
 # -- attention ---------------------------------------------------------------------------------------
 
+def _kv_at(a, i):
+    """Element i of a row of the K or V cache as float32: its value, or the value of its F16 bits."""
+
+
+@overload(_kv_at, inline="always")
+def _kv_at_impl(a, i):
+    if a.dtype == types.uint16:
+        return lambda a, i: half_to_float(a[i])
+    return lambda a, i: a[i]
+
+
 @_jit
-def _dot_tinyblas(kh, c, q16, lanes):
+def _dot_tinyblas(krow, q16, lanes):
     """llamafile's tinyBLAS F16 dot: one 16-lane accumulator, over whole 16s (the caller takes
-    _dot_vec_f16 for other head sizes, as ggml does when tinyBLAS declines them)."""
+    _dot_vec_f16 for other head sizes, as ggml does when tinyBLAS declines them).  ``krow``: one
+    cell's key (1-d: the loops vectorize over a contiguous row)."""
     lanes[:] = 0.0
     for o in range(0, q16.size, 16):
         for j in range(16):
-            lanes[j] = fma32(kh[c, o + j], q16[o + j], lanes[j])
+            lanes[j] = fma32(_kv_at(krow, o + j), q16[o + j], lanes[j])
     return reduce16(lanes, 0)
 
 
 @_jit
-def _dot_vec_f16(kh, c, q16, lanes):
+def _dot_vec_f16(krow, q16, lanes):
     """ggml_vec_dot_f16 (AVX-512): four 16-lane accumulators over steps of 64, folded 0+2,
     1+3, then together; a tail past the last 64 summed in double."""
     n = q16.size
@@ -239,12 +264,12 @@ def _dot_vec_f16(kh, c, q16, lanes):
     lanes[:] = 0.0
     for o in range(0, full, 64):
         for j in range(64):
-            lanes[j] = fma32(kh[c, o + j], q16[o + j], lanes[j])
+            lanes[j] = fma32(_kv_at(krow, o + j), q16[o + j], lanes[j])
     for j in range(16):
         lanes[j] = (lanes[j] + lanes[32 + j]) + (lanes[16 + j] + lanes[48 + j])
     total = np.float64(reduce16(lanes, 0))
     for i in range(full, n):
-        total += np.float64(kh[c, i] * q16[i])
+        total += np.float64(_kv_at(krow, i) * q16[i])
     return f32(total)
 
 
@@ -267,22 +292,40 @@ def _alone_rows(mask):
     return alone
 
 
+@njit(cache=True, boundscheck=False)
+def seen_cells(mask):
+    """How many leading cells attention reads: up to the last one some row of ``mask`` [n_tokens,
+    n_kv] shows, in whole 64s (cells past it have probability 0; whole 64s keep every sum's lanes
+    as over the whole cache); all of them when no row shows any."""
+    n_tok, n_kv = mask.shape
+    last = -1
+    for t in range(n_tok):
+        for c in range(n_kv - 1, last, -1):
+            if math.isfinite(mask[t, c]):
+                last = c
+                break
+    return n_kv if last < 0 else min(n_kv, (last // 64 + 1) * 64)
+
+
 @njit(cache=True, parallel=True, boundscheck=False)
-def attention(q, k, v, mask, scale, softcap, out):
-    """q [n_head, n_tokens, d] (F32, rounded to F16 here), k [n_head_kv, n_kv, d] and
-    v [n_head_kv, n_kv, dv] (values of the F16 cache), mask [n_tokens, n_kv] -> out
-    [n_tokens, n_head, dv].
+def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
+    """q [n_head, n_tokens, d] (F32, rounded to F16 here); k [cells, n_head_kv * d] and v [cells,
+    n_head_kv * dv], a cell's heads side by side as the cache holds them: F16 bits (uint16) or
+    float32 values; mask [n_tokens, n_kv] (the first n_kv cells are read) -> out [n_tokens,
+    n_head, dv].
 
     ggml computes both products with tinyBLAS when there are several tokens and with
     ggml_vec_dot_f16 for a single one (llama.cpp's decoding step); the two sum in different
     lane orders.  "A single one" is taken per sequence: a row that shares no visible cell
     with another row is the only token of its sequence here and is summed as a single
     token, so a sequence's next token gets the same bits decoded alone or in a batch with
-    other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as padded with zeros to a multiple of 64 cells (llama.cpp
-    pads it to 256).  Cells the mask hides are skipped: their probability is exactly 0."""
+    other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as
+    padded with zeros to a multiple of 64 cells (llama.cpp pads it to 256).  Cells the mask
+    hides are skipped: their probability is exactly 0."""
     n_head, n_tok, d = q.shape
-    n_kv, dv = k.shape[1], v.shape[2]
-    group = n_head // k.shape[0]
+    n_kv = mask.shape[1]
+    dv = v.shape[1] // n_head_kv
+    group = n_head // n_head_kv
     alone = _alone_rows(mask)
     for r in prange(n_head * n_tok):
         h, t = r // n_tok, r % n_tok
@@ -290,7 +333,7 @@ def attention(q, k, v, mask, scale, softcap, out):
         # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
         # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
         tiny_kq = not single and d % 16 == 0
-        kh, vh = k[h // group], v[h // group]
+        ko, vo = (h // group) * d, (h // group) * dv
         q16 = np.empty(d, dtype=np.float32)
         for i in range(d):
             q16[i] = round_f16(q[h, t, i])
@@ -300,7 +343,8 @@ def attention(q, k, v, mask, scale, softcap, out):
             if mask[t, c] == -np.inf:
                 s[c] = -np.inf
                 continue
-            kq = _dot_tinyblas(kh, c, q16, lanes) if tiny_kq else _dot_vec_f16(kh, c, q16, lanes)
+            krow = k[c, ko:ko + d]
+            kq = _dot_tinyblas(krow, q16, lanes) if tiny_kq else _dot_vec_f16(krow, q16, lanes)
             if softcap != 0.0:
                 kq = f32(math.tanh(kq * f32(scale / softcap))) * f32(softcap)
             else:
@@ -313,8 +357,9 @@ def attention(q, k, v, mask, scale, softcap, out):
             if p == 0.0:
                 continue
             lane = c & 63 if single else c & 15
+            vrow = v[c, vo:vo + dv]
             for j in range(dv):
-                acc[lane, j] = fma32(vh[c, j], p, acc[lane, j])
+                acc[lane, j] = fma32(_kv_at(vrow, j), p, acc[lane, j])
         if single:
             for lane in range(16):
                 for j in range(dv):
@@ -322,3 +367,20 @@ def attention(q, k, v, mask, scale, softcap, out):
         for j in range(dv):
             out[t, h, j] = reduce16(acc[:, j], 0)
 
+
+def by_cell(kv: np.ndarray) -> np.ndarray:
+    """A K or V cache view [n_head_kv, cells, d] as [cells, n_head_kv * d] (attention_cells'
+    layout): the cache's own bytes when its heads lie side by side in each cell, a copy if not."""
+    heads, cells, d = kv.shape
+    flat = kv.transpose(1, 0, 2)
+    if flat.strides[1] == d * kv.itemsize and flat.strides[2] == kv.itemsize and flat.strides[0] >= heads * d * kv.itemsize:
+        return np.lib.stride_tricks.as_strided(flat, (cells, heads * d), (flat.strides[0], kv.itemsize))
+    return np.ascontiguousarray(flat).reshape(cells, heads * d)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float, softcap: float,
+              out: np.ndarray) -> None:
+    """q [n_head, n_tokens, d]; k [n_head_kv, n_kv, d] and v [n_head_kv, n_kv, dv]: float32 values or
+    F16 bits; mask [n_tokens, n_kv] -> out [n_tokens, n_head, dv] (attention_cells)."""
+    attention_cells(np.ascontiguousarray(q, dtype=np.float32), by_cell(k), by_cell(v), k.shape[0],
+                    np.ascontiguousarray(mask, dtype=np.float32), scale, softcap, out)

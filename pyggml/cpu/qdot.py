@@ -17,7 +17,8 @@ keep ggml's order.
 
 Two ways through: blockdot.py reads the GGUF blocks in registers, one row and column at a time
 (every single column - a decode step - and every batch of K-quants); batches of the 32-element
-types unpack each weight row into bytes once and use it for every column (``_chain32`` here).
+types unpack each pair of weight rows into bytes once and dot it with two columns at a time
+(``simd.block_dots_2x2``: four block-dot chains in one loop).
 
 ``kinds.EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
@@ -30,7 +31,7 @@ from numba import njit, prange
 from .blockdot import FORMATS, column_format, row_pair_dots
 from .kinds import Fmt
 from .qdecode import f16_at, opaque_zero, u32_at, u8_at
-from .simd import fma32, lane_chain8, lane_chain8x2, lane_dots, lane_dots_signed
+from .simd import block_dots_2x2_min, block_dots_2x2_signed, fma32, lane_chain8, lane_dots, lane_dots_signed
 
 f32 = np.float32
 
@@ -117,24 +118,20 @@ def _dots(codes, yb, S, signed):
 
 
 @_jit
-def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, S, wd, wm):
-    """Rows m and m + 1 of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column: their two lane
-    chains run side by side (lane_chain8x2), each hiding the other's fma latency."""
-    signed, with_min = SIGNED[kind], WITH_MIN[kind]
+def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm):
+    """Rows m and m + 1 of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column, two columns at a
+    time: four block-dot chains in one loop (simd.block_dots_2x2)."""
     unpack(kind, w[m], codes[0], wd[0], wm[0], f16)
     unpack(kind, w[m + 1], codes[1], wd[1], wm[1], f16)
-    nb = wd.shape[1]
-    for n in range(yb.shape[0]):
-        _dots(codes[0], yb[n], S[0], signed)
-        _dots(codes[1], yb[n], S[1], signed)
-        a, b = lane_chain8x2(S, wd, yd[n], nb)
-        if with_min:
-            sa = sb = f32(0.0)
-            for j in range(nb):
-                sa = fma32(wm[0, j], ys[n, j], sa)
-                sb = fma32(wm[1, j], ys[n, j], sb)
-            a, b = a + sa, b + sb
-        out[n, m], out[n, m + 1] = a, b
+    nb, n_cols = wd.shape[1], yb.shape[0]
+    for n in range(0, n_cols, 2):
+        n1 = min(n + 1, n_cols - 1)  # an odd last column goes with itself
+        if WITH_MIN[kind]:
+            a0, b0, a1, b1 = block_dots_2x2_min(codes, wd, wm, yb, yd, ys, n, n1, nb)
+        else:
+            a0, b0, a1, b1 = block_dots_2x2_signed(codes, wd, wm, yb, yd, ys, n, n1, nb)
+        out[n, m], out[n, m + 1] = a0, b0
+        out[n1, m], out[n1, m + 1] = a1, b1
 
 
 @_jit
@@ -188,7 +185,7 @@ def exact_quant_matmul(kind, w, yq, yd, ys, out, f16):
         wm = np.zeros((2, k // 32), dtype=np.float32)
         start, end = c * per, min(m_rows, (c + 1) * per)
         for m in range(start, end - 1, 2):
-            _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, S, wd, wm)
+            _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm)
         if (end - start) % 2:
             m = end - 1
             unpack(kind, w[m], codes[0], wd[0], wm[0], f16)  # straight into bytes

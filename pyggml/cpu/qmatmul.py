@@ -6,6 +6,11 @@ decoded row by row and dotted with the activations rounded the way ggml holds th
 ggml's up to float summation order.  For few columns (token-by-token decoding) each weight row
 is decoded into an L1-sized scratch vector and dotted with every column at once; for many
 columns rows are decoded a tile at a time and multiplied with BLAS.
+
+A product is two steps, as in ggml (``from_float`` into the weight type's ``vec_dot_type``,
+then the dots): :meth:`QuantProduct.activations` and calling the product.  A graph plan that
+multiplies one activation with several weights of the same type (attention's Q, K and V; the
+gate and up of a feed-forward) converts the activation once and hands it to each product.
 """
 from __future__ import annotations
 
@@ -40,35 +45,63 @@ def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
     return out
 
 
+class QuantProduct:
+    """x [N, K] float32 times the transpose of quantized weight rows w (uint8 [M, row_bytes]),
+    the weight's kernel chosen once."""
+
+    def __init__(self, w: np.ndarray, qtype: Type) -> None:
+        self.w = frozen(np.ascontiguousarray(w))
+        self.m_rows = w.shape[0]
+        self.kind = int(VEC_DOT.get(qtype, Act.F32))
+        self.exact = qtype in EXACT
+        if self.exact:
+            self.fmt = int(Fmt.Q4_K_X8 if qtype == Type.Q4_K and self.m_rows % 8 == 0 else EXACT[qtype])
+        else:
+            self.dec = int(DECODER[qtype])
+
+    @property
+    def activation_key(self) -> tuple[int, bool]:
+        """Products whose keys are equal take the same activations."""
+        return self.kind, self.exact
+
+    def activations(self, x: np.ndarray):
+        """x in the form this product multiplies (ggml's vec_dot_type): quantized blocks for the
+        exact types, the float values ggml would hold for the others."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
+
+    def __call__(self, acts, out: np.ndarray) -> None:
+        """out [N, M] (C-contiguous float32) = the product with ``activations(x)``."""
+        if self.m_rows == 0 or out.shape[0] == 0:
+            out[...] = 0.0
+            return
+        w = self.w
+        if self.exact:
+            yq, yd, ys = acts
+            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE)
+            return
+        x = acts
+        if x.shape[0] <= FUSED_MAX_COLS:
+            fused_matmul(self.dec, w, x, out, F16_TABLE)
+            return
+        # BLAS writes each tile's result into contiguous rows of the transposed output
+        out_t = np.empty((self.m_rows, x.shape[0]), dtype=np.float32)
+        tile = np.empty((min(TILE_ROWS, self.m_rows), x.shape[1]), dtype=np.float32)
+        for start in range(0, self.m_rows, TILE_ROWS):
+            rows = w[start:start + TILE_ROWS]
+            t = tile[:len(rows)]
+            decode_rows(self.dec, rows, t, F16_TABLE)
+            np.matmul(t, x.T, out=out_t[start:start + len(rows)])
+        out[...] = out_t.T
+
+
 def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32."""
-    n_cols, k = x.shape
-    m_rows = w.shape[0]
-    if m_rows == 0 or n_cols == 0:
-        return np.zeros((n_cols, m_rows), dtype=np.float32)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    w = frozen(w)
-    kind = int(VEC_DOT.get(qtype, Act.F32))
-    out = np.empty((n_cols, m_rows), dtype=np.float32)
-    if qtype in EXACT:
-        yq, yd, ys = quantize(x, kind)
-        exact = Fmt.Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
-        exact_quant_matmul(int(exact), w, yq, yd, ys, out, F16_TABLE)
-        return out
-    x = activation_values(x, kind)
-    dec = int(DECODER[qtype])
-    if n_cols <= FUSED_MAX_COLS:
-        fused_matmul(dec, w, x, out, F16_TABLE)
-        return out
-    # BLAS writes each tile's result into contiguous rows of the transposed output
-    out_t = np.empty((m_rows, n_cols), dtype=np.float32)
-    tile = np.empty((min(TILE_ROWS, m_rows), k), dtype=np.float32)
-    for start in range(0, m_rows, TILE_ROWS):
-        rows = w[start:start + TILE_ROWS]
-        t = tile[:len(rows)]
-        decode_rows(dec, rows, t, F16_TABLE)
-        np.matmul(t, x.T, out=out_t[start:start + len(rows)])
-    return np.ascontiguousarray(out_t.T)
+    product = QuantProduct(w, qtype)
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    if x.shape[0]:
+        product(product.activations(x), out)
+    return out
 
 
 def supports(qtype: Type) -> bool:

@@ -8,7 +8,7 @@ does the same operations in the same order, and its results equal llama.cpp's bi
 (tests/test_models.py checks this against llama.cpp's outputs).
 
 These helpers are numba functions inlined into the kernels that use them; the vector loops
-(``lane_chain8``, ``lane_chain8x2``, ``lane_dots``) are written as LLVM IR intrinsics, because
+(``lane_chain8``, ``lane_dots``, ``block_dots_2x2``) are written as LLVM IR intrinsics, because
 numba does not vectorize their shape by itself.  Integer products are exact however they are
 computed, so ``lane_dots`` may use ``vpdpbusd``; every float step keeps ggml's order.
 """
@@ -35,6 +35,29 @@ def fma32(typingctx, a, b, c):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3),
                                             "llvm.fma.f32")
         return builder.call(fn, args)
+    return sig, codegen
+
+
+@intrinsic
+def half_to_float(typingctx, bits):
+    """The float32 value of the IEEE half whose bits are ``bits`` (uint16): LLVM's ``fpext half``,
+    one ``vcvtph2ps`` for 16 values where the CPU has F16C; exact, as ggml's F16 -> F32."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def pow2_f32(typingctx, n):
+    """2**n as float32 for -126 <= n <= 127 (int32 n), from its exponent bits."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
     return sig, codegen
 
 
@@ -122,23 +145,6 @@ def lane_chain8(typingctx, S, wd, yd, nb):
     return sig, codegen
 
 
-@intrinsic
-def lane_chain8x2(typingctx, S, wd, yd, nb):
-    """``lane_chain8`` for two weight rows at once (S, wd: C-contiguous [2, n]): two chains of
-    fused multiply-adds in flight, so that one's latency hides behind the other's."""
-    sig = types.UniTuple(types.float32, 2)(S, wd, yd, types.intp)
-
-    def codegen(context, builder, signature, args):
-        s_arr = context.make_array(signature.args[0])(context, builder, args[0])
-        wd_arr = context.make_array(signature.args[1])(context, builder, args[1])
-        yd_ptr = context.make_array(signature.args[2])(context, builder, args[2]).data
-        s_rows = [s_arr.data, builder.gep(s_arr.data, [builder.extract_value(s_arr.shape, 1)])]
-        wd_rows = [wd_arr.data, builder.gep(wd_arr.data, [builder.extract_value(wd_arr.shape, 1)])]
-        sums = _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, args[3])
-        return context.make_tuple(builder, signature.return_type, sums)
-    return sig, codegen
-
-
 def target_has_vnni() -> bool:
     """Whether numba compiles for a CPU with AVX-512 VNNI (vpdpbusd, on 512- and 256-bit vectors:
     with AVX-512 VL, which every VNNI CPU has); PYGGML_NO_VNNI=1 says no
@@ -214,6 +220,83 @@ lane_dots = _lane_dots(signed_weights=False)
 lane_dots_signed = _lane_dots(signed_weights=True)
 
 
+def _block_dots_2x2(signed_weights: bool, with_min: bool):
+    """The dot products of two unpacked weight rows with two activation columns, each as ggml's
+    32-element block dot computes it, in one loop over the blocks: per block b the 8 lane sums
+    of a row and a column (dot4 over its 32 bytes: lane l sums elements 4l..4l+3) go straight
+    into that pair's chain ``acc = fma(wd[b] * yd[b], float(sums), acc)``, and with the minimum
+    ``summs = fma(wm[b], ys[b], summs)`` beside it; the result is ``hsum8(acc) + summs``.  The
+    same float steps as lane_dots + lane_chain8, without the lane sums' trip through memory,
+    and four independent chains in flight.
+
+    ``block_dots_2x2(codes, wd, wm, yb, yd, ys, n0, n1, nb)``: codes int8 [2, k64], wd and wm
+    float32 [2, nb], yb int8 [N, k64], yd and ys float32 [N, nb] (C-contiguous); returns the
+    products of (row 0, column n0), (row 1, n0), (row 0, n1), (row 1, n1).  Raw pointers, no bounds
+    checks: qdot.py passes nb = K / 32 blocks and columns n0, n1 < N."""
+    def typer(typingctx, codes, wd, wm, yb, yd, ys, n0, n1, nb):
+        return types.UniTuple(types.float32, 4)(codes, wd, wm, yb, yd, ys, types.intp, types.intp, types.intp), \
+            _codegen
+    vnni = target_has_vnni()
+
+    def _codegen(context, builder, signature, args):
+        i8, i64, f32t = ir.IntType(8), ir.IntType(64), ir.FloatType()
+        v8, v32b = ir.VectorType(f32t, 8), ir.VectorType(i8, 32)
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:6], args[:6])]
+        codes, wd, wm, yb, yd, ys = arrays
+        n0, n1, nb = args[6:9]
+        k64 = builder.extract_value(codes.shape, 1)
+        rows = [(builder.gep(codes.data, [builder.mul(ir.Constant(i64, r), k64)]),
+                 builder.gep(wd.data, [builder.mul(ir.Constant(i64, r), nb)]),
+                 builder.gep(wm.data, [builder.mul(ir.Constant(i64, r), nb)])) for r in range(2)]
+        cols = [(builder.gep(yb.data, [builder.mul(n, k64)]), builder.gep(yd.data, [builder.mul(n, nb)]),
+                 builder.gep(ys.data, [builder.mul(n, nb)])) for n in (n0, n1)]
+        fma_v = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
+        fma_s = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32t, [f32t] * 3), "llvm.fma.f32")
+        zero_v, zero_s = ir.Constant(v8, [0.0] * 8), ir.Constant(f32t, 0.0)
+        pairs = [(r, c) for c in range(2) for r in range(2)]
+        b, pre, loop, done = loop_begin(builder, nb, "blocks")
+        accs = [builder.phi(v8) for _ in pairs]
+        mins = [builder.phi(f32t) for _ in pairs]
+        for phi, zero in zip(accs + mins, [zero_v] * 4 + [zero_s] * 4):
+            phi.add_incoming(zero, pre)
+        at = builder.mul(b, ir.Constant(i64, 32))
+        wbs = [builder.load(builder.bitcast(builder.gep(r[0], [at]), v32b.as_pointer()), align=1) for r in rows]
+        ybs = [builder.load(builder.bitcast(builder.gep(c[0], [at]), v32b.as_pointer()), align=1) for c in cols]
+        wds = [builder.load(builder.gep(r[1], [b])) for r in rows]
+        yds = [builder.load(builder.gep(c[1], [b])) for c in cols]
+        next_accs, next_mins = [], []
+        for (r, c), acc, summs in zip(pairs, accs, mins):
+            sums = builder.sitofp(dot4(builder, wbs[r], ybs[c], signed_weights, vnni), v8)
+            next_accs.append(builder.call(fma_v, [splat8(builder, builder.fmul(wds[r], yds[c])), sums, acc]))
+            if with_min:
+                wm_b = builder.load(builder.gep(rows[r][2], [b]))
+                ys_b = builder.load(builder.gep(cols[c][2], [b]))
+                next_mins.append(builder.call(fma_s, [wm_b, ys_b, summs]))
+            else:
+                next_mins.append(summs)
+        for phi, nxt in zip(accs + mins, next_accs + next_mins):
+            phi.add_incoming(nxt, loop)
+        loop_end(builder, b, nb, loop, done)
+        final_accs = [builder.phi(v8) for _ in pairs]  # the phis first in the block
+        final_mins = [builder.phi(f32t) for _ in pairs] if with_min else []
+        for phi, nacc in zip(final_accs, next_accs):
+            phi.add_incoming(zero_v, pre)
+            phi.add_incoming(nacc, loop)
+        for phi, nmin in zip(final_mins, next_mins):
+            phi.add_incoming(zero_s, pre)
+            phi.add_incoming(nmin, loop)
+        results = [hsum8_ir(builder, acc) for acc in final_accs]
+        if with_min:
+            results = [builder.fadd(total, summs) for total, summs in zip(results, final_mins)]
+        return context.make_tuple(builder, signature.return_type, results)
+    return intrinsic(typer)
+
+
+# the 32-element formats: signed weights without a minimum (Q4_0, Q5_0, Q8_0), unsigned with one (Q4_1, Q5_1)
+block_dots_2x2_signed = _block_dots_2x2(True, False)
+block_dots_2x2_min = _block_dots_2x2(False, True)
+
+
 _jit = njit(cache=True, inline="always")
 
 
@@ -261,7 +344,10 @@ def expf_v(x):
     j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, f32(1.0)))
     if abs(n) > f32(192.0):
         return f32(0.0) if n <= f32(0.0) else f32(np.inf)
-    # scalef: j * 2**n with one rounding (exact unless the result is subnormal)
+    # scalef: j * 2**n with one rounding.  j is within [2**-0.5, 2**0.5], so for -125 <= n <= 127
+    # the result is a normal float and multiplying by 2**n (built from its bits) is exact
+    if f32(-125.0) <= n <= f32(127.0):
+        return j * pow2_f32(np.int32(n))
     return f32(math.ldexp(np.float64(j), np.int64(n)))
 
 

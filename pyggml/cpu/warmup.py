@@ -55,9 +55,11 @@ def _layers() -> None:
     cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
     q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
     nn.rope_rotate(q, np.empty_like(q), cos, sin, 16, True)
-    qa = np.ones((1, 2, 64), dtype=f32)
-    nn.attention(qa, qa, qa, np.zeros((2, 2), dtype=f32), 0.125, 0.0, np.empty((2, 1, 64), dtype=f32))
-    nn.attention(qa[:, :1], qa, qa, np.zeros((1, 2), dtype=f32), 0.125, 0.0, np.empty((1, 1, 64), dtype=f32))
+    q = np.ones((1, 2, 64), dtype=f32)
+    cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
+    mask = np.zeros((2, 2), dtype=f32)
+    nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32))
+    nn.seen_cells(mask)
 
 
 PARTS = (_products, _decoders, _layers)  # the first is the largest: it starts first
