@@ -25,6 +25,14 @@ def framed(frames: list[bytes]) -> bytes:
     return transport.message_head([memoryview(f) for f in frames]) + b"".join(frames)
 
 
+def free_memory(server) -> int:
+    """The free memory the server reports for device 0, asked over a connection of its own."""
+    probe = RawClient(server.endpoint)
+    value = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])[0]
+    probe.close()
+    return value
+
+
 @pytest.mark.parametrize("op", ["gelu", "geglu"])
 def test_gelu_of_nan_computes_nan(client, server, op):
     """NaN indexed the GELU table past its end: SIGSEGV in the server."""
@@ -109,13 +117,7 @@ def test_what_is_not_a_message_ends_only_its_own_connection(server, junk):
 def test_a_client_that_resets_its_connection_while_answers_are_sent_takes_only_its_session(server):
     """A client that pipelined requests and reset its connection made the server's next answer fail
     with ECONNRESET - which escaped the serving loop and ended the server for everyone."""
-    def free() -> int:
-        probe = RawClient(server.endpoint)
-        value = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])[0]
-        probe.close()
-        return value
-
-    before = free()
+    before = free_memory(server)
     hello = framed([P.HEADER.pack(C.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
     work = framed([P.HEADER.pack(C.ALLOC_BUFFER, 0, 0, 2) + P.ALLOC_BUFFER.pack(0, 1 << 20)]) + b"".join(
         framed([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, i)]) for i in range(3, 40))
@@ -126,9 +128,9 @@ def test_a_client_that_resets_its_connection_while_answers_are_sent_takes_only_i
         sock.close()
         assert server.alive(), "the server died of a reset connection"
     deadline = time.monotonic() + 10
-    while free() != before and time.monotonic() < deadline:
+    while free_memory(server) != before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert free() == before, "the reset sessions' buffers are still held"
+    assert free_memory(server) == before, "the reset sessions' buffers are still held"
     still_serving(server)
 
 
@@ -251,13 +253,7 @@ def test_a_client_that_never_reads_its_replies_loses_its_session(server):
     """The server waited forever to hand over answers nobody read, and every other client with it."""
     from pyggml.rpc.server import Limits
 
-    def free() -> int:
-        probe = RawClient(server.endpoint)
-        value = P.DEVICE_MEMORY.unpack(probe.call(C.GET_DEVICE_MEMORY, P.U32.pack(0))[1])[0]
-        probe.close()
-        return value
-
-    before = free()
+    before = free_memory(server)
     c = RawClient(server.endpoint)
     size = 1 << 20
     handle = alloc(c, size)
@@ -265,9 +261,9 @@ def test_a_client_that_never_reads_its_replies_loses_its_session(server):
     request = framed([P.HEADER.pack(C.GET_TENSOR, 0, 0, 3) + t + P.GET_TENSOR.pack(0, size, P.Codec.RAW)])
     c.send_bytes(request * (Limits.pending_replies + 64))  # 80 MiB of answers, never read
     deadline = time.monotonic() + 20
-    while free() != before and time.monotonic() < deadline:
+    while free_memory(server) != before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert free() == before, "the session's buffer is still held"
+    assert free_memory(server) == before, "the session's buffer is still held"
     while c.recv(timeout=1) is not None:  # what did arrive, then the answer to a new request says why
         pass
     c.send_raw([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 99)])

@@ -345,24 +345,28 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     return step
 
 
-def _index_array(t: Tensor) -> Callable[[], np.ndarray]:
+def _row_ids(t: Tensor, n_rows: int, what: str) -> Callable[[], np.ndarray]:
+    """The row ids in t as int64, checked at every step to lie in [0, n_rows)."""
     view = tensor_view(t)
-    return lambda: view.astype(np.int64)
+
+    def ids() -> np.ndarray:
+        v = view.astype(np.int64)
+        if v.size and (v.min() < 0 or v.max() >= n_rows):
+            raise IndexError(f"{what}: index out of range [0, {n_rows}) in {t.name or 'indices'}")
+        return v
+    return ids
 
 
 def bind_get_rows(node: Tensor, shared: dict) -> Step:
     a, idx = node.src[0], node.src[1]
-    index = _index_array(idx)  # [1, i2, i1, n]
+    index = _row_ids(idx, a.ne[1], "GET_ROWS")  # [1, i2, i1, n]
     out = tensor_view(node)    # [i2, i1, n, ne0]
-    n_rows, name = a.ne[1], idx.name or "indices"
     src = (lambda rows=tensor_rows(a): rows) if a.type.is_quantized else reader(a)
     decode = (lambda picked: dequantize_rows(picked, a.type, a.ne[0])) if quant_supported(a.type) \
         else (lambda picked: quants.dequantize(picked, a.type))
 
     def step() -> None:
         ids = index()
-        if np.any(ids < 0) or np.any(ids >= n_rows):
-            raise IndexError(f"GET_ROWS: index out of range [0, {n_rows}) in {name}")
         rows = src()
         for i2 in range(idx.ne[2]):
             for i1 in range(idx.ne[1]):
@@ -373,16 +377,14 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
 
 def bind_set_rows(node: Tensor, shared: dict) -> Step:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
-    index = _index_array(idx)  # [1, i2, i1, n]
+    index = _row_ids(idx, dst.ne[1], "SET_ROWS")  # [1, i2, i1, n]
     x = reader(src)            # [s3, s2, n, ne0]
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
-    n_rows, quantized = dst.ne[1], node.type.is_quantized
+    quantized = node.type.is_quantized
     out = tensor_rows(node) if quantized else tensor_view(node)
 
     def step() -> None:
         ids = index()
-        if np.any(ids < 0) or np.any(ids >= n_rows):
-            raise IndexError(f"SET_ROWS: index out of range [0, {n_rows})")
         xv = x()
         for i3 in range(src.ne[3]):
             for i2 in range(src.ne[2]):

@@ -171,32 +171,31 @@ def _k4_scale_min(row, p, j):
 
 
 @_jit
-def dec_q4_k(row, out, f16):
+def _dec_k_nibbles(row, out, f16, block_bytes, qs_at, five):
+    """Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minima; 4-bit values at qs_at,
+    and for Q5_K (``five``) a fifth bit per value from the 32 bytes at 16."""
     z = opaque_zero(f16)
     for b in range(out.size // 256):
-        p, o = b * 144, b * 256
+        p, o = b * block_bytes, b * 256
         d, dmin = f16_at(row, p, f16), f16_at(row, p + 2, f16)
         for s in range(8):
             sc, mn = _k4_scale_min(row, p + 4, s)
             ds, dm = d * np.float32(sc), dmin * np.float32(mn)
             shift = 4 * (s & 1)
             for l in range(32):
-                q = ((u8_at(row, p + 16 + (s // 2) * 32 + l) >> shift) & 15) | ((z >> l) & 1)
+                high = (((u8_at(row, p + 16 + l) >> s) & 1) << 4) if five else ((z >> l) & 1)
+                q = ((u8_at(row, p + qs_at + (s // 2) * 32 + l) >> shift) & 15) | high
                 out[o + s * 32 + l] = ds * np.float32(q) - dm
 
 
 @_jit
+def dec_q4_k(row, out, f16):
+    _dec_k_nibbles(row, out, f16, 144, 16, False)
+
+
+@_jit
 def dec_q5_k(row, out, f16):
-    for b in range(out.size // 256):
-        p, o = b * 176, b * 256
-        d, dmin = f16_at(row, p, f16), f16_at(row, p + 2, f16)
-        for s in range(8):
-            sc, mn = _k4_scale_min(row, p + 4, s)
-            ds, dm = d * np.float32(sc), dmin * np.float32(mn)
-            shift = 4 * (s & 1)
-            for l in range(32):
-                q = ((u8_at(row, p + 48 + (s // 2) * 32 + l) >> shift) & 15) | (((u8_at(row, p + 16 + l) >> s) & 1) << 4)
-                out[o + s * 32 + l] = ds * np.float32(q) - dm
+    _dec_k_nibbles(row, out, f16, 176, 48, True)
 
 
 @_jit

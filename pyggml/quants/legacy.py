@@ -94,38 +94,37 @@ def _pack_q5_high(q: np.ndarray) -> np.ndarray:
     return np.packbits((q >> 4).astype(np.uint8), axis=-1, bitorder="little").view("<u4")[:, 0]
 
 
-def quant_q4_0(x: np.ndarray) -> np.ndarray:
-    d, q = _symmetric_quant(x, 16)
-    b = empty_blocks(len(x), Type.Q4_0)
+def _quant_nibbles(x: np.ndarray, qtype: Type, levels: int, with_min: bool) -> np.ndarray:
+    """Q4_0/Q5_0 (symmetric) and Q4_1/Q5_1 (with the block minimum): the low four bits of each
+    value in nibbles, and for 32 levels the fifth bit in ``qh``."""
+    if with_min:
+        d, mn, q = _scale_offset_quant(x, levels)
+    else:
+        d, q = _symmetric_quant(x, levels)
+    b = empty_blocks(len(x), qtype)
     b["d"] = d[:, 0]
+    if with_min:
+        b["m"] = mn[:, 0]
+    if levels == 32:
+        b["qh"] = _pack_q5_high(q)
     b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
     return b
+
+
+def quant_q4_0(x: np.ndarray) -> np.ndarray:
+    return _quant_nibbles(x, Type.Q4_0, 16, False)
 
 
 def quant_q4_1(x: np.ndarray) -> np.ndarray:
-    d, mn, q = _scale_offset_quant(x, 16)
-    b = empty_blocks(len(x), Type.Q4_1)
-    b["d"], b["m"] = d[:, 0], mn[:, 0]
-    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
-    return b
+    return _quant_nibbles(x, Type.Q4_1, 16, True)
 
 
 def quant_q5_0(x: np.ndarray) -> np.ndarray:
-    d, q = _symmetric_quant(x, 32)
-    b = empty_blocks(len(x), Type.Q5_0)
-    b["d"] = d[:, 0]
-    b["qh"] = _pack_q5_high(q)
-    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
-    return b
+    return _quant_nibbles(x, Type.Q5_0, 32, False)
 
 
 def quant_q5_1(x: np.ndarray) -> np.ndarray:
-    d, mn, q = _scale_offset_quant(x, 32)
-    b = empty_blocks(len(x), Type.Q5_1)
-    b["d"], b["m"] = d[:, 0], mn[:, 0]
-    b["qh"] = _pack_q5_high(q)
-    b["qs"] = pack_nibbles(q[:, :16], q[:, 16:])
-    return b
+    return _quant_nibbles(x, Type.Q5_1, 32, True)
 
 
 def _q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
