@@ -83,3 +83,15 @@ def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
         b = top.sample_top(ids, row[ids], hist, row[hist], history)
         assert a == b
         history.append(a)
+
+
+@pytest.mark.parametrize("k", [1, 7, 40, 256, 257, 999])
+def test_top_k_indices_is_the_head_of_the_full_order(k):
+    """Largest first, equal values lowest index first - by a heap pass up to 256, by a partition
+    beyond: both the first k of a stable sort of the whole row, many values equal."""
+    from pyggml.cpu.kernels import top_k_indices
+    rng = np.random.default_rng(k)
+    for _ in range(20):
+        row = (np.round(rng.standard_normal(1000) * 3) / 3).astype(np.float32)
+        order = np.lexsort((np.arange(row.size), -row))
+        assert np.array_equal(top_k_indices(row, k), order[:k])

@@ -38,48 +38,64 @@ def round_f16(v):
     return np.float32(math.copysign(np.rint(a / quantum) * quantum, v))
 
 
+@njit(cache=True, inline="always")
+def _quantize_row(x, r, kind, yq, yd, ys):
+    """Row r of quantize_q8."""
+    k = x.shape[1]
+    block = 256 if kind == Act.Q8_K else 32
+    for b in range(k // block):
+        lo = b * block
+        if kind == Act.Q8_K:
+            amax, vmax = np.float32(0.0), np.float32(0.0)
+            for i in range(lo, lo + block):
+                if abs(x[r, i]) > amax:
+                    amax, vmax = abs(x[r, i]), x[r, i]
+            if amax == 0.0:
+                yq[r, lo:lo + block] = 0.0
+                yd[r, b] = 0.0
+                ys[r, b * 16:b * 16 + 16] = 0.0
+                continue
+            iscale = np.float32(-127.0) / vmax
+            yd[r, b] = np.float32(1.0) / iscale
+            for i in range(lo, lo + block):
+                yq[r, i] = min(np.float32(127.0), np.rint(iscale * x[r, i]))
+            for s in range(16):
+                acc = np.float32(0.0)
+                for i in range(lo + 16 * s, lo + 16 * s + 16):
+                    acc += yq[r, i]
+                ys[r, b * 16 + s] = acc
+            continue
+        amax = np.float32(0.0)
+        for i in range(lo, lo + block):
+            amax = max(amax, abs(x[r, i]))
+        d = amax / np.float32(127.0)
+        ident = np.float32(127.0) / amax if amax != 0.0 else np.float32(0.0)
+        qsum = np.float32(0.0)
+        for i in range(lo, lo + block):
+            q = np.rint(x[r, i] * ident)
+            qsum += q
+            yq[r, i] = q
+        yd[r, b] = round_f16(d)
+        ys[r, b] = round_f16(d * qsum) if kind == Act.Q8_1 else qsum
+
+
 @njit(cache=True, parallel=True)
 def quantize_q8(x, kind, yq, yd, ys):
     """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
     [N, K/16]."""
-    n_rows, k = x.shape
-    block = 256 if kind == Act.Q8_K else 32
-    for r in prange(n_rows):
-        for b in range(k // block):
-            lo = b * block
-            if kind == Act.Q8_K:
-                amax, vmax = np.float32(0.0), np.float32(0.0)
-                for i in range(lo, lo + block):
-                    if abs(x[r, i]) > amax:
-                        amax, vmax = abs(x[r, i]), x[r, i]
-                if amax == 0.0:
-                    yq[r, lo:lo + block] = 0.0
-                    yd[r, b] = 0.0
-                    ys[r, b * 16:b * 16 + 16] = 0.0
-                    continue
-                iscale = np.float32(-127.0) / vmax
-                yd[r, b] = np.float32(1.0) / iscale
-                for i in range(lo, lo + block):
-                    yq[r, i] = min(np.float32(127.0), np.rint(iscale * x[r, i]))
-                for s in range(16):
-                    acc = np.float32(0.0)
-                    for i in range(lo + 16 * s, lo + 16 * s + 16):
-                        acc += yq[r, i]
-                    ys[r, b * 16 + s] = acc
-                continue
-            amax = np.float32(0.0)
-            for i in range(lo, lo + block):
-                amax = max(amax, abs(x[r, i]))
-            d = amax / np.float32(127.0)
-            ident = np.float32(127.0) / amax if amax != 0.0 else np.float32(0.0)
-            qsum = np.float32(0.0)
-            for i in range(lo, lo + block):
-                q = np.rint(x[r, i] * ident)
-                qsum += q
-                yq[r, i] = q
-            yd[r, b] = round_f16(d)
-            ys[r, b] = round_f16(d * qsum) if kind == Act.Q8_1 else qsum
+    for r in prange(x.shape[0]):
+        _quantize_row(x, r, kind, yq, yd, ys)
+
+
+@njit(cache=True)
+def quantize_q8_serial(x, kind, yq, yd, ys):
+    """quantize_q8 in this thread: for a row or two, less than waking the others."""
+    for r in range(x.shape[0]):
+        _quantize_row(x, r, kind, yq, yd, ys)
+
+
+SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread
 
 
 def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,7 +104,7 @@ def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     yq = np.empty((n, k), dtype=np.float32)
     yd = np.empty((n, k // 256 if kind == Act.Q8_K else k // 32), dtype=np.float32)
     ys = np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32)
-    quantize_q8(x, kind, yq, yd, ys)
+    (quantize_q8 if n > SERIAL_ROWS else quantize_q8_serial)(x, kind, yq, yd, ys)
     return yq, yd, ys
 
 

@@ -456,15 +456,23 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     return step
 
 
+# up to this k a heap pass (nn.top_k_rows) beats a partition and a sort
+HEAP_TOP_K = 256
+
+
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
     """The indices of the k largest values of a 1-D row, largest first, equal values lowest
     index first - one rule, so that TOP_K on any device and the sampler over a whole row
-    pick the same k in the same order.  O(n): a partition, then a sort of k."""
+    pick the same k in the same order."""
     n = row.size
     k = min(k, n)
     if k <= 0:
         return np.zeros(0, dtype=np.int64)
-    if k < n:
+    if k <= HEAP_TOP_K:
+        out = np.empty((1, k), dtype=np.int64)
+        nn.top_k_rows(np.ascontiguousarray(row, dtype=f32).reshape(1, n), k, out)
+        return out[0]
+    if k < n:  # a partition, then a sort of k
         kth = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
         above = np.flatnonzero(row > kth)
         ids = np.concatenate([above, np.flatnonzero(row == kth)[:k - above.size]])
@@ -485,9 +493,15 @@ def bind_argsort(node: Tensor, shared: dict) -> Step:
 
 def bind_top_k(node: Tensor, shared: dict) -> Step:
     x, out, k = reader(node.src[0]), tensor_view(node), node.ne[0]
+    n = node.src[0].ne[0]
 
     def step() -> None:
         v = x()
+        if 0 < k <= min(n, HEAP_TOP_K):
+            ids = np.empty((v.size // n, k), dtype=np.int64)
+            nn.top_k_rows(np.ascontiguousarray(v).reshape(-1, n), k, ids)
+            out[...] = ids.reshape(out.shape)
+            return
         for idx in np.ndindex(*v.shape[:-1]):
             out[idx] = top_k_indices(v[idx], k)
     return step

@@ -52,8 +52,8 @@ def _softmax_row(w, n):
             # 16 masked cells: each exp is exactly 0, and zeros leave the sum as it is
             w[o:o + 16] = 0.0
             continue
-        for i in range(o, o + 16):
-            w[i] = expf_v(w[i] - mx)
+        for i in range(o, o + 16):  # a masked cell's exp is exactly 0 (unless the whole row is masked)
+            w[i] = expf_v(w[i] - mx) if w[i] != -np.inf or mx == -np.inf else f32(0.0)
         total += np.float64(reduce16(w, o))
     for i in range(full, n):
         w[i] = f32(math.exp(w[i] - mx))
@@ -292,6 +292,50 @@ def _alone_rows(mask):
     return alone
 
 
+@_jit
+def _seen_by_row(mask):
+    """Per row of mask [n_tokens, n_kv], how many cells it shows and which, in ascending order."""
+    n_tok, n_kv = mask.shape
+    counts = np.zeros(n_tok, dtype=np.int64)
+    cells = np.empty((n_tok, n_kv), dtype=np.int32)
+    for t in range(n_tok):
+        m = 0
+        for c in range(n_kv):
+            if mask[t, c] != -np.inf:
+                cells[t, m] = c
+                m += 1
+        counts[t] = m
+    return counts, cells
+
+
+@_jit
+def _softmax_seen(w, n, cells, m):
+    """``_softmax_row`` of w[:n] whose cells other than cells[:m] (ascending) were -inf and hold
+    the 0 their exponential is: the exponentials of the cells seen only, each 16-lane group that
+    holds one summed as there (the other groups add 0), the tail past the last whole 16 in order."""
+    mx = f32(-np.inf)
+    for i in range(m):
+        mx = max(mx, w[cells[i]])
+    full = n - n % 16
+    for i in range(m):
+        c = cells[i]
+        w[c] = expf_v(w[c] - mx) if c < full else f32(math.exp(w[c] - mx))
+    total = 0.0
+    group = -1
+    for i in range(m):
+        c = cells[i]
+        if c >= full:
+            break
+        if c // 16 != group:
+            group = c // 16
+            total += np.float64(reduce16(w, group * 16))
+    for c in range(full, n):
+        total += np.float64(w[c])
+    inv = f32(1.0 / total)
+    for i in range(m):
+        w[cells[i]] *= inv
+
+
 @njit(cache=True, boundscheck=False)
 def seen_cells(mask):
     """How many leading cells attention reads: up to the last one some row of ``mask`` [n_tokens,
@@ -327,6 +371,7 @@ def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
     dv = v.shape[1] // n_head_kv
     group = n_head // n_head_kv
     alone = _alone_rows(mask)
+    n_seen, seen = _seen_by_row(mask)
     for r in prange(n_head * n_tok):
         h, t = r // n_tok, r % n_tok
         single = alone[t]
@@ -337,12 +382,13 @@ def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
         q16 = np.empty(d, dtype=np.float32)
         for i in range(d):
             q16[i] = round_f16(q[h, t, i])
-        s = np.empty(n_kv, dtype=np.float32)
+        # the row's scores: the cells it sees in ascending order; the others hold the 0 that
+        # their exponential is (softmax of -inf), so that every sum adds what it added over them
+        m, cells = n_seen[t], seen[t]
+        s = np.zeros(n_kv, dtype=np.float32)
         lanes = np.empty(64, dtype=np.float32)
-        for c in range(n_kv):
-            if mask[t, c] == -np.inf:
-                s[c] = -np.inf
-                continue
+        for i in range(m):
+            c = cells[i]
             krow = k[c, ko:ko + d]
             kq = _dot_tinyblas(krow, q16, lanes) if tiny_kq else _dot_vec_f16(krow, q16, lanes)
             if softcap != 0.0:
@@ -350,9 +396,14 @@ def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
             else:
                 kq = kq * f32(scale)
             s[c] = kq + mask[t, c]
-        _softmax_row(s, n_kv)
+        if m:
+            _softmax_seen(s, n_kv, cells, m)
+        else:  # a row that sees no cell: NaN, as over -inf everywhere
+            s[:] = -np.inf
+            _softmax_row(s, n_kv)
         acc = np.zeros((64 if single else 16, dv), dtype=np.float32)
-        for c in range(n_kv):
+        for i in range(m if m else n_kv):
+            c = cells[i] if m else i
             p = round_f16(s[c])
             if p == 0.0:
                 continue
@@ -384,3 +435,57 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
     F16 bits; mask [n_tokens, n_kv] -> out [n_tokens, n_head, dv] (attention_cells)."""
     attention_cells(np.ascontiguousarray(q, dtype=np.float32), by_cell(k), by_cell(v), k.shape[0],
                     np.ascontiguousarray(mask, dtype=np.float32), scale, softcap, out)
+
+
+# -- selection ---------------------------------------------------------------------------------------
+
+@_jit
+def _worse(va, ia, vb, ib):
+    """Whether (value va, index ia) ranks below (vb, ib): smaller value, or equal and later."""
+    return va < vb or (va == vb and ia > ib)
+
+
+@_jit
+def _sift_down(hv, hi, k, at):
+    """Restore the heap (its worst entry at 0) below ``at``."""
+    while True:
+        child = 2 * at + 1
+        if child >= k:
+            return
+        if child + 1 < k and _worse(hv[child + 1], hi[child + 1], hv[child], hi[child]):
+            child += 1
+        if not _worse(hv[child], hi[child], hv[at], hi[at]):
+            return
+        hv[at], hv[child] = hv[child], hv[at]
+        hi[at], hi[child] = hi[child], hi[at]
+        at = child
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def top_k_rows(x, k, out):
+    """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
+    first, equal values lowest index first; NaN ranks below every number.  One pass per row
+    against a heap of the k best so far: a value enters only when it beats the heap's worst."""
+    n = x.shape[1]
+    for r in prange(x.shape[0]):
+        hv = np.empty(k, dtype=np.float32)
+        hi = np.empty(k, dtype=np.int64)
+        for i in range(k):
+            v = x[r, i]
+            hv[i], hi[i] = (v if v == v else f32(-np.inf)), i
+        for at in range(k // 2 - 1, -1, -1):
+            _sift_down(hv, hi, k, at)
+        for i in range(k, n):
+            v = x[r, i]
+            if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
+                hv[0], hi[0] = v, i
+                _sift_down(hv, hi, k, 0)
+        for i in range(1, k):  # best first: insertion sort of the k (few) entries
+            v, j = hv[i], hi[i]
+            at = i
+            while at > 0 and _worse(hv[at - 1], hi[at - 1], v, j):
+                hv[at], hi[at] = hv[at - 1], hi[at - 1]
+                at -= 1
+            hv[at], hi[at] = v, j
+        for i in range(k):
+            out[r, i] = hi[i]

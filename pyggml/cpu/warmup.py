@@ -36,7 +36,8 @@ def _products() -> None:
 def _decoders() -> None:
     x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
     for kind in (Act.Q8_0, Act.Q8_1, Act.Q8_K):
-        quantize(x, int(kind))
+        quantize(x, int(kind))  # a row or two: in this thread
+        quantize(np.concatenate([x, x]), int(kind))  # more: in parallel
     w = frozen(np.zeros((2, Type.Q4_K.row_size(256)), dtype=np.uint8))
     decode_rows(int(DECODER[Type.Q4_K]), w, np.empty((2, 256), dtype=f32), F16_TABLE)
     fused_matmul(int(DECODER[Type.Q4_K]), w, x, np.empty((2, 2), dtype=f32), F16_TABLE)
@@ -60,6 +61,7 @@ def _layers() -> None:
     mask = np.zeros((2, 2), dtype=f32)
     nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32))
     nn.seen_cells(mask)
+    nn.top_k_rows(x, 2, np.empty((2, 2), dtype=np.int64))
 
 
 PARTS = (_products, _decoders, _layers)  # the first is the largest: it starts first
