@@ -89,3 +89,28 @@ def test_integer_dispatch_matches_the_decoders():
         decoder(row, want, F16_TABLE)
         decode_row(int(DECODER[qtype]), row, got, F16_TABLE)
         np.testing.assert_array_equal(got, want, err_msg=qtype.name)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
+    """MUL_MAT_ID computes every expert's product in one parallel call (qdot.exact_quant_matmul_id);
+    each must be the bits of that expert's own product of the tokens routed to it - a single
+    token, a batch of 5 (the 32-element types' unpacked path) and of 9 (the K-quants' tiled one)."""
+    qtype, n_expert, m, k, n_tokens, n_used = Type[name], 6, 34, 256, 16, 2
+    rng = np.random.default_rng(7)
+    raw = np.stack([pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8).reshape(m, -1)
+                    for _ in range(n_expert)])
+    w = pg.new_tensor(qtype, (k, m, n_expert), "experts")
+    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
+    pg.tensor_set(w, raw)
+    ids = np.zeros((n_tokens, n_used), dtype=np.int32)
+    ids[:, 0] = 4                                      # 16 tokens on expert 4
+    ids[:, 1] = [1] * 9 + [2] * 5 + [5, 3]             # 9, 5, 1, 1 on others
+    x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
+    b = pg.new_tensor(Type.F32, (k, 1, n_tokens), "b").set_input()
+    idt = pg.new_tensor(Type.I32, (n_used, n_tokens), "ids").set_input()
+    got = run_graph(ops.mul_mat_id(w, b, idt), {b: x, idt: ids}).reshape(n_tokens, n_used, m)
+    for e in np.unique(ids):
+        t_sel, u_sel = np.nonzero(ids == e)
+        want = qmatmul.quant_matmul(raw[e], qtype, x[t_sel, 0])
+        assert np.array_equal(got[t_sel, u_sel], want), f"expert {e}"

@@ -26,7 +26,8 @@ from ..types import Type
 from . import nn
 from .buffer import tensor_rows, tensor_view
 from .qdecode import F16_TABLE, f16_values
-from .qmatmul import QuantProduct, dequantize_rows
+from .qdot import exact_quant_matmul_id
+from .qmatmul import QuantProduct, dequantize_rows, frozen
 from .qmatmul import supports as quant_supported
 
 f32 = np.float32
@@ -427,28 +428,43 @@ def bind_clamp(node: Tensor, shared: dict) -> Step:
 
 def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     """Tokens grouped by expert: each expert's rows are read once per batch, for all the
-    tokens routed to it (as ggml groups them)."""
+    tokens routed to it (as ggml groups them); with the exact block products, every expert's
+    product in one parallel call."""
     a, b, ids = node.src[:3]
     index = tensor_view(ids)[0, 0]           # [n_tokens, n_used]
     x = reader(b)                            # [1, n_tokens, n_b, K]
     out = tensor_view(node)[0]               # [n_tokens, n_used, M]
-    n_expert = a.ne[2]
-    rows = tensor_rows(a) if quant_supported(a.type) else None
+    n_expert, n_b, m_rows = a.ne[2], b.ne[1], a.ne[1]
+    rows = tensor_rows(a)[0] if quant_supported(a.type) else None  # [n_expert, M, row_bytes]
     experts = reader(a) if rows is None else None
+    together = QuantProduct(rows[0], a.type) if rows is not None and rows.flags.c_contiguous else None
+    if together is not None and not together.exact:
+        together = None
+    weights = frozen(rows) if together is not None else None
 
     def step() -> None:
-        idx = index
+        idx = index.astype(np.int64)
         bad = idx[(idx < 0) | (idx >= n_expert)]
         if bad.size:
             raise ValueError(f"MUL_MAT_ID: expert id {int(bad[0])} outside 0..{n_expert - 1}")
         xv = x()[0]
-        n_b = xv.shape[1]
+        if together is not None:
+            # the routed (token, slot) pairs grouped by expert, each group in token order
+            order = np.argsort(idx.reshape(-1), kind="stable")
+            t_sel, u_sel = np.divmod(order, idx.shape[1])
+            used, counts = np.unique(idx.reshape(-1)[order], return_counts=True)
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            yq, yd, ys = together.activations(xv[t_sel, u_sel % n_b])
+            res = np.empty((order.size, m_rows), dtype=f32)
+            exact_quant_matmul_id(together.fmt, weights, yq, yd, ys, used.astype(np.int64), starts, res, F16_TABLE)
+            out[t_sel, u_sel] = res
+            return
         for e in np.unique(idx):
             t_sel, u_sel = np.nonzero(idx == e)
             cols = np.ascontiguousarray(xv[t_sel, u_sel % n_b])
             if rows is not None:
-                product = QuantProduct(rows[0, e], a.type)
-                res = np.empty((len(cols), a.ne[1]), dtype=f32)
+                product = QuantProduct(rows[e], a.type)
+                res = np.empty((len(cols), m_rows), dtype=f32)
                 product(product.activations(cols), res)
             else:
                 res = cols @ experts()[0, e].T

@@ -37,10 +37,17 @@ f32 = np.float32
 
 # from this many columns the legacy types' integers are unpacked once per row for all columns
 INT8_MIN_COLS = 4
-# weights with signed values (Q4_0: q - 8, Q5_0: q - 16, Q8_0) go through lane_dots_signed;
-# indexed by the 32-element formats (Fmt.Q4_0 .. Fmt.Q8_0)
-SIGNED = (True, False, True, False, True)
-WITH_MIN = (False, True, False, True, False)
+
+
+@njit(cache=True, inline="always")
+def with_min(kind):
+    """Whether a 32-element format has a block minimum (Q4_1, Q5_1); the others' weights are
+    signed (Q4_0: q - 8, Q5_0: q - 16, Q8_0) and go through the signed dot products.  A test,
+    not a tuple indexed by kind: numba may hoist a loop-invariant index out of a parallel loop,
+    where it would raise for the formats that never reach it."""
+    return kind == Fmt.Q4_1 or kind == Fmt.Q5_1
+
+
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
 assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
@@ -126,7 +133,7 @@ def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm):
     nb, n_cols = wd.shape[1], yb.shape[0]
     for n in range(0, n_cols, 2):
         n1 = min(n + 1, n_cols - 1)  # an odd last column goes with itself
-        if WITH_MIN[kind]:
+        if with_min(kind):
             a0, b0, a1, b1 = block_dots_2x2_min(codes, wd, wm, yb, yd, ys, n, n1, nb)
         else:
             a0, b0, a1, b1 = block_dots_2x2_signed(codes, wd, wm, yb, yd, ys, n, n1, nb)
@@ -152,43 +159,77 @@ def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
             out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], yb[n], yd[n], ys[n])
 
 
+@_jit
+def _chunks(m_rows):
+    """How a product's rows are cut for the threads: (number of chunks, rows per chunk), whole
+    pairs of rows per chunk (only the last may end on an odd one)."""
+    n_chunks = min(m_rows, 64)
+    per = (m_rows + n_chunks - 1) // n_chunks
+    per += per % 2
+    return (m_rows + per - 1) // per, per
+
+
+@_jit
+def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched):
+    """Rows start..end of weight w times every column of yb: one thread's part of a product.
+    Single columns and the K-quants straight from the GGUF blocks (blockdot.py); batches of the
+    32-element types through rows unpacked into bytes, two rows with two columns at a time."""
+    if not batched or kind > Fmt.Q8_0:
+        _rows_from_blocks(kind, w, start, end, yb, yd, ys, out)
+        return
+    k64, nb = yb.shape[1], yd.shape[1]
+    codes = np.zeros((2, k64), dtype=np.int8)
+    S = np.empty((2, k64 // 4), dtype=np.float32)
+    wd = np.empty((2, nb), dtype=np.float32)
+    wm = np.zeros((2, nb), dtype=np.float32)
+    for m in range(start, end - 1, 2):
+        _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm)
+    if (end - start) % 2:
+        m = end - 1
+        unpack(kind, w[m], codes[0], wd[0], wm[0], f16)  # straight into bytes
+        for n in range(yb.shape[0]):
+            _dots(codes[0], yb[n], S[0], not with_min(kind))
+            out[n, m] = _chain32(S[0], wd[0], wm[0], yd[n], ys[n], with_min(kind))
+
+
+@_jit
+def _activation_bytes(yq, parallel):
+    """The quantized activations as int8 rows zero-padded to whole 64s (lane_dots' step)."""
+    n_cols, k = yq.shape
+    yb = np.zeros((n_cols, (k + 63) // 64 * 64), dtype=np.int8)
+    if parallel:
+        for n in prange(n_cols):
+            _to_bytes(yq[n], yb[n])
+    else:  # a few hundred values: less than starting the threads
+        for n in range(n_cols):
+            _to_bytes(yq[n], yb[n])
+    return yb
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def exact_quant_matmul(kind, w, yq, yd, ys, out, f16):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
-    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block).
-
-    Single columns and the K-quants go through blockdot.py; batches of the 32-element types
-    unpack each weight row into bytes once and take its lane sums with every column's
-    (``simd.lane_dots``)."""
-    m_rows, n_cols, k = w.shape[0], yq.shape[0], yq.shape[1]
-    k64 = (k + 63) // 64 * 64  # lane_dots takes 64 bytes at a time: zero padding
+    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block)."""
+    m_rows, n_cols = w.shape[0], yq.shape[0]
     batched = n_cols >= INT8_MIN_COLS
-    yb = np.zeros((n_cols, k64), dtype=np.int8)
-    if batched:
-        for n in prange(yb.shape[0]):
-            _to_bytes(yq[n], yb[n])
-    else:  # a few hundred values: less than starting the threads
-        for n in range(yb.shape[0]):
-            _to_bytes(yq[n], yb[n])
-    n_chunks = min(m_rows, 64)
-    per = (m_rows + n_chunks - 1) // n_chunks
-    per += per % 2  # whole pairs of rows: only the last chunk may end on an odd one
-    n_chunks = (m_rows + per - 1) // per
-    if not batched or kind > Fmt.Q8_0:  # straight from the GGUF blocks (blockdot.py)
-        for c in prange(n_chunks):
-            _rows_from_blocks(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out)
-        return
+    yb = _activation_bytes(yq, batched)
+    n_chunks, per = _chunks(m_rows)
     for c in prange(n_chunks):
-        codes = np.zeros((2, k64), dtype=np.int8)
-        S = np.empty((2, k64 // 4), dtype=np.float32)
-        wd = np.empty((2, k // 32), dtype=np.float32)
-        wm = np.zeros((2, k // 32), dtype=np.float32)
-        start, end = c * per, min(m_rows, (c + 1) * per)
-        for m in range(start, end - 1, 2):
-            _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm)
-        if (end - start) % 2:
-            m = end - 1
-            unpack(kind, w[m], codes[0], wd[0], wm[0], f16)  # straight into bytes
-            for n in range(n_cols):
-                _dots(codes[0], yb[n], S[0], SIGNED[kind])
-                out[n, m] = _chain32(S[0], wd[0], wm[0], yd[n], ys[n], WITH_MIN[kind])
+        _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def exact_quant_matmul_id(kind, w, yq, yd, ys, experts, starts, out, f16):
+    """MUL_MAT_ID's products in one parallel loop: for each group g, the columns
+    starts[g]..starts[g + 1] of the activations (quantized, yq/yd/ys as exact_quant_matmul's)
+    times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
+    [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
+    columns alone (the kernels for a batch depend on its size)."""
+    m_rows, n_groups = w.shape[1], experts.size
+    yb = _activation_bytes(yq, True)
+    n_chunks, per = _chunks(m_rows)
+    for j in prange(n_groups * n_chunks):
+        g, c = j // n_chunks, j % n_chunks
+        s0, s1 = starts[g], starts[g + 1]
+        _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
+                    out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS)
