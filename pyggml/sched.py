@@ -51,6 +51,14 @@ class Partition:
     rewired: list[tuple[Tensor, int, Tensor, Tensor]]  # (node, src slot, original source, its copy)
     placement: list[tuple[object, int]] = field(default_factory=list)
 
+    def drop_plans(self) -> None:
+        """Forget the split graphs and their plans (made anew when this graph is computed again):
+        a plan holds what its backend derived from the tensors' places, a CPU plan the arrays of
+        the buffers themselves, which would outlive a buffer freed for a larger one."""
+        self.placement = []
+        for split in self.splits:
+            split.graph, split.plan = Graph(), None
+
 
 MAX_PARTITIONS = 16
 
@@ -186,7 +194,12 @@ class Scheduler:
             order.extend(copy for _, copy in split.copies)
             order.extend(split.nodes)
         inputs = [leaf for leaf in graph.leafs if needs_compute_memory(leaf)]
+        buffers = list(self.galloc.buffers)
         self.galloc.alloc_graph(order, inputs, lambda t: self.assigned[id(t)])
+        if self.galloc.buffers != buffers:  # a compute buffer grew: the other graphs' plans point into the old one
+            for other in self._partitions.values():
+                if other is not part:
+                    other.drop_plans()
         placement = [(t.buffer, t.offset) for t in order + inputs]  # the buffers held: an id() could come back
         if placement != part.placement:  # new split graphs: what backends derived from the old is stale
             read_across = frozenset(id(s) for split in self.splits for s, _ in split.copies)

@@ -165,3 +165,34 @@ def test_an_op_its_device_cannot_run_in_place_is_a_clear_error():
     sched = pg.Scheduler([dev.init_backend(), pg.cpu_device().init_backend()])
     with pytest.raises(NotImplementedError, match="PICKY cannot compute SET_ROWS .* in place"):
         sched.alloc_graph(pg.build_forward(ops.set_rows(cache, src, idx)))
+
+
+def test_a_grown_compute_buffer_is_not_kept_alive_by_the_other_graphs_plans():
+    """Plans hold views of the compute buffer; when a larger graph makes the scheduler allocate a
+    bigger buffer, the plans of the graphs computed before must let the old one go."""
+    import gc
+    import weakref
+
+    from pyggml.sched import Scheduler
+    cpu = pg.cpu_device()
+    sched = Scheduler([cpu.init_backend()])
+
+    def graph(n: int):
+        x = pg.new_tensor(Type.F32, (n, 4), "x").set_input()
+        g = pg.build_forward(ops.silu(ops.scale(x, 2.0)))
+        return g, x
+    small, xs = graph(64)
+    sched.alloc_graph(small)
+    pg.tensor_set(xs, np.ones((4, 64), np.float32))
+    sched.graph_compute(small)
+    old = weakref.ref(sched.galloc.buffers[0].data)
+    big, xb = graph(4096)
+    sched.alloc_graph(big)
+    pg.tensor_set(xb, np.ones((4, 4096), np.float32))
+    sched.graph_compute(big)
+    gc.collect()
+    assert old() is None, "the first graph's plan still holds the freed compute buffer"
+    sched.alloc_graph(small)  # and that graph is planned anew when it comes back
+    pg.tensor_set(xs, np.full((4, 64), 3.0, np.float32))
+    sched.graph_compute(small)
+    assert np.allclose(pg.tensor_array(small.output()), 6.0 / (1 + np.exp(-6.0)))

@@ -245,21 +245,40 @@ def bind_rope(node: Tensor, shared: dict) -> Step:
     return step
 
 
+class _SharedActivations:
+    """One activation in the form several products of a plan take it: converted by the first
+    (``convert``), read by the ones after it in graph order (``take``) - each step runs after the
+    first's - and let go by the last, so that a plan holds no step's activations between steps."""
+    __slots__ = ("value", "readers", "left")
+
+    def __init__(self) -> None:
+        self.value, self.readers, self.left = None, 0, 0
+
+    def convert(self, product: QuantProduct, x: np.ndarray):
+        value = product.activations(x)
+        if self.readers:
+            self.value, self.left = value, self.readers
+        return value
+
+    def take(self):
+        value = self.value
+        self.left -= 1
+        if self.left == 0:
+            self.value = None
+        return value
+
+
 def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
-    """The activations of b for ``product``: converted by the first product of the plan that
-    reads b in that form, and handed to the others that follow it (each step runs in graph
-    order, so the first has always run when the others do)."""
+    """The activations of b for ``product``, converted once per step for every product of the
+    plan that reads b in the same form."""
     key = ("activations", id(b), product.activation_key)
     slot = shared.get(key)
     if slot is not None:
-        return lambda: slot[0]
-    slot = shared[key] = [None]
+        slot.readers += 1
+        return slot.take
+    slot = shared[key] = _SharedActivations()
     width = b.ne[0]
-
-    def convert() -> object:
-        slot[0] = product.activations(x().reshape(-1, width))
-        return slot[0]
-    return convert
+    return lambda: slot.convert(product, x().reshape(-1, width))
 
 
 def bind_mul_mat(node: Tensor, shared: dict) -> Step:
@@ -328,7 +347,7 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
     qv, keys, values = reader(q), _cells_by_cell(k), _cells_by_cell(v)
     masked = reader(mask) if mask is not None else None
-    no_mask = np.zeros((n_tokens, n_kv), dtype=f32)
+    no_mask = np.zeros((n_tokens, n_kv), dtype=f32) if mask is None else None
     direct = out.flags.c_contiguous
 
     def step() -> None:
