@@ -152,11 +152,12 @@ def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
     """Rows start..end of a weight for every column, two at a time (blockdot.py); an odd last
     row goes with itself."""
     n_cols = yb.shape[0]
-    for m in range(start, end, 2):
-        m1 = min(m + 1, end - 1)
-        for n in range(n_cols):
-            fmt = column_format(kind, n, n_cols, TILED_MIN_COLS)
-            out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], yb[n], yd[n], ys[n])
+    for n in range(n_cols):  # a column's format and rows taken once for the chunk's rows (in cache)
+        fmt = column_format(kind, n, n_cols, TILED_MIN_COLS)
+        y, d, s = yb[n], yd[n], ys[n]
+        for m in range(start, end, 2):
+            m1 = min(m + 1, end - 1)
+            out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], y, d, s)
 
 
 @_jit
