@@ -12,6 +12,7 @@ own process so that peak memory is its own.
     python bench/generate.py [--models smollm2,gemma3-270m] [--threads 2] [-n 64]
     python bench/generate.py --synthetic-moe --llama-bench ~/.cache/llama.cpp-ref/build/bin/llama-bench
     python bench/generate.py --models smollm2 --profile   # + time per op kind, and outside the kernels
+    python bench/generate.py --rounds 3                   # medians of 3 runs, and their spread
 
 ``--synthetic-moe`` adds a ~1B-parameter qwen3moe of random weights (24 layers, 32 experts of
 which 4 run per token, Q4_0; written once into ~/.cache/pyggml/bench) - a mixture of experts
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -226,6 +228,20 @@ def run_llama_bench(binary: str, path: str, threads: int, n_gen: int, n_prompt: 
     return {"engine": "llama-bench", "prompt_tps": pp, "gen_tps": tg}
 
 
+def rounds_of(n: int, run) -> dict | None:
+    """``run(i)`` for i < n (each a fresh process); the first round's figures, with prompt and
+    generation tokens/s replaced by the medians and their ranges kept beside them."""
+    runs = [r for r in (run(i) for i in range(n)) if r]
+    if not runs:
+        return None
+    result = dict(runs[0])
+    for key in ("prompt_tps", "gen_tps"):
+        values = sorted(r[key] for r in runs)
+        result[key] = statistics.median(values)
+        result[key + "_range"] = (values[0], values[-1])
+    return result
+
+
 def child(engine: str, alias: str, threads: int, n_gen: int, n_prompt: int, python: str | None = None,
           profile: bool = False) -> dict | None:
     if engine == "llama.cpp":  # llama.cpp's child gets the file itself: it may run where pyggml is not installed
@@ -250,6 +266,8 @@ def main() -> None:
                     help="an interpreter with llama-cpp-python, when it is not installed beside pyggml")
     ap.add_argument("--synthetic-moe", action="store_true", help="also a ~1B qwen3moe of random weights")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, for its figures")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each engine (fresh processes); prints medians and the spread")
     ap.add_argument("--profile", action="store_true",
                     help="after the measured runs, a timed pass of pyggml's: time per op kind and outside the kernels")
     ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
@@ -275,9 +293,11 @@ def main() -> None:
           f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16}")
     models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe())] if a.synthetic_moe else [])
     for alias in models:
-        results = [child("pyggml", alias, a.threads, a.n, a.prompt_tokens, profile=a.profile)]
+        results = [rounds_of(a.rounds, lambda i: child("pyggml", alias, a.threads, a.n, a.prompt_tokens,
+                                                         profile=a.profile and i == 0))]
         if have_llama:
-            results.append(child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens, a.llama_python))
+            results.append(rounds_of(a.rounds, lambda i: child("llama.cpp", alias, a.threads, a.n, a.prompt_tokens,
+                                                               a.llama_python)))
         label = Path(alias).stem[:12] if os.path.exists(alias) else alias
         kv = results[0]["kv_bytes"]  # llama.cpp's F16 cache of the same n_ctx has the same size
         for r in filter(None, results):
@@ -285,6 +305,11 @@ def main() -> None:
             print(f"{label:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
                   f"{r['peak_rss'] / 2**20:>12.0f} {r['runtime_rss'] / 2**20:>11.0f} {model / 2**20:>9.0f} "
                   f"{model / (r['gguf_bytes'] + kv):>16.2f}")
+        if a.rounds > 1:
+            for r in filter(None, results):
+                (p0, p1), (g0, g1) = r["prompt_tps_range"], r["gen_tps_range"]
+                print(f"{'':<12} {r['engine']:<10} {'':>7} {f'{p0:.0f}-{p1:.0f}':>11} {f'{g0:.1f}-{g1:.1f}':>8}"
+                      f"  (the spread of {a.rounds} rounds; medians above)")
         if len(results) == 2 and results[1]:
             ours, ref = results
             print(f"{'':<12} {'ratio':<10} {'':>7} {ours['prompt_tps'] / ref['prompt_tps']:>11.2f} "

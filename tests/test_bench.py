@@ -67,3 +67,11 @@ def test_rpc_bench_runs():
     r = run(sys.executable, "bench/rpc.py", "--tokens", "4", "--rounds", "1", "--ctx", "64")
     assert r.returncode == 0, r.stderr
     assert "1 server, all layers" in r.stdout and "cached second load" in r.stdout
+
+
+def test_generate_bench_runs_with_rounds_and_profile():
+    r = run(sys.executable, "bench/generate.py", "--models", "smollm2", "-n", "4", "--prompt-tokens", "16",
+            "--rounds", "2", "--profile", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "smollm2" in r.stdout and "the spread of 2 rounds" in r.stdout
+    assert "smollm2 profile" in r.stdout and "MUL_MAT" in r.stdout and "outside them" in r.stdout
