@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from .device import CUDADevice
 
 
-def _cp():
+def cupy_module():
+    """CuPy, imported on first use: the package loads (and the CPU runs) without it."""
     import cupy
     return cupy
 
@@ -30,7 +31,7 @@ class CUDABufferType(BufferType):
         return self.device.get_name()
 
     def alloc_buffer(self, size: int) -> CUDABuffer:
-        cp = _cp()
+        cp = cupy_module()
         with cp.cuda.Device(self.device.index):
             try:
                 mem = cp.cuda.alloc(max(size, 1))
@@ -53,7 +54,7 @@ class CUDABuffer(Buffer):
         self.mem = mem
 
     def _bytes(self, tensor: Tensor, offset: int, size: int | None):
-        cp = _cp()
+        cp = cupy_module()
         size = tensor.nbytes() - offset if size is None else size
         start = tensor.offset + offset
         if offset < 0 or size < 0 or start + size > self.size:
@@ -80,7 +81,7 @@ class CUDABuffer(Buffer):
         return False
 
     def clear(self, value: int) -> None:
-        _cp().ndarray((self.size,), dtype=_cp().uint8, memptr=self.mem).fill(value)
+        cupy_module().ndarray((self.size,), dtype=cupy_module().uint8, memptr=self.mem).fill(value)
 
     def free(self) -> None:
         self.mem = None
@@ -92,7 +93,7 @@ def tensor_view(t: Tensor):
     buf = t.buffer
     if not isinstance(buf, CUDABuffer):
         raise ValueError(f"tensor {t.name or '?'} is not in GPU memory")
-    cp = _cp()
+    cp = cupy_module()
     return cp.ndarray(tuple(reversed(t.ne)), dtype=t.type.np_dtype, memptr=buf.mem + t.offset,
                       strides=tuple(reversed(t.nb)))
 
@@ -102,7 +103,7 @@ def tensor_rows(t: Tensor):
     buf = t.buffer
     if not isinstance(buf, CUDABuffer):
         raise ValueError(f"tensor {t.name or '?'} is not in GPU memory")
-    cp = _cp()
+    cp = cupy_module()
     ne, nb = t.ne, t.nb
     return cp.ndarray((ne[3], ne[2], ne[1], t.row_size()), dtype=cp.uint8, memptr=buf.mem + t.offset,
                       strides=(nb[3], nb[2], nb[1], 1))

@@ -16,7 +16,7 @@ from ..graph import Graph
 from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from . import kernels, replay
-from .buffer import CUDABufferType, _cp
+from .buffer import CUDABufferType, cupy_module
 
 
 @dataclass
@@ -28,7 +28,7 @@ class CUDAPlan:
 
 class CUDADevice(Device):
     def __init__(self, index: int) -> None:
-        cp = _cp()
+        cp = cupy_module()
         self.index = index
         props = cp.cuda.runtime.getDeviceProperties(index)
         self.description = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -41,7 +41,7 @@ class CUDADevice(Device):
         return self.description
 
     def get_memory(self) -> tuple[int, int]:
-        cp = _cp()
+        cp = cupy_module()
         with cp.cuda.Device(self.index):
             free, total = cp.cuda.runtime.memGetInfo()
         return int(free), int(total)
@@ -77,7 +77,7 @@ class CUDABackend(Backend):
         return CUDAPlan(graph, kernels.fusions(graph))
 
     def graph_plan_compute(self, plan: CUDAPlan) -> None:
-        with _cp().cuda.Device(self.device.index):
+        with cupy_module().cuda.Device(self.device.index):
             replay.compute(plan.replay, lambda: kernels.run_ops(plan.graph, plan.fusions))
             kernels.check_errors()  # what the kernels flagged (an index out of range), once per graph
 
@@ -88,4 +88,4 @@ class CUDABackend(Backend):
         self.graph_plan_compute(plan)
 
     def synchronize(self) -> None:
-        _cp().cuda.Device(self.device.index).synchronize()
+        cupy_module().cuda.Device(self.device.index).synchronize()

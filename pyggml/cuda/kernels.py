@@ -25,7 +25,7 @@ from ..opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormPa
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .blas import gemm_f16_f32, to_f16_scaled
-from .buffer import tensor_rows, tensor_view
+from .buffer import cupy_module, tensor_rows, tensor_view
 from .replay import eager
 from .runtime import function
 
@@ -36,11 +36,6 @@ GEMM_TILE_ROWS = 4096  # weight rows dequantized at a time for a prompt's GEMM (
 QUANT_KERNELS = {Type.Q4_0: "q4_0", Type.Q4_1: "q4_1", Type.Q5_0: "q5_0", Type.Q5_1: "q5_1", Type.Q8_0: "q8_0",
                  Type.Q4_K: "q4_k", Type.Q5_K: "q5_k", Type.Q6_K: "q6_k"}
 PLAIN = (Type.F32, Type.F16)
-
-
-def _cp():
-    import cupy
-    return cupy
 
 
 def supports(node: Tensor) -> bool:
@@ -73,7 +68,7 @@ def values(t: Tensor):
 
 def dequantize(rows, qtype: Type, ncols: int, dtype):
     """Quantized rows (cupy uint8 [n, row_bytes], rows may be strided) -> [n, ncols] of dtype."""
-    cp = _cp()
+    cp = cupy_module()
     n = rows.shape[0]
     out = cp.empty((n, ncols), dtype=dtype)
     groups = ncols // 32
@@ -123,23 +118,23 @@ def k_scale(node: Tensor) -> None:
 
 
 def _gelu_tanh(x):
-    cp = _cp()
+    cp = cupy_module()
     return 0.5 * x * (1 + cp.tanh(np.float32(math.sqrt(2 / math.pi)) * x * (1 + np.float32(0.044715) * x * x)))
 
 
 def _silu(x):
-    return x / (1 + _cp().exp(-x))
+    return x / (1 + cupy_module().exp(-x))
 
 
 UNARY: dict[int, Callable] = {
-    UnaryOp.ABS: lambda x: _cp().abs(x),
+    UnaryOp.ABS: lambda x: cupy_module().abs(x),
     UnaryOp.NEG: lambda x: -x,
-    UnaryOp.TANH: lambda x: _cp().tanh(x),
-    UnaryOp.RELU: lambda x: _cp().maximum(x, 0),
-    UnaryOp.SIGMOID: lambda x: 1 / (1 + _cp().exp(-x)),
+    UnaryOp.TANH: lambda x: cupy_module().tanh(x),
+    UnaryOp.RELU: lambda x: cupy_module().maximum(x, 0),
+    UnaryOp.SIGMOID: lambda x: 1 / (1 + cupy_module().exp(-x)),
     UnaryOp.GELU: _gelu_tanh,
     UnaryOp.SILU: _silu,
-    UnaryOp.EXP: lambda x: _cp().exp(x),
+    UnaryOp.EXP: lambda x: cupy_module().exp(x),
 }
 
 
@@ -166,14 +161,14 @@ def _dense_rows(a):
     if a.strides[3] == a.itemsize:
         return a
     eager()
-    return _cp().ascontiguousarray(a)
+    return cupy_module().ascontiguousarray(a)
 
 
 def _flat(a):
     """a as one contiguous vector: a view, or a dense copy."""
     if not a.flags.c_contiguous:
         eager()
-        a = _cp().ascontiguousarray(a)
+        a = cupy_module().ascontiguousarray(a)
     return a.reshape(-1)
 
 
@@ -195,7 +190,7 @@ def _into_f32(node: Tensor, launch: Callable) -> None:
         launch(y)
     else:
         eager()
-        tmp = _cp().empty(y.shape, dtype=np.float32)
+        tmp = cupy_module().empty(y.shape, dtype=np.float32)
         launch(tmp)
         y[...] = tmp
 
@@ -337,7 +332,7 @@ ATTN_SPLIT = 128  # keys per block of attn_split (kernels/attention.cu)
 
 
 def k_flash_attn_ext(node: Tensor) -> None:
-    cp = _cp()
+    cp = cupy_module()
     q, k, v, mask = node.src[:4]
     p = FlashAttnParams.of(node)
     scale, softcap = p.scale, p.logit_softcap
@@ -371,7 +366,7 @@ def k_flash_attn_ext(node: Tensor) -> None:
 
 def _index_errors():
     """One int per device that rows.cu sets for an index out of range (read by check_errors)."""
-    cp = _cp()
+    cp = cupy_module()
     dev = cp.cuda.Device().id
     if dev not in _ERROR_FLAGS:
         _ERROR_FLAGS[dev] = cp.zeros(1, dtype=cp.int32)
@@ -387,7 +382,7 @@ INDEX_ERRORS = {1: "SET_ROWS: index out of range (those rows were not written)",
 
 def check_errors() -> None:
     """Raise what the kernels flagged during the graph (one read per graph, not per op)."""
-    flag = _ERROR_FLAGS.get(_cp().cuda.Device().id)
+    flag = _ERROR_FLAGS.get(cupy_module().cuda.Device().id)
     if flag is not None:
         code = int(flag.get()[0])
         if code:
@@ -402,7 +397,7 @@ def _row_ids(idx: Tensor):
     if idx.type != Type.I64:
         return ids
     eager()  # CuPy expressions
-    cp = _cp()
+    cp = cupy_module()
     return cp.where((ids >= 0) & (ids <= np.iinfo(np.int32).max), ids, -1).astype(cp.int32)
 
 
@@ -434,7 +429,7 @@ def quantize_q8_1(x, key: tuple | None = None):
     them only after its last reader), so the key is the source tensor and the slice."""
     if key is not None and key in _Q8_1:
         return _Q8_1[key]
-    cp = _cp()
+    cp = cupy_module()
     n, k = x.shape
     if x.strides[1] != 4:
         eager()
@@ -455,7 +450,7 @@ def mmvq_shape(m: int) -> tuple[tuple[int], tuple[int, int]]:
 
 def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     """out [N, M] = x [N, K] (float32) times weight rows w (uint8 [M, row_bytes]), N <= 8."""
-    cp = _cp()
+    cp = cupy_module()
     n, k = x.shape
     m = w.shape[0]
     groups = k // 32
@@ -471,7 +466,7 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
 
 
 def k_mul_mat(node: Tensor) -> None:
-    cp = _cp()
+    cp = cupy_module()
     a, b = node.src[0], node.src[1]
     out = tensor_view(node)  # [b3, b2, N, M]
     x = values(b)            # [b3, b2, N, K]
@@ -537,7 +532,7 @@ def k_cpy(node: Tensor) -> None:
 def _quantize_q8_0(x, rows) -> None:
     """F32 values [ne3, ne2, ne1, ne0] into Q8_0 rows (uint8 [ne3, ne2, ne1, row_bytes]) with ggml's
     arithmetic (quants/legacy.quant_q8_0): d = amax / 127 per 32 values, q = roundf(x / d)."""
-    cp = _cp()
+    cp = cupy_module()
     blocks = x.reshape(*x.shape[:3], -1, 32).astype(cp.float32)
     d = cp.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     inv = cp.where(d == 0, np.float32(0), np.float32(1) / cp.where(d == 0, np.float32(1), d))
@@ -552,7 +547,7 @@ def _quantize_q8_0(x, rows) -> None:
 def k_concat(node: Tensor) -> None:
     eager()  # CuPy expressions
     dim = ConcatParams.of(node).dim
-    tensor_view(node)[...] = _cp().concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
+    tensor_view(node)[...] = cupy_module().concatenate([values(node.src[0]), values(node.src[1])], axis=3 - dim)
 
 
 def k_argmax(node: Tensor) -> None:
