@@ -196,3 +196,25 @@ def test_a_grown_compute_buffer_is_not_kept_alive_by_the_other_graphs_plans():
     pg.tensor_set(xs, np.full((4, 64), 3.0, np.float32))
     sched.graph_compute(small)
     assert np.allclose(pg.tensor_array(small.output()), 6.0 / (1 + np.exp(-6.0)))
+
+
+def test_a_plan_reads_a_strided_weight_anew_at_every_step():
+    """A plan made once computes every step from the bytes of that step: a batched product whose
+    F16 matrices' rows lie apart (a permuted view of an input) must see the input's new values,
+    not a copy gathered when the plan was made."""
+    from pyggml.sched import Scheduler
+    sched = Scheduler([pg.cpu_device().init_backend()])
+    k, m, n = 32, 6, 3
+    base = pg.new_tensor(Type.F16, (k, 2, m), "w").set_input()    # [m][2][k]
+    x = pg.new_tensor(Type.F32, (k, n, 2), "x").set_input()
+    graph = pg.build_forward(ops.mul_mat(ops.permute(base, 0, 2, 1, 3), x))  # weight i2: rows base[:, i2, :]
+    sched.alloc_graph(graph)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        wv = rng.standard_normal((m, 2, k)).astype(np.float16)
+        xv = rng.standard_normal((2, n, k)).astype(np.float32)
+        pg.tensor_set(base, wv)
+        pg.tensor_set(x, xv)
+        sched.graph_compute(graph)
+        want = np.einsum("mik,ink->inm", wv.astype(np.float64), xv.astype(np.float16).astype(np.float64))
+        assert np.allclose(pg.tensor_array(graph.output()).reshape(2, n, m), want, rtol=1e-3, atol=1e-3)

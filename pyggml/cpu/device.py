@@ -153,9 +153,6 @@ class OpProfile:
             calls[op] = calls.get(op, 0) + 1
         self.graphs += 1
 
-    def total(self) -> float:
-        return sum(self.seconds.values())
-
 
 def bind(node: Tensor, shared: dict) -> Step:
     binder = OP_TABLE.get(node.op)

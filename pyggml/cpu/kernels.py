@@ -300,12 +300,14 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
                 product(acts(), res)
                 out[...] = res.reshape(out.shape)
             return step_copy
-        products = {(i3, i2): QuantProduct(w[i3 // r3, i2 // r2], a.type)
-                    for i3 in range(b.ne[3]) for i2 in range(b.ne[2])}
+        slices = {(i3, i2): w[i3 // r3, i2 // r2] for i3 in range(b.ne[3]) for i2 in range(b.ne[2])}
+        # a matrix whose rows lie apart is gathered at every step: a copy made now would go stale
+        products = {key: QuantProduct(rows, a.type) for key, rows in slices.items() if rows.flags.c_contiguous}
 
         def step_batched() -> None:
             xv = x()
-            for (i3, i2), product in products.items():
+            for (i3, i2), rows in slices.items():
+                product = products.get((i3, i2)) or QuantProduct(np.ascontiguousarray(rows), a.type)
                 res = np.empty(out.shape[2:], dtype=f32)
                 product(product.activations(xv[i3, i2]), res)
                 out[i3, i2] = res
@@ -482,7 +484,7 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
             t_sel, u_sel = np.nonzero(idx == e)
             cols = np.ascontiguousarray(xv[t_sel, u_sel % n_b])
             if rows is not None:
-                product = QuantProduct(rows[e], a.type)
+                product = QuantProduct(np.ascontiguousarray(rows[e]), a.type)
                 res = np.empty((len(cols), m_rows), dtype=f32)
                 product(product.activations(cols), res)
             else:

@@ -50,7 +50,9 @@ class QuantProduct:
     the weight's kernel chosen once."""
 
     def __init__(self, w: np.ndarray, qtype: Type) -> None:
-        self.w = frozen(np.ascontiguousarray(w))
+        if not w.flags.c_contiguous:  # a copy made here would not follow the tensor's bytes in a plan
+            raise ValueError("QuantProduct: the weight rows must be C-contiguous")
+        self.w = frozen(w)
         self.m_rows = w.shape[0]
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
         self.exact = qtype in EXACT
@@ -97,7 +99,7 @@ class QuantProduct:
 
 def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
     """x [N, K] float32 times the transpose of quantized w [M, row_bytes] -> [N, M] float32."""
-    product = QuantProduct(w, qtype)
+    product = QuantProduct(np.ascontiguousarray(w), qtype)
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     if x.shape[0]:
         product(product.activations(x), out)
