@@ -1,6 +1,6 @@
 // Element-wise ops: ADD, SUB, MUL, DIV with ggml's broadcasting (src1 repeats along every
-// dimension where it is smaller: its index is the output's modulo its size), and SCALE
-// (x * s + b).  F32 in and out, any element strides (views work as they are); one thread per
+// dimension where it is smaller: its index is the output's modulo its size), SCALE
+// (x * s + b) and CLAMP.  F32 in and out, any element strides (views work as they are); one thread per
 // element.  The residual adds of every layer are these: one launch each, not CuPy's several.
 #include "common.cuh"
 
@@ -42,4 +42,15 @@ extern "C" __global__ void scale_f32(const float *x, float *out, float s, float 
     i64 i0, i1, i2, i3;
     unravel(t, ne0, ne1, ne2, i0, i1, i2, i3);
     out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = x[i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3] * s + b;
+}
+
+// CLAMP: out = x below lo is lo, above hi is hi; NaN stays NaN (as the CPU backend's np.clip)
+extern "C" __global__ void clamp_f32(const float *x, float *out, float lo, float hi, i64 ne0, i64 ne1, i64 ne2, i64 ne3,
+                                     i64 xs0, i64 xs1, i64 xs2, i64 xs3, i64 os0, i64 os1, i64 os2, i64 os3) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= ne0 * ne1 * ne2 * ne3) return;
+    i64 i0, i1, i2, i3;
+    unravel(t, ne0, ne1, ne2, i0, i1, i2, i3);
+    const float v = x[i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3];
+    out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = v < lo ? lo : v > hi ? hi : v;
 }

@@ -98,6 +98,7 @@ HD float to_f32(u16 h) { return half_to_float(h); }
 // reported, and the row it names is neither read nor written.
 #define ERROR_SET_ROWS_INDEX 1
 #define ERROR_GET_ROWS_INDEX 2
+#define ERROR_MUL_MAT_ID_INDEX 3
 
 // a sum or maximum over a thread block (blockDim.x a multiple of 32); every thread gets it
 static __device__ __forceinline__ float block_reduce(float x, bool is_max) {

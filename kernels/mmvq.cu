@@ -88,3 +88,26 @@ static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, con
     }
 
 FOR_EACH_WEIGHT_TYPE(DEFINE_MMVQ)
+
+// MUL_MAT_ID of a few tokens (a decode step's experts): dst[t, e, r] = sum_k W[ids[t, e]][r, k] *
+// x[t, e % n_b, k], one launch for every (token, slot) pair (grid y: t * n_used + e), each pair
+// the one-column product above on its expert's rows.  ids come from the graph (over RPC, from
+// the network): an expert outside [0, n_expert) is reported through *error and its rows are
+// not read.  is0/is1: the ids' strides (slot, token); x: the pairs' q8_1 columns, column
+// t * n_b + e % n_b; ds1/ds2: dst's strides (slot, token) in floats.
+#define DEFINE_MMVQ_ID(TYPE, LOADER)                                                               \
+    extern "C" __global__ void mul_mat_vec_id_##TYPE(                                             \
+        const u8 *__restrict__ W, const u8 *__restrict__ x, float *__restrict__ dst, const int *ids, int *error,  \
+        int groups, int nrows, i64 row_bytes, i64 expert_bytes, int n_expert, int n_used, int n_b, i64 is0,    \
+        i64 is1, i64 x_stride, i64 ds1, i64 ds2) {                                                \
+        const int t = blockIdx.y / n_used, e = blockIdx.y % n_used;                               \
+        const int expert = ids[e * is0 + t * is1];                                                \
+        if (expert < 0 || expert >= n_expert) {                                                   \
+            if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) *error = ERROR_MUL_MAT_ID_INDEX; \
+            return; /* the whole block: its threads all read the same id */                       \
+        }                                                                                          \
+        mul_mat_vec<LOADER, 1>(W + expert * expert_bytes, x + (i64)(t * n_b + e % n_b) * x_stride,   \
+                               dst + e * ds1 + t * ds2, groups, nrows, row_bytes, 1, x_stride, 0);   \
+    }
+
+FOR_EACH_WEIGHT_TYPE(DEFINE_MMVQ_ID)

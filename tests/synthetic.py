@@ -32,6 +32,12 @@ class Shape:
         return self.n_embd // self.n_head
 
 
+def expert_types(weights: dict, qtype: str | None, down: str | None = None) -> dict[str, str]:
+    """write_model's ``types`` for a mixture of experts: every expert tensor stored as ``qtype``
+    (none: as they are), the down experts as ``down`` if given."""
+    return {n: (down if down and "ffn_down_exps." in n else qtype) for n in weights if qtype and "_exps." in n}
+
+
 def random_weights(arch: str, s: Shape, seed: int = 0, moe: bool | None = None) -> dict[str, np.ndarray]:
     """numpy arrays shaped [rows, cols] (GGUF's ne reversed), named as llama.cpp names them;
     ``moe`` (qwen3moe's default) puts a router and experts in place of every FFN (a

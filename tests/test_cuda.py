@@ -60,8 +60,14 @@ def prepare(device, build):
             pg.tensor_set(t, data[name])
         sched.graph_compute(graph)
         return pg.tensor_array(out)
-    run.sched = sched
+    run.sched, run.out = sched, out
     return run
+
+
+def on_the_gpu(run) -> bool:
+    """Whether prepare()'s graph, once run, computed its output on the GPU (not on the CPU the scheduler
+    falls back to for an op the GPU lacks)."""
+    return run.sched.get_tensor_backend(run.out).get_device().get_type() == pg.DeviceType.GPU
 
 
 def run_on(device, build, data: dict[str, np.ndarray | bytes]) -> np.ndarray:
@@ -199,6 +205,47 @@ def test_get_rows_in_batches_and_an_index_out_of_range(qtype):
     with pytest.raises(IndexError, match="GET_ROWS: index out of range"):
         run_on(GPUS[0], build, {"t": table, "i": np.full((2, 3, 4), 16, np.int32)})
     compare(build, {"t": table, "i": np.zeros((2, 3, 4), np.int32)})  # the flag was cleared
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.F16])
+@pytest.mark.parametrize("n_tokens", [3, 40])
+def test_mul_mat_id_on_both_paths_and_an_expert_out_of_range(qtype, n_tokens):
+    """A decode step's few (token, slot) pairs run one matrix-vector launch that reads the ids on
+    the GPU; 40 tokens x 2 slots (more than MMVQ_ID_MAX_PAIRS) are grouped by expert on the host.
+    An expert id outside the experts is reported after the graph on the first path, at once on
+    the second, and its products are never read from past the experts."""
+    from pyggml.cuda.kernels import MMVQ_ID_MAX_PAIRS
+    assert (n_tokens * 2 <= MMVQ_ID_MAX_PAIRS) == (n_tokens == 3)
+    experts = random_weights(qtype, 16 * 6, 256) if qtype.is_quantized else f32(16 * 6, 256).astype(np.float16)
+
+    def build(leaf):
+        return ops.mul_mat_id(leaf("w", qtype, (256, 16, 6)), leaf("x", T.F32, (256, 1, n_tokens)),
+                              leaf("ids", T.I32, (2, n_tokens)))
+    ids = np.stack([rng.choice(5, 2, replace=False) for _ in range(n_tokens)]).astype(np.int32)
+    data = {"w": experts, "x": f32(n_tokens, 1, 256), "ids": ids}
+    gpu = prepare(GPUS[0], build)
+    gpu(data)
+    assert on_the_gpu(gpu)
+    compare(build, data, 1e-3 if qtype.is_quantized else 1e-6)
+    bad = ids.copy()
+    bad[-1, 1] = 6
+    with pytest.raises(IndexError, match="MUL_MAT_ID: expert id out of range"):
+        run_on(GPUS[0], build, {**data, "ids": bad})
+    compare(build, data, 1e-3 if qtype.is_quantized else 1e-6)  # the flag was cleared
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_argsort_and_top_k_with_ties_and_nan_in_the_cpus_order(order):
+    """The router's and the sampler's orders: equal values lowest index first, NaN last, rows of
+    more elements than a thread block and k of one to all of them - the CPU's indices exactly."""
+    x = np.round(f32(3, 300) * 2) / 2
+    x[0, [5, 17, 250]] = np.nan
+    sort_order = pg.opdefs.SortOrder.DESC if order == "desc" else pg.opdefs.SortOrder.ASC
+    for build in (lambda leaf: ops.argsort(leaf("a", T.F32, (300, 3)), sort_order),
+                  lambda leaf: ops.top_k(leaf("a", T.F32, (300, 3)), 1),
+                  lambda leaf: ops.top_k(leaf("a", T.F32, (300, 3)), 40)):
+        want, gpu = run_on(pg.cpu_device(), build, {"a": x}), prepare(GPUS[0], build)
+        assert np.array_equal(gpu({"a": x}), want) and on_the_gpu(gpu)
 
 
 def test_flash_attention_over_an_f16_cache():
@@ -391,6 +438,36 @@ def test_a_quantized_model_whole_on_the_gpu(tmp_path):
     (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, plan) = logits[None], logits["all"]
     assert nmse(gpu_batch, cpu_batch) < 1e-3 and nmse(gpu_steps, cpu_steps) < 1e-3
     assert plan.replay.captured
+
+
+@pytest.mark.parametrize("experts", ["Q4_K", "F32"])
+def test_a_mixture_of_experts_whole_on_the_gpu(experts, tmp_path):
+    """A tiny qwen3moe (tests/test_moe.py's kind: router, top-k, renormalized weights, experts)
+    with every node on the GPU - no split falls back to the CPU - near the CPU's logits for the
+    prompt and for decode steps, which run from a captured CUDA graph (every MoE op a launch)."""
+    from pyggml.models import load_model
+    from pyggml.models.loader import default_devices
+
+    from .synthetic import Shape, expert_types, random_weights, write_model
+    s = Shape(n_embd=256, n_ff_exp=256, n_vocab=256)
+    weights = random_weights("qwen3moe", s, seed=12)
+    path = write_model(tmp_path / "qwen3moe.gguf", "qwen3moe", s, weights,
+                       expert_types(weights, None if experts == "F32" else experts, "Q6_K"))
+    logits = {}
+    for ngl in (None, "all"):
+        model = load_model(path, ngl, default_devices(), progress=False)
+        batch = Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True)
+        ctx = Context(model, n_ctx=64)
+        ctx.decode(SYNTHETIC_TOKENS[:4])
+        steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
+        logits[ngl] = batch, steps, (ctx.sched.splits, ctx.sched.backends)
+        model.free()
+    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, (splits, backends)) = logits[None], logits["all"]
+    assert [backends[sp.backend_id].get_device().get_type() for sp in splits] == [pg.DeviceType.GPU], \
+        [(backends[sp.backend_id].get_name(), [n.op.name for n in sp.nodes][:8]) for sp in splits]
+    assert splits[0].plan.replay.captured  # F32 router and experts too: kernels/mmv.cu, not cuBLAS
+    limit = 1e-3 if experts != "F32" else 1e-5
+    assert nmse(gpu_batch, cpu_batch) < limit and nmse(gpu_steps, cpu_steps) < limit
 
 
 # 33 tokens (SmolLM2) / 34 (Gemma 3): more than MMVQ_MAX_BATCH, so the whole prompt runs the

@@ -26,8 +26,10 @@ def launched_kernels() -> list[tuple[str, str]]:
                     name = template.replace("{QUANT_KERNELS[qtype]}", qtype).replace(
                         "{QUANT_KERNELS[a.type]}", qtype).replace("{suffix}", suffix).replace("{single}", single)
                     found.add((source, name))
-    for pair in re.findall(r'kernel = "(\w+)" if .* else "(\w+)"', text):  # function("rows.cu", kernel)
-        found |= {("rows.cu", name) for name in pair}
+    # kernel = "a" if ... else "b", then function("rows.cu", kernel): the next such call's source
+    for first, second, source in re.findall(r'kernel = "(\w+)" if .* else "(\w+)"\n(?:.*\n)*?.*function\("(\w+\.cu)", kernel\)',
+                                            text):
+        found |= {(source, first), (source, second)}
     return sorted(found)
 
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts models against llama.cpp: tiny random qwen3moe and Mixtral-style llama
-files (tests/synthetic.py, rebuilt here from their seeds; F32 experts, and Q8_0 / Q4_0 ones
-read through the exact block products), held to llama.cpp's next-token
+files (tests/synthetic.py, rebuilt here from their seeds; F32 experts, and Q8_0, Q4_0, Q4_K
+with Q6_K down experts, and Q6_K ones, read through the exact block products), held to llama.cpp's next-token
 log-probabilities at every position and its greedy continuation (tests/data/moe-llamacpp.json,
 written by tools/moe_reference.py with llama-server), locally and over RPC."""
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 from pyggml.models import Context, load_model
 
-from .synthetic import Shape, random_weights, write_model
+from .synthetic import Shape, expert_types, random_weights, write_model
 
+EOS = 2  # the end-of-text id that tests/synthetic.py's vocabulary declares
 REFERENCE = json.loads((Path(__file__).parent / "data" / "moe-llamacpp.json").read_text())
 
 
@@ -22,9 +23,9 @@ REFERENCE = json.loads((Path(__file__).parent / "data" / "moe-llamacpp.json").re
 def moe(request, tmp_path_factory):
     name = request.param
     ref = REFERENCE["models"][name]
-    s = Shape(**REFERENCE["shape"])
+    s = Shape(**{**REFERENCE["shape"], **ref.get("shape", {})})
     weights = random_weights(ref["arch"], s, seed=ref["seed"], moe=True)
-    types = {n: ref["experts"] for n in weights if ref.get("experts") and "_exps." in n}
+    types = expert_types(weights, ref.get("experts"), ref.get("down_experts"))
     path = write_model(tmp_path_factory.mktemp(name) / f"{name}.gguf", ref["arch"], s, weights, types, vocab=True)
     return name, ref, path
 
@@ -46,7 +47,8 @@ def test_teacher_forced_logprobs_are_llama_cpps(moe):
         want = np.array([v for _, v in top])
         # llama.cpp's F32 kernels sum in other orders (observed 1.4e-4); with quantized experts the
         # activations are rounded to 8 bits before those products on both sides, and the small
-        # differences upstream move a few roundings (observed 7e-4 Q8_0, 9.7e-4 Q4_0)
+        # differences upstream move a few roundings (observed 7e-4 Q8_0, 9.7e-4 Q4_0, 1.5e-3 Q4_K with
+        # Q6_K down experts, 1.1e-3 Q6_K: the K-quants' activations are rounded per 256 values, Q8_K)
         tolerance = 3e-3 if ref.get("experts") else 1e-3
         assert np.abs(lp[pos, ids] - want).max() < tolerance, (name, pos)
         agree += int(np.argmax(lp[pos])) == ids[0]
@@ -59,7 +61,9 @@ def test_greedy_continuation_is_llama_cpps(moe):
     logits = ctx.decode(ref["greedy_prompt"])
     got = []
     for _ in ref["greedy"]:
-        got.append(int(np.argmax(logits[-1])))
+        row = logits[-1].copy()
+        row[EOS] = -np.inf  # llama-server's ignore_eos, as the reference was made
+        got.append(int(np.argmax(row)))
         logits = ctx.decode([got[-1]])
     assert got == ref["greedy"]
 

@@ -21,16 +21,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.synthetic import Shape, random_weights, write_model  # noqa: E402
+from tests.synthetic import Shape, expert_types, random_weights, write_model  # noqa: E402
 
-# name -> (arch, seed, type of the expert weights)
-MODELS = {"qwen3moe": ("qwen3moe", 8, None), "llama-moe": ("llama", 9, None), "qwen3moe-q8_0": ("qwen3moe", 10, "Q8_0"),
-          "llama-moe-q4_0": ("llama", 11, "Q4_0")}
-
-
-def expert_types(weights: dict, qtype: str | None) -> dict[str, str]:
-    return {n: qtype for n in weights if qtype and "_exps." in n}
+# name -> (arch, seed, type of the expert weights, type of the down experts if another)
+MODELS = {"qwen3moe": ("qwen3moe", 8, None, None), "llama-moe": ("llama", 9, None, None),
+          "qwen3moe-q8_0": ("qwen3moe", 10, "Q8_0", None), "llama-moe-q4_0": ("llama", 11, "Q4_0", None),
+          "qwen3moe-q4_k": ("qwen3moe", 12, "Q4_K", "Q6_K"), "llama-moe-q6_k": ("llama", 13, "Q6_K", None)}
 SHAPE = dict(n_vocab=320, n_ff_exp=64)  # expert rows in whole 32-element blocks, for the quantized ones
+K_SHAPE = dict(n_embd=256, n_ff=256, n_ff_exp=256)  # ... and in whole 256-element super-blocks for the K-quants
+
+
+
+def model_shape(qtype: str | None) -> dict:
+    """The shape's fields that differ from SHAPE for experts of ``qtype``."""
+    return K_SHAPE if qtype and qtype.endswith("_K") else {}
 N_PROBS = 5
 
 
@@ -48,10 +52,11 @@ def main() -> None:
     server_bin = sys.argv[1]
     out = {"shape": SHAPE, "n_probs": N_PROBS, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (arch, seed, qtype) in MODELS.items():
-            s = Shape(**SHAPE)
+        for name, (arch, seed, qtype, down) in MODELS.items():
+            s = Shape(**{**SHAPE, **model_shape(qtype)})
             weights = random_weights(arch, s, seed=seed, moe=True)
-            path = write_model(Path(tmp) / f"{name}.gguf", arch, s, weights, expert_types(weights, qtype), vocab=True)
+            path = write_model(Path(tmp) / f"{name}.gguf", arch, s, weights, expert_types(weights, qtype, down),
+                               vocab=True)
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
@@ -81,7 +86,8 @@ def main() -> None:
                     positions.append([[t["id"], t["logprob"]] for t in top])
                 r = post(url + "/completion", {"prompt": tokens[:8], "n_predict": 16, "temperature": 0,
                                                "ignore_eos": True, "return_tokens": True, "cache_prompt": False})
-                out["models"][name] = {"arch": arch, "seed": seed, "experts": qtype, "tokens": tokens, "top": positions,
+                out["models"][name] = {"arch": arch, "seed": seed, "experts": qtype, "down_experts": down,
+                                       "shape": model_shape(qtype), "tokens": tokens, "top": positions,
                                        "greedy_prompt": tokens[:8], "greedy": r["tokens"]}
             finally:
                 proc.terminate()

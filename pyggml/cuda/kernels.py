@@ -4,8 +4,10 @@ Matrix products with quantized weights run our kernels: for a few columns (decod
 activations are quantized to q8_1 on the GPU and multiplied by the integer matrix-vector
 kernel, which reads every weight byte once; for more columns (a prompt), the weights are
 dequantized to F16 and cuBLAS multiplies on the tensor cores into an F32 result (blas.py).
+F32 and F16 matrices of a few columns (the experts' router) have a matrix-vector kernel too
+(kernels/mmv.cu), and MUL_MAT_ID runs both with the expert ids read on the GPU.
 Every op a decode step runs (RMS norm, RoPE, softmax, GLU, attention over the F16 cache,
-the cache update, element-wise ops, embedding rows) is one kernel launch (attention: two),
+the cache update, element-wise ops, embedding rows, the experts' routing) is one kernel launch (attention: two),
 since on a GPU the launches, not the arithmetic, are what such small ops cost - and a graph
 of nothing but our kernels' launches can be recorded and replayed as a CUDA graph
 (replay.py).  Ops that do more (CuPy expressions for unary ops, copies, concat, argmax;
@@ -20,8 +22,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..opdefs import (VIEW_OPS, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeMode, RopeParams,
-                      ScaleParams, SoftMaxParams, UnaryOp, UnaryParams)
+from ..opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op,
+                      RopeMode, RopeParams, ScaleParams, SoftMaxParams, SortOrder, UnaryOp, UnaryParams)
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
 from .blas import gemm_f16_f32, to_f16_scaled
@@ -32,6 +34,7 @@ from .runtime import function
 Kernel = Callable[[Tensor], None]
 MMVQ_MAX_COLS = 8    # columns one matrix-vector launch handles (kernels/mmvq.cu)
 MMVQ_MAX_BATCH = 32  # up to this many tokens the matrix-vector kernel beats dequantize + GEMM
+MMVQ_ID_MAX_PAIRS = 64  # (token, expert) pairs up to which MUL_MAT_ID runs one matrix-vector launch
 GEMM_TILE_ROWS = 4096  # weight rows dequantized at a time for a prompt's GEMM (bounds the F16 copy)
 QUANT_KERNELS = {Type.Q4_0: "q4_0", Type.Q4_1: "q4_1", Type.Q5_0: "q5_0", Type.Q5_1: "q5_1", Type.Q8_0: "q8_0",
                  Type.Q4_K: "q4_k", Type.Q5_K: "q5_k", Type.Q6_K: "q6_k"}
@@ -115,6 +118,14 @@ def k_scale(node: Tensor) -> None:
     _into_f32(node, lambda out: function("binary.cu", "scale_f32")(
         _grid(out.size), (256,), x=x, out=out, s=p.scale, b=p.bias, **sizes("ne", out), **strides("xs", x),
         **strides("os", out)))
+
+
+def k_clamp(node: Tensor) -> None:
+    x = values(node.src[0])
+    p = ClampParams.of(node)
+    _into_f32(node, lambda out: function("binary.cu", "clamp_f32")(
+        _grid(out.size), (256,), x=x, out=out, lo=np.float32(p.min), hi=np.float32(p.max), **sizes("ne", out),
+        **strides("xs", x), **strides("os", out)))
 
 
 def _gelu_tanh(x):
@@ -211,6 +222,33 @@ def k_norm(node: Tensor) -> None:
     _into_f32(node, lambda y: function("norm.cu", "norm_f32")(
         (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
         **_rows("ys", y), eps=NormParams.of(node).eps))
+
+
+def k_sum_rows(node: Tensor) -> None:
+    x = _dense_rows(values(node.src[0]))
+    ne3, ne2, ne1, ne0 = x.shape
+    _into_f32(node, lambda y: function("norm.cu", "sum_rows_f32")(
+        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
+        **_rows("ys", y)))
+
+
+def _argsort_rows(node: Tensor, k: int, descending: bool) -> None:
+    """The first k indices of each row in ARGSORT's / TOP_K's order (kernels/sort.cu)."""
+    x = _dense_rows(values(node.src[0]))
+    y = tensor_view(node)
+    ne3, ne2, ne1, ne0 = x.shape
+    if y.size:
+        function("sort.cu", "argsort_rows_f32")(
+            (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, out=y, ne0=ne0, k=k, ne1=ne1, ne2=ne2, **_rows("xs", x),
+            **_rows("os", y), descending=int(descending))
+
+
+def k_argsort(node: Tensor) -> None:
+    _argsort_rows(node, node.ne[0], ArgsortParams.of(node).order == SortOrder.DESC)
+
+
+def k_top_k(node: Tensor) -> None:
+    _argsort_rows(node, node.ne[0], True)
 
 
 _WRAPPERS: list[Callable[[str, Callable], Callable]] = []  # instrumented()'s, outermost last
@@ -377,7 +415,8 @@ _ERROR_FLAGS: dict[int, object] = {}
 
 
 INDEX_ERRORS = {1: "SET_ROWS: index out of range (those rows were not written)",  # kernels/common.cuh
-                2: "GET_ROWS: index out of range (those rows were not read)"}
+                2: "GET_ROWS: index out of range (those rows were not read)",
+                3: "MUL_MAT_ID: expert id out of range (those products were not computed)"}
 
 
 def check_errors() -> None:
@@ -448,6 +487,11 @@ def mmvq_shape(m: int) -> tuple[tuple[int], tuple[int, int]]:
     return (m,), (32, 4)
 
 
+def mmvq_shape_pairs(m: int, pairs: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The same for MUL_MAT_ID's launches: a row of blocks per (token, slot) pair."""
+    return (m, pairs), (32, 4)
+
+
 def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
     """out [N, M] = x [N, K] (float32) times weight rows w (uint8 [M, row_bytes]), N <= 8."""
     cp = cupy_module()
@@ -465,36 +509,104 @@ def mul_mat_vec_q(w, qtype: Type, x, out, key: tuple | None = None) -> None:
         out[...] = dst
 
 
-def k_mul_mat(node: Tensor) -> None:
+def _product(a: Tensor, w, x, out, key: tuple | None = None) -> None:
+    """out [N, M] = x [N, K] (float32) times one matrix of weight ``a``: w its rows, as bytes
+    [M, row_bytes] (quantized) or as values [M, K] (F32, F16)."""
+    if a.type in QUANT_KERNELS and x.shape[0] <= MMVQ_MAX_BATCH:
+        for start in range(0, x.shape[0], MMVQ_MAX_COLS):
+            part = None if key is None else (*key, start)
+            mul_mat_vec_q(w, a.type, x[start:start + MMVQ_MAX_COLS], out[start:start + MMVQ_MAX_COLS], key=part)
+    elif a.type in QUANT_KERNELS:  # a prompt: F16 weight tiles and tensor cores through cuBLAS, F32 result
+        eager()  # (a prompt's graph seldom comes back, and its F16 tiles are large)
+        xh, alpha = to_f16_scaled(x)
+        for start in range(0, w.shape[0], GEMM_TILE_ROWS):
+            wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
+            gemm_f16_f32(xh, wf, out[:, start:start + GEMM_TILE_ROWS], alpha)
+    elif x.shape[0] <= MMVQ_MAX_COLS and w.strides[1] == w.itemsize and x.strides[1] == 4:
+        mul_mat_vec_plain(w, x, out)  # a decode step's plain matrix: a launch, not cuBLAS
+    elif a.type == Type.F16:
+        eager()
+        xh, alpha = to_f16_scaled(x)
+        gemm_f16_f32(xh, w, out, alpha)
+    else:
+        eager()
+        out[...] = cupy_module().matmul(x, w.T)
+
+
+def _matrices(a: Tensor):
+    """Weight ``a``'s matrices, indexed [i3, i2]: rows as bytes (quantized) or values."""
+    return tensor_rows(a) if a.type in QUANT_KERNELS else tensor_view(a)
+
+
+def mul_mat_vec_plain(w, x, out) -> None:
+    """out [N, M] = x [N, K] times F32 or F16 weight rows w [M, K] (contiguous rows), N <= 8
+    (kernels/mmv.cu)."""
     cp = cupy_module()
+    n, m = x.shape[0], w.shape[0]
+    dst = out if out.flags.c_contiguous else cp.empty((n, m), dtype=cp.float32)
+    kernel = "mul_mat_vec_f16" if w.dtype == np.float16 else "mul_mat_vec_f32"
+    function("mmv.cu", kernel)(*mmvq_shape(m), W=w, x=x, dst=dst, ncols_w=w.shape[1], nrows=m,
+                               row_stride=w.strides[0] // w.itemsize, ncols=n, x_stride=x.strides[0] // 4,
+                               dst_stride=m)
+    if dst is not out:
+        eager()
+        out[...] = dst
+
+
+def k_mul_mat(node: Tensor) -> None:
     a, b = node.src[0], node.src[1]
     out = tensor_view(node)  # [b3, b2, N, M]
     x = values(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
-    quantized = a.type in QUANT_KERNELS
-    rows = tensor_rows(a) if quantized else None
+    w = _matrices(a)
     for i3 in range(b.ne[3]):
         for i2 in range(b.ne[2]):
-            xi, oi = x[i3, i2], out[i3, i2]
-            if quantized and xi.shape[0] <= MMVQ_MAX_BATCH:
-                w = rows[i3 // r3, i2 // r2]
-                for start in range(0, xi.shape[0], MMVQ_MAX_COLS):
-                    mul_mat_vec_q(w, a.type, xi[start:start + MMVQ_MAX_COLS], oi[start:start + MMVQ_MAX_COLS],
-                                  key=(id(b), i3, i2, start))
-            elif quantized:  # a prompt: F16 weight tiles and tensor cores through cuBLAS, F32 result
-                eager()  # (a prompt's graph seldom comes back, and its F16 tiles are large)
-                w, (xh, alpha) = rows[i3 // r3, i2 // r2], to_f16_scaled(xi)
-                for start in range(0, w.shape[0], GEMM_TILE_ROWS):
-                    wf = dequantize(w[start:start + GEMM_TILE_ROWS], a.type, a.ne[0], np.float16)
-                    gemm_f16_f32(xh, wf, oi[:, start:start + GEMM_TILE_ROWS], alpha)
-            else:
-                eager()
-                wa = tensor_view(a)[i3 // r3, i2 // r2]
-                if a.type == Type.F16:
-                    xh, alpha = to_f16_scaled(xi)
-                    gemm_f16_f32(xh, wa, oi, alpha)
-                else:
-                    oi[...] = cp.matmul(xi, wa.T)
+            _product(a, w[i3 // r3, i2 // r2], x[i3, i2], out[i3, i2], key=(id(b), i3, i2))
+
+
+def k_mul_mat_id(node: Tensor) -> None:
+    """MUL_MAT_ID: a decode step's few (token, slot) pairs in one matrix-vector launch that reads
+    each pair's expert id on the GPU (kernels/mmvq.cu, mmv.cu; a captured step replays it with
+    new ids);
+    more pairs (a prompt) are grouped by expert on the host, so that each expert's rows are
+    read once for all of its tokens, as ggml's CUDA backend sorts them."""
+    cp = cupy_module()
+    a, b, ids = node.src[:3]
+    n_expert, n_used, n_tokens, n_b = a.ne[2], ids.ne[0], ids.ne[1], b.ne[1]
+    out = tensor_view(node)[0]    # [n_tokens, n_used, M]
+    x = values(b)[0]              # [n_tokens, n_b, K]
+    index = tensor_view(ids)[0, 0]  # [n_tokens, n_used]
+    if out.size == 0:
+        return
+    pairs = n_tokens * n_used
+    w = _matrices(a)[0]  # [n_expert, M, row bytes or K]
+    if pairs <= MMVQ_ID_MAX_PAIRS and out.strides[2] == 4 and w.strides[2] == w.itemsize:
+        columns = _flat(x).reshape(-1, x.shape[-1])  # [n_tokens * n_b, K], contiguous
+        is0, is1 = _strides(index)[:2]
+        common = dict(dst=out, ids=index, error=_index_errors(), nrows=a.ne[1], n_expert=n_expert, n_used=n_used,
+                      n_b=n_b, is0=is0, is1=is1, ds1=out.strides[1] // 4, ds2=out.strides[0] // 4)
+        if a.type in QUANT_KERNELS:
+            groups = a.ne[0] // 32
+            function("mmvq.cu", f"mul_mat_vec_id_{QUANT_KERNELS[a.type]}")(
+                *mmvq_shape_pairs(a.ne[1], pairs), W=w, x=quantize_q8_1(columns, key=(id(b), "experts")),
+                groups=groups, row_bytes=w.strides[1], expert_bytes=w.strides[0], x_stride=groups * 36, **common)
+        else:
+            kernel = "mul_mat_vec_id_f16" if a.type == Type.F16 else "mul_mat_vec_id_f32"
+            function("mmv.cu", kernel)(
+                *mmvq_shape_pairs(a.ne[1], pairs), W=w, x=columns, ncols_w=a.ne[0],
+                row_stride=w.strides[1] // w.itemsize, expert_stride=w.strides[0] // w.itemsize,
+                x_stride=columns.strides[0] // 4, **common)
+        return
+    eager()  # the ids are read on the host
+    chosen = cp.asnumpy(index)
+    if chosen.size and (chosen.min() < 0 or chosen.max() >= n_expert):
+        raise IndexError(INDEX_ERRORS[3])
+    for expert in np.unique(chosen):
+        tok, slot = np.nonzero(chosen == expert)
+        t, s = cp.asarray(tok), cp.asarray(slot)
+        res = cp.empty((len(tok), a.ne[1]), dtype=cp.float32)
+        _product(a, w[int(expert)], cp.ascontiguousarray(x[t, s % n_b]), res)
+        out[t, s] = res
 
 
 def k_get_rows(node: Tensor) -> None:
@@ -561,6 +673,7 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.MUL: k_binary,
     Op.DIV: k_binary,
     Op.SCALE: k_scale,
+    Op.CLAMP: k_clamp,
     Op.UNARY: k_unary,
     Op.GLU: k_glu,
     Op.RMS_NORM: k_rms_norm,
@@ -575,5 +688,9 @@ OP_TABLE: dict[Op, Kernel] = {
     Op.DUP: k_cpy,
     Op.CONCAT: k_concat,
     Op.ARGMAX: k_argmax,
+    Op.ARGSORT: k_argsort,
+    Op.TOP_K: k_top_k,
+    Op.SUM_ROWS: k_sum_rows,
+    Op.MUL_MAT_ID: k_mul_mat_id,
     Op.FLASH_ATTN_EXT: k_flash_attn_ext,
 }
