@@ -9,6 +9,11 @@ holds the file itself (``--gguf``); and how long failover takes from a server's 
 the next token.
 
     python bench/rpc.py [--model smollm2] [--tokens 64] [--llama-cpp BIN_DIR]
+    python bench/rpc.py --synthetic-moe [--llama-cpp BIN_DIR]   # the ~1B qwen3moe of bench/generate.py
+
+``--synthetic-moe`` measures generation only (local, one server, two servers), for the
+mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
+has no tokenizer, so token ids go straight into a context.
 
 With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server``, e.g. from
 ``../shared/bin/build-llamacpp``; reference tools, never dependencies) the same machine's
@@ -58,6 +63,76 @@ def generation(model: pg.Model, n: int) -> tuple[float, float, float]:
     return count / dt, (wire_bytes(model) - b0) / count, (waited(model) - w0) / count
 
 
+def untokenized_generation(ctx, conns: list, n: int) -> tuple[float, float, float]:
+    """generation() for a model without a tokenizer: token ids into the context, each step's
+    top 40 brought back (what top-k sampling reads) and the first of them fed back."""
+    ctx.clear()
+    top = ctx.decode(list(range(3, 11)), n_top=40)
+    top = ctx.decode([int(top.ids[0, 0])], n_top=40)  # warm up: the step's graph built and sent
+    b0 = sum(c.bytes_sent + c.bytes_received for c in conns)
+    w0, t0 = sum(c.wait_seconds for c in conns), time.perf_counter()
+    for _ in range(n):
+        top = ctx.decode([int(top.ids[0, 0])], n_top=40)
+    dt = time.perf_counter() - t0
+    wire = sum(c.bytes_sent + c.bytes_received for c in conns) - b0
+    return n / dt, wire / n, (sum(c.wait_seconds for c in conns) - w0) / n
+
+
+def moe_main(args, env: dict) -> None:
+    """The three generation placements of the synthetic mixture of experts, and llama.cpp's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from generate import synthetic_moe
+
+    from pyggml.models import Context, load_model
+    from pyggml.models.loader import default_devices
+    from pyggml.rpc import connect
+    path = Path(args.synthetic_moe) if args.synthetic_moe else synthetic_moe()
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
+        opened = []
+        try:
+            runs = {}
+            for name, n_servers, ngl in (("local", 0, None), ("1 server, all layers", 1, "all"),
+                                         ("2 servers, split", 2, "0:prolog,epilog;1:all")):
+                devices = connect([s.endpoint for s in servers[:n_servers]]) if n_servers else []
+                opened += devices
+                model = load_model(path, ngl=ngl, devices=[*devices, *default_devices()], progress=False)
+                conns = list({id(d.conn): d.conn for d in devices}.values())
+                runs[name] = (Context(model, n_ctx=args.ctx), conns, n_servers)
+            results: dict[str, list] = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, (ctx, conns, _n) in runs.items():
+                    results[name].append(untokenized_generation(ctx, conns, args.tokens))
+                print("round: " + ", ".join(f"{name} {r[-1][0]:.1f} tokens/s" for name, r in results.items()),
+                      file=sys.stderr)
+        finally:
+            for d in opened:
+                d.conn.close()
+            for s in servers:
+                s.stop()
+    rows = [(name, *sorted(results[name])[len(results[name]) // 2], runs[name][2]) for name in runs]
+    local_tps = rows[0][1]
+    print(f"model {path.name} (synthetic qwen3moe, {path.stat().st_size / 2**20:.0f} MiB), {args.tokens} generated "
+          f"tokens x {args.rounds} rounds, {pg.cpu_device().get_description()}")
+    print(f"{'placement':<24}{'tokens/s':>10}{'ms/token':>10}{'added ms/token/server':>24}{'wire bytes/token':>18}")
+    for name, tps, per_token, _wait, n in rows:
+        added = (1000 / tps - 1000 / local_tps) / n if n else 0.0
+        print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}")
+    if args.llama_cpp:
+        print_llama_cpp(llama_cpp_rows(args.llama_cpp, path, args.tokens), {name: tps for name, tps, *_ in rows},
+                        args.tokens)
+
+
+def print_llama_cpp(theirs: dict[str, float], ours: dict[str, float], n: int) -> None:
+    print(f"llama.cpp (llama-bench -t 2 -n {n}, ggml-rpc-server -t 2; every layer on the servers):")
+    for name, (n_servers, tps) in zip(theirs, enumerate(theirs.values())):
+        added = (1000 / tps - 1000 / theirs["local"]) / n_servers if n_servers else 0.0
+        mine = (1000 / ours[name] - 1000 / ours["local"]) / n_servers if n_servers else 0.0
+        ratio = f"  pyggml's added time / llama.cpp's: {mine / added:.2f}" if n_servers and added > 0 else ""
+        print(f"  {name:<22}{tps:>10.1f} tok/s{added:>10.2f} ms/token/server added{ratio}"
+              f"  (pyggml {ours[name]:.1f} tok/s, {ours[name] / tps:.2f}x)")
+
+
 def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2) -> dict[str, float]:
     """llama-bench's generation tokens/s locally and with every layer on one and on two
     ggml-rpc-servers (started here, one CPU thread pool each)."""
@@ -101,10 +176,16 @@ def main() -> None:
                     help="llama.cpp's bin folder (llama-bench, ggml-rpc-server): its figures beside ours")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of the server processes, e.g. OMP_WAIT_POLICY=PASSIVE")
+    ap.add_argument("--synthetic-moe", nargs="?", const="", default=None, metavar="FILE",
+                    help="the ~1B qwen3moe of random weights instead (generation only; see above), or FILE: "
+                         "another GGUF whose vocabulary has no tokenizer")
     args = ap.parse_args()
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    if args.synthetic_moe is not None:
+        moe_main(args, env)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(kv.split("=", 1) for kv in args.server_env)
         servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
         try:
             local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
@@ -175,14 +256,8 @@ def main() -> None:
         print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}{client:>17.2f}")
     print("(client ms/token of a remote placement: the time not spent waiting for a server's answer)")
     if args.llama_cpp:
-        theirs = llama_cpp_rows(args.llama_cpp, pg.hub.resolve(args.model), args.tokens)
-        print(f"llama.cpp (llama-bench -t 2 -n {args.tokens}, ggml-rpc-server -t 2; every layer on the servers):")
-        ours = {name: tps for name, tps, *_ in rows}
-        for name, (n_servers, tps) in zip(theirs, enumerate(theirs.values())):
-            added = (1000 / tps - 1000 / theirs["local"]) / n_servers if n_servers else 0.0
-            mine = (1000 / ours[name] - 1000 / ours["local"]) / n_servers if n_servers else 0.0
-            ratio = f"  pyggml's added time / llama.cpp's: {mine / added:.2f}" if n_servers and added > 0 else ""
-            print(f"  {name:<22}{tps:>10.1f} tok/s{added:>10.2f} ms/token/server added{ratio}")
+        print_llama_cpp(llama_cpp_rows(args.llama_cpp, pg.hub.resolve(args.model), args.tokens),
+                        {name: tps for name, tps, *_ in rows}, args.tokens)
     print(f"first load onto a server: {first_load:.2f} s, {upload / 2**20:.1f} MiB sent "
           f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")
     print(f"cached second load:       {cached_load:.2f} s, {cached_upload / 2**20:.2f} MiB sent "

@@ -69,6 +69,19 @@ def test_rpc_bench_runs():
     assert "1 server, all layers" in r.stdout and "cached second load" in r.stdout
 
 
+def test_rpc_bench_runs_a_mixture_of_experts_without_a_tokenizer(tmp_path):
+    """--synthetic-moe's path (token ids into a context, three placements), on a tiny qwen3moe
+    in place of the ~1B one that the benchmark writes."""
+    from .synthetic import Shape, random_weights, write_model
+    s = Shape()
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", s, random_weights("qwen3moe", s, seed=3))
+    r = run(sys.executable, "bench/rpc.py", "--synthetic-moe", str(path), "--tokens", "4", "--rounds", "1",
+            "--ctx", "64")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("  ")[0]: line.split() for line in r.stdout.splitlines()}
+    assert float(rows["2 servers, split"][3]) > 0 and float(rows["1 server, all layers"][-1]) > 0, r.stdout
+
+
 def test_generate_bench_runs_with_rounds_and_profile():
     r = run(sys.executable, "bench/generate.py", "--models", "smollm2", "-n", "4", "--prompt-tokens", "16",
             "--rounds", "2", "--profile", timeout=600)
