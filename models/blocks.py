@@ -27,10 +27,14 @@ class GraphInputs:
     kq_mask_swa: Tensor | None  # same, also masking cells outside the sliding window
     out_ids: Tensor | None    # I32 [n_outputs]: rows whose logits are wanted (None: all)
     hist_ids: Tensor | None = None  # I32 [n_hist, n_outputs]: tokens whose logits come along with the top k
+    # a batch of several sequences: where each one's tokens (and output rows) start, and the
+    # count last - so that every product computes each sequence as it would alone (ops.mul_mat)
+    token_runs: Tensor | None = None  # I32 [n_runs + 1]
+    output_runs: Tensor | None = None  # I32 [n_output_runs + 1]
 
     def all(self) -> list[Tensor]:
         return [t for t in (self.tokens, self.pos, self.kv_idxs, self.kq_mask, self.kq_mask_swa, self.out_ids,
-                            self.hist_ids) if t is not None]
+                            self.hist_ids, self.token_runs, self.output_runs) if t is not None]
 
 
 @dataclass
@@ -54,6 +58,8 @@ class GraphBuilder:
     rope_mode: RopeMode = RopeMode.NORMAL
     n_top: int = 0   # > 0: the graph's result is the top n_top logits per row (TopOutputs), not the rows
     n_hist: int = 0
+    n_runs: int = 0  # > 0: the batch's tokens come in this many runs of one sequence each (GraphInputs)
+    n_output_runs: int = 0
     graph: Graph = field(default_factory=Graph)
     inputs: GraphInputs = field(init=False)
     top: TopOutputs | None = field(init=False, default=None)
@@ -71,6 +77,9 @@ class GraphBuilder:
             if self.n_outputs < n else None,
             hist_ids=new_tensor(Type.I32, (self.n_hist, self.n_outputs), "inp_hist_ids").set_input()
             if self.n_top and self.n_hist else None,
+            token_runs=new_tensor(Type.I32, (self.n_runs + 1,), "inp_token_runs").set_input() if self.n_runs else None,
+            output_runs=new_tensor(Type.I32, (self.n_output_runs + 1,), "inp_output_runs").set_input()
+            if self.n_output_runs else None,
         )
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -87,7 +96,7 @@ class GraphBuilder:
         w = self.w(f"{name}.weight", il)
         if w is None:
             raise KeyError(f"model has no tensor {f'blk.{il}.' if il is not None else ''}{name}.weight")
-        y = ops.mul_mat(w, x)
+        y = ops.mul_mat(w, x, self.inputs.token_runs)
         b = self.w(f"{name}.bias", il)
         return ops.add(y, b) if b is not None else y
 
@@ -161,7 +170,8 @@ class GraphBuilder:
         each chosen expert's SwiGLU FFN, and the weighted sum of their outputs."""
         hp, n = self.hp, self.n_tokens
         n_expert, n_used = hp.n_expert, hp.n_expert_used
-        logits = self.cb(ops.mul_mat(self.w("ffn_gate_inp.weight", il), x), "ffn_moe_logits", il)  # [n_expert, n]
+        runs = self.inputs.token_runs
+        logits = self.cb(ops.mul_mat(self.w("ffn_gate_inp.weight", il), x, runs), "ffn_moe_logits", il)  # [n_expert, n]
         probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
         selected = self.cb(ops.top_k(probs, n_used), "ffn_moe_topk", il)                       # I32 [n_used, n]
         weights = self.cb(ops.get_rows(ops.reshape(probs, 1, n_expert, n), selected), "ffn_moe_weights", il)
@@ -170,10 +180,10 @@ class GraphBuilder:
             total = ops.clamp(ops.sum_rows(weights), 6.103515625e-5, float("inf"))  # llama.cpp's floor
             weights = self.cb(ops.reshape(ops.div(weights, total), 1, n_used, n), "ffn_moe_weights_norm", il)
         cur = ops.reshape(x, hp.n_embd, 1, n)
-        up = self.cb(ops.mul_mat_id(self.w("ffn_up_exps.weight", il), cur, selected), "ffn_moe_up", il)
-        gate = self.cb(ops.mul_mat_id(self.w("ffn_gate_exps.weight", il), cur, selected), "ffn_moe_gate", il)
+        up = self.cb(ops.mul_mat_id(self.w("ffn_up_exps.weight", il), cur, selected, runs), "ffn_moe_up", il)
+        gate = self.cb(ops.mul_mat_id(self.w("ffn_gate_exps.weight", il), cur, selected, runs), "ffn_moe_gate", il)
         act = self.cb(ops.swiglu(gate, up), "ffn_moe_swiglu", il)                               # [n_ff, n_used, n]
-        experts = self.cb(ops.mul_mat_id(self.w("ffn_down_exps.weight", il), act, selected), "ffn_moe_down", il)
+        experts = self.cb(ops.mul_mat_id(self.w("ffn_down_exps.weight", il), act, selected, runs), "ffn_moe_down", il)
         experts = self.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                   # [n_embd, n_used, n]
         out = None
         for e in range(n_used):  # the experts' outputs added in slot order, as llama.cpp adds its views
@@ -192,7 +202,7 @@ class GraphBuilder:
             cur = self.cb(ops.get_rows(cur, self.inputs.out_ids), "out_rows")
         cur = self.build_norm(cur, self.weights["output_norm.weight"], "result_norm")
         head = self.weights.get("output.weight", self.weights["token_embd.weight"])
-        logits = ops.mul_mat(head, cur)
+        logits = ops.mul_mat(head, cur, self.inputs.output_runs)
         cap = self.hp.final_softcap
         if cap:
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / cap)), cap)

@@ -85,6 +85,46 @@ class Timings:
         self.prompt_seconds = self.gen_seconds = 0.0
 
 
+def runs_of(seq: np.ndarray) -> np.ndarray:
+    """Where each run of equal sequence ids starts, and the count last (ops.mul_mat's runs)."""
+    cuts = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+    return np.concatenate([[0], cuts, [len(seq)]]).astype(np.int32)
+
+
+# Reading a prompt in pieces gives every token the bits it gets when the prompt is read whole
+# (Context.decode: ubatches of n_ubatch tokens) when the pieces keep what decides a product's
+# kernels (cpu/blockdot.py column_format): a token's place among whole fours of columns from
+# its ubatch's start (repacked Q4_K's gemm) and whether its ubatch piece has at least 8 columns
+# (the tiled K-quant kernels), and the attention's single-token path for a piece of one.  So
+# pieces start and end on multiples of PIECE_ALIGN within the ubatch grid, and none leaves less
+# than TILED_COLS of its ubatch to read after it.
+PIECE_ALIGN = 8
+TILED_COLS = 8
+
+
+def prompt_cut(done: int, total: int, budget: int, ubatch: int) -> int:
+    """How many of a prompt's tokens to read now, from position ``done`` of ``total``, at most
+    ``budget``, by the rule above: 0 when no such piece fits (never with a budget of 16 or more)."""
+    end = min(total, (done // ubatch + 1) * ubatch)  # the end of the ubatch that holds `done`
+    if end - done <= budget:
+        return max(0, end - done)
+    n = (done + budget) // PIECE_ALIGN * PIECE_ALIGN - done
+    if end - (done + n) < TILED_COLS:
+        n -= PIECE_ALIGN
+    return max(n, 0)
+
+
+def reusable_prefix(cached: int, total: int, ubatch: int) -> int:
+    """The part of a cached prefix of ``cached`` tokens that the rest of a ``total``-token prompt
+    can be read after as if the prompt were read whole (prompt_cut's rule)."""
+    start = cached // ubatch * ubatch
+    end = min(total, start + ubatch)
+    c = cached // PIECE_ALIGN * PIECE_ALIGN
+    while c > start and end - c < TILED_COLS:
+        c -= PIECE_ALIGN
+    return c
+
+
 class Context:
     def __init__(self, model: LoadedModel, n_ctx: int = 2048, n_ubatch: int = 256) -> None:
         if n_ctx < 1:
@@ -164,14 +204,16 @@ class Context:
         self.tokens = list(tokens)
 
     # -- graphs -------------------------------------------------------------------------------------
-    def _graph(self, n_tokens: int, n_kv: int, n_outputs: int, n_top: int = 0, n_hist: int = 0) -> GraphBuilder:
-        key = (n_tokens, n_kv, n_outputs, n_top, n_hist)
+    def _graph(self, n_tokens: int, n_kv: int, n_outputs: int, n_top: int = 0, n_hist: int = 0, n_runs: int = 0,
+               n_output_runs: int = 0) -> GraphBuilder:
+        key = (n_tokens, n_kv, n_outputs, n_top, n_hist, n_runs, n_output_runs)
         b = self._graphs.get(key)
         if b is not None:
             self._graphs.move_to_end(key)
             return b
         b = GraphBuilder(self.hp, self.model.weights, self.kv, n_tokens, n_kv, n_outputs,
-                         rope_mode=self.model.arch.ROPE_MODE, n_top=n_top, n_hist=n_hist)
+                         rope_mode=self.model.arch.ROPE_MODE, n_top=n_top, n_hist=n_hist, n_runs=n_runs,
+                         n_output_runs=n_output_runs)
         self.model.arch.build(b)
         self._graphs[key] = b
         if len(self._graphs) > MAX_CACHED_GRAPHS:
@@ -189,6 +231,9 @@ class Context:
             tensor_set(inp.kq_mask_swa, swa)
         if inp.out_ids is not None:
             tensor_set(inp.out_ids, np.flatnonzero(batch.output).astype(np.int32))
+        if inp.token_runs is not None:
+            tensor_set(inp.token_runs, runs_of(batch.seq))
+            tensor_set(inp.output_runs, runs_of(batch.seq[batch.output]))
 
     # -- decoding -----------------------------------------------------------------------------------
     def check_tokens(self, ids: np.ndarray) -> None:
@@ -227,7 +272,10 @@ class Context:
             if not wanted:
                 ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
             top = n_top if wanted else 0
-            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0)
+            # several sequences: each one's products computed as they would be for it alone
+            n_runs, n_output_runs = (len(runs_of(ub.seq)) - 1, len(runs_of(ub.seq[ub.output])) - 1) \
+                if (ub.seq != ub.seq[0]).any() else (0, 0)
+            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, n_runs, n_output_runs)
             self.sched.alloc_graph(b.graph)
             self._set_inputs(b, ub, cells)
             if b.inputs.hist_ids is not None:
@@ -280,10 +328,17 @@ class Context:
             common += 1
         return common
 
+    def reused_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` eval_prefix takes from the cache: of those cached, all but
+        the last token (always evaluated, for its logits), less what the rest needs to read as
+        it would in a fresh run (reusable_prefix)."""
+        common = min(self.common_prefix(tokens), len(tokens) - 1)
+        return reusable_prefix(common, len(tokens), self.n_ubatch)
+
     def eval_prefix(self, tokens: Sequence[int], n_top: int = 0, hist: np.ndarray | None = None):
         """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return
         the logits after the last token (as decode does)."""
         tokens = list(tokens)
-        common = min(self.common_prefix(tokens), len(tokens) - 1)  # the last token is always evaluated, for its logits
+        common = self.reused_prefix(tokens)
         self.truncate(common)
         return self.decode(tokens[common:], n_top=n_top, hist=hist)

@@ -22,14 +22,14 @@ requests in flight end with an error naming it, and the engine refuses new ones,
 unless the model has ``failover``: then its layers move, the cache is rebuilt by replaying
 its history, and the requests go on.
 
-A sequence decoded beside others gets the bits it gets alone where the kernels allow it:
-the KV cache hands out cells in pages so that every sequence's cells sit at their solo
-offsets, and the attention takes its single-token path per sequence (kv_cache.py,
-cpu/nn.py::attention).  The K-quant products are the exception: llama.cpp computes them
-with another kernel once a batch has enough columns (repacked Q4_K in whole fours, the
-tiled Q5_K/Q6_K kernels from 8), whose rounding differs, so for those files the batch
-around a sequence moves its logits' last bits, and at a near tie its greedy token (Gemma 3
-270M shows it within a few steps), as in llama.cpp's server.
+A sequence decoded beside others gets the bits it gets alone, so a greedy answer is the one
+it gets alone and from ``Model.create_completion``: the KV cache hands out cells in pages so
+that every sequence's cells sit at their solo offsets, the attention takes its single-token
+path per sequence (kv_cache.py, cpu/nn.py::attention), each product computes every
+sequence's run of columns as that sequence alone would (llama.cpp's K-quant kernels change
+with a batch's width: ops.mul_mat's runs, which Context passes for a batch of several
+sequences), and prompts are read in pieces that keep every token's kernels those of a whole
+read (context.py: prompt_cut, reusable_prefix).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .completion import Shape, TextStream, Usage
-from .context import Batch, ContextFullError
+from .context import Batch, ContextFullError, prompt_cut, reusable_prefix
 from .kv_cache import PAGE
 from .sampling import Sampler, SamplingParams
 
@@ -138,6 +138,9 @@ class Engine:
             raise ValueError(f"n_parallel must be at least 1, not {n_parallel}")
         if n_batch < n_parallel:
             raise ValueError(f"n_batch ({n_batch}) must hold a token of each of the {n_parallel} slots")
+        if n_batch > model.context.n_ubatch:
+            raise ValueError(f"n_batch ({n_batch}) must fit in the context's ubatch ({model.context.n_ubatch} tokens): "
+                             f"a step is one ubatch, so that no sequence's tokens are cut between two")
         if getattr(model, "engine", None) is not None:
             raise RuntimeError("this model is already served by an Engine")
         self.model = model
@@ -360,7 +363,8 @@ class Engine:
             if not idle:
                 return
             slot = max(idle, key=lambda s: (_common(s.tokens, req.ids), -s.last_used))
-            cached = min(_common(slot.tokens, req.ids), len(req.ids) - 1)
+            cached = reusable_prefix(min(_common(slot.tokens, req.ids), len(req.ids) - 1), len(req.ids),
+                                     self.ctx.n_ubatch)
             owned = kv._owned()
             kept = -(-cached // PAGE)  # the slot's pages that the shared prefix keeps
             need = len(req.ids) // PAGE - cached // PAGE + 1 - (1 if cached % PAGE else 0)
@@ -427,9 +431,9 @@ class Engine:
             done, left = len(s.tokens), len(s.req.ids) - len(s.tokens)
             # positions that fit: the rest of the page holding `done`, if the slot owns it, and free pages
             room = free * PAGE + ((PAGE - done % PAGE) if done % PAGE else 0)
-            n = min(budget, left, room)
-            if n < left and left - n == 1 and n > 1:
-                n -= 1  # a prompt's last token alone would take the single-token attention path
+            n = prompt_cut(done, len(s.req.ids), min(budget, room), self.ctx.n_ubatch)
+            if n == 0 and len(parts) == len(generating):  # a budget under 16: progress before bits
+                n = min(budget, left, room)
             if n <= 0:
                 continue
             free -= kv.pages_for(s.seq, done, done + n, owned)

@@ -272,7 +272,7 @@ class Model:
         stream = TextStream(self.tokenizer, stop_list(stop))
         limit = max_tokens if max_tokens is not None and max_tokens > 0 else self.n_ctx
         usage.prompt_tokens = len(ids)
-        usage.cached_tokens = min(self.context.common_prefix(ids), len(ids) - 1)
+        usage.cached_tokens = self.context.reused_prefix(ids)
         for token in self.generate(ids, max_tokens=limit, **sampling):
             usage.completion_tokens += 1
             piece = stream.push(token)

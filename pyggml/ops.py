@@ -163,14 +163,25 @@ def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, m
 
 # -- matrix products and row gathers -----------------------------------------------------------
 
-def mul_mat(a: Tensor, b: Tensor) -> Tensor:
-    """a: [K, M, ...] (weights, any type), b: [K, N, ...] -> [M, N, ...] F32; b broadcasts a."""
+def mul_mat(a: Tensor, b: Tensor, runs: Tensor | None = None) -> Tensor:
+    """a: [K, M, ...] (weights, any type), b: [K, N, ...] -> [M, N, ...] F32; b broadcasts a.
+
+    ``runs`` (pyggml's, not ggml's): I32 [n_runs + 1], the first column of each run of b's
+    columns and N last.  Each run is multiplied as a product of its columns alone would be:
+    ggml's kernels for a batch depend on its number of columns (their roundings too), so a
+    batch that holds several sequences gives each the bits it gets alone.  b must be 2-D;
+    the values are data, checked when the product runs."""
     _check(a.ne[0] == b.ne[0], "MUL_MAT", "inner dimensions (ne[0]) differ", a, b)
     _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, "MUL_MAT",
            "a's batch dims must divide b's", a, b)
     _check(not (a.nb[0] > a.nb[1]), "MUL_MAT", "first operand must not be transposed", a, b)
     _check(_is_float(b), "MUL_MAT", "second operand must be a float tensor", a, b)
-    return _result(Op.MUL_MAT, Type.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
+    if runs is None:
+        return _result(Op.MUL_MAT, Type.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
+    _check(runs.type == Type.I32 and runs.ne[0] >= 2 and runs.ne[1:] == (1, 1, 1) and runs.nb[0] == 4, "MUL_MAT",
+           "runs must be I32 [n_runs + 1], contiguous", a, b, runs)
+    _check(b.ne[2] == 1 and b.ne[3] == 1, "MUL_MAT", "runs need a 2-D second operand", a, b, runs)
+    return _result(Op.MUL_MAT, Type.F32, (a.ne[1], b.ne[1], 1, 1), [a, b, runs])
 
 
 def get_rows(a: Tensor, idx: Tensor) -> Tensor:
@@ -309,13 +320,14 @@ def clamp(a: Tensor, lo: float, hi: float) -> Tensor:
     return t
 
 
-def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor, runs: Tensor | None = None) -> Tensor:
     """ggml_mul_mat_id, the mixture-of-experts product: for token t and slot e, the matrix of
     expert ids[e, t] times b's row e (or its only row) of token t.
 
     as_: [K, M, n_expert] (any weight type), b: F32 [K, n_used or 1, n_tokens], ids: I32
     [n_used, n_tokens] -> F32 [M, n_used, n_tokens].  The ids are data: the kernels check each
-    one against n_expert before reading a weight."""
+    one against n_expert before reading a weight.  ``runs``: runs of tokens, as mul_mat's of
+    columns (each expert's tokens of one run multiplied as if that run were the batch)."""
     _check(ids.type == Type.I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "MUL_MAT_ID", "ids must be I32 [n_used, n_tokens]",
            as_, b, ids)
     _check(b.type == Type.F32 and b.ne[3] == 1 and as_.ne[3] == 1, "MUL_MAT_ID",
@@ -323,7 +335,11 @@ def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
     _check(as_.ne[0] == b.ne[0], "MUL_MAT_ID", "inner sizes differ", as_, b)
     _check(ids.ne[1] == b.ne[2], "MUL_MAT_ID", "one row of ids per token", b, ids)
     _check(b.ne[1] in (1, ids.ne[0]), "MUL_MAT_ID", "b holds one row per used expert, or one for all", b, ids)
-    return _result(Op.MUL_MAT_ID, Type.F32, (as_.ne[1], ids.ne[0], b.ne[2]), [as_, b, ids])
+    if runs is None:
+        return _result(Op.MUL_MAT_ID, Type.F32, (as_.ne[1], ids.ne[0], b.ne[2]), [as_, b, ids])
+    _check(runs.type == Type.I32 and runs.ne[0] >= 2 and runs.ne[1:] == (1, 1, 1) and runs.nb[0] == 4,
+           "MUL_MAT_ID", "runs must be I32 [n_runs + 1], contiguous", as_, b, runs)
+    return _result(Op.MUL_MAT_ID, Type.F32, (as_.ne[1], ids.ne[0], b.ne[2]), [as_, b, ids, runs])
 
 
 def argsort(a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:

@@ -280,6 +280,22 @@ def _cases():
                 return (x.reshape(-1, 256) @ w.T).reshape(1, 1, -1, 24)
             yield Case(f"MUL_MAT-{wtype.name}-n{n}", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
 
+    for wtype in (Type.F32, Type.Q4_K, Type.Q6_K):  # runs of columns (a batch of sequences: ops.mul_mat)
+        def build(rng, wtype=wtype):
+            k = 256
+            if wtype.is_quantized:
+                w, raw, _ = quantized(wtype)(rng, k, 24)
+            else:
+                w, raw = leaf(wtype, k, 24, name="w"), normal(rng, leaf(Type.F32, k, 24))
+            x, runs = leaf(Type.F32, k, 40), leaf(Type.I32, 4, name="runs")
+            return ops.mul_mat(w, x, runs), [(w, raw), (x, normal(rng, x)), (runs, np.array([0, 3, 20, 40], np.int32))]
+
+        def ref(w, x, runs, wtype=wtype):
+            if wtype.is_quantized:
+                w = pg.quants.dequantize(np.asarray(w, np.uint8).reshape(24, -1), wtype).astype(f64)
+            return (x.reshape(-1, 256) @ w.reshape(24, 256).T).reshape(1, 1, -1, 24)
+        yield Case(f"MUL_MAT-{wtype.name}-runs", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
+
     for wtype, n_b in ((Type.F32, 2), (Type.Q4_0, 1), (Type.Q8_0, 2), (Type.Q4_K, 2)):
         def build(rng, wtype=wtype, n_b=n_b):
             k, m, n_expert, n_used, n_tok = 256, 16, 6, 2, 5
@@ -305,6 +321,22 @@ def _cases():
                     out[0, t, e] = w[ids[t, e]] @ x[t, e % x.shape[1]]
             return out
         yield Case(f"MUL_MAT_ID-{wtype.name}-b{n_b}", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
+
+    def moe_runs(rng):  # 40 tokens in runs (past CUDA's one-launch pairs: grouped by expert and run)
+        k, m, n_expert, n_used, n_tok = 256, 16, 6, 2, 40
+        _, raw, _ = quantized(Type.Q4_K)(rng, k, m * n_expert)
+        w = leaf(Type.Q4_K, k, m, n_expert, name="experts")
+        x, ids, runs = leaf(Type.F32, k, 1, n_tok), leaf(Type.I32, n_used, n_tok, name="ids"), leaf(Type.I32, 3, name="runs")
+        chosen = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+        return ops.mul_mat_id(w, x, ids, runs), [(w, raw), (x, normal(rng, x)), (ids, chosen),
+                                                 (runs, np.array([0, 17, 40], np.int32))]
+
+    def moe_runs_ref(w, x, ids, runs):
+        w = pg.quants.dequantize(np.asarray(w, np.uint8).reshape(96, -1), Type.Q4_K).astype(f64).reshape(6, 16, 256)
+        ids = ids.reshape(40, 2).astype(int)
+        x = x.reshape(40, 256)
+        return np.stack([[w[ids[t, e]] @ x[t] for e in range(2)] for t in range(40)])[None]
+    yield Case("MUL_MAT_ID-Q4_K-runs", moe_runs, moe_runs_ref, 5e-4)
 
     def batched(rng):
         a, b = leaf(Type.F32, 32, 6, 2), leaf(Type.F32, 32, 3, 4, name="b")

@@ -7,10 +7,14 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pyggml as pg
 from pyggml.models import Engine
-from pyggml.models.context import Batch
+from pyggml.cpu.blockdot import column_format
+from pyggml.cpu.kinds import Fmt
+from pyggml.models.context import Batch, prompt_cut, reusable_prefix
 from pyggml.models.engine import QueueFullError
 
 from .conftest import shared_model
@@ -22,15 +26,15 @@ def same(got: np.ndarray, want: np.ndarray, exact: bool) -> bool:
     return np.array_equal(got, want) if exact else int(np.argmax(got)) == int(np.argmax(want))
 
 
-def test_a_sequence_in_a_batch_of_four_gets_its_solo_logits():
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_a_sequence_in_a_batch_of_four_gets_its_solo_logits(alias):
     """Four prompts read in one batch, then four decode steps of one token per sequence:
-    every row's logits are the bits of the same sequence decoded alone (SmolLM2, Q4_1).
-
-    Not so for Gemma 3's file, which holds K-quants: llama.cpp computes their products by
-    another kernel when a batch has enough columns (the repacked Q4_K gemm for whole fours
-    of columns, the tiled Q5_K/Q6_K kernels from 8), with other rounding, so a row's bits
-    depend on the batch around it there, as they do in llama.cpp (models/engine.py)."""
-    m = shared_model("smollm2")
+    every row's logits are the bits of the same sequence decoded alone - SmolLM2's Q4_1 and
+    Gemma 3's K-quants alike: llama.cpp computes the K-quants by other kernels when a batch
+    has enough columns (the repacked Q4_K gemm for whole fours of columns, the tiled Q5_K/Q6_K
+    kernels from 8), and the batch's products compute each sequence's run of columns as that
+    sequence alone would (ops.mul_mat's runs)."""
+    m = shared_model(alias)
     ctx = m.context
     exact = True
     prompts = [m.tokenize(t) for t in PROMPTS]
@@ -107,8 +111,42 @@ def test_engine_from_threads_equals_the_model_alone(small):
         assert out == want
         r = engine.submit(PROMPTS[0], stream=False, max_tokens=12, temperature=0)
         assert r["choices"][0]["text"] == want[PROMPTS[0]]
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(small.tokenize(PROMPTS[0])) - 1
+        # the slot still holds this prompt, but a rest of one token would take the attention's
+        # single-token path, not a fresh read's: nothing of 5 tokens is reused (reusable_prefix)
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert small.create_completion(PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"] == want[PROMPTS[1]]
+
+
+LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within fifty years "
+        "printers worked in more than two hundred cities, and the price of a book fell so far that students, "
+        "merchants and craftsmen could own the texts their parents had only heard read aloud in churches, and")
+
+
+def test_k_quant_answers_in_a_busy_engine_are_the_models_alone():
+    """Gemma 3's K-quants, whose batch kernels round otherwise: prompts of 6 to ~70 tokens read
+    in pieces of at most 32 tokens beside each other's decoding, then a follow-up that reuses a
+    slot's cached prefix - every greedy answer is Model.create_completion's, token for token."""
+    prompts = [PROMPTS[1], LONG, PROMPTS[3], LONG[:200]]
+    follow_up = LONG + " the first newspapers"
+    with pg.Model("gemma3-270m", n_ctx=1024, progress=False) as m:
+        want = {p: m.create_completion(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+                for p in [*prompts, follow_up]}
+        assert len(m.tokenize(LONG)) > 64 and len(m.tokenize(prompts[3])) > 32
+        with Engine(m, n_parallel=4, n_batch=32) as engine:
+            out: dict[str, str] = {}
+
+            def ask(p):
+                out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=16, temperature=0))
+            threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert out == {p: want[p] for p in prompts}
+            r = engine.submit(follow_up, stream=False, max_tokens=16, temperature=0)
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
+            assert r["choices"][0]["text"] == want[follow_up]
 
 
 def test_full_cache_ends_with_length_and_frees_cells(small):
@@ -154,3 +192,36 @@ def test_abandoned_stream_frees_its_slot_and_full_queue_refuses(small):
         waiting.join(60)
         assert done and done[0]["usage"]["completion_tokens"] == 3
         assert engine.busy_slots == 0 and engine.stats.requests == 2
+
+
+def kernels_of(pieces: list[tuple[int, int]]) -> dict[int, tuple]:
+    """What decides each position's arithmetic when a prompt is read in ``pieces``: its format
+    in repacked Q4_K and in Q6_K products (blockdot.column_format, the kernels' own rule) and
+    whether its piece is a single token (the attention's single-token path)."""
+    fmt = column_format.py_func
+    return {p: (fmt(Fmt.Q4_K_X8, p - s, e - s, 8), fmt(Fmt.Q6_K, p - s, e - s, 8), e - s == 1)
+            for s, e in pieces for p in range(s, e)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 700), ubatch=st.sampled_from([16, 64, 256]), cached=st.integers(0, 700),
+       budgets=st.lists(st.integers(16, 300), min_size=1, max_size=40))
+def test_a_prompt_read_in_pieces_gets_the_kernels_of_a_whole_read(total, ubatch, cached, budgets):
+    """The engine reads a prompt in pieces that fit each step's budget, after whatever prefix a
+    slot has cached; every token must still meet the kernels it meets when the prompt is read
+    whole in ubatches (Context.decode), or its bits - and a greedy answer - would depend on
+    what ran beside it."""
+    start = reusable_prefix(min(cached, total - 1), total, ubatch)
+    assert 0 <= start <= min(cached, total - 1)
+    pieces, done = [], start
+    for step in range(total + 1):
+        if done == total:
+            break
+        budget = budgets[step % len(budgets)]
+        n = prompt_cut(done, total, budget, ubatch)
+        assert 0 < n <= budget
+        pieces.append((done, done + n))
+        done += n
+    whole = kernels_of([(s, min(s + ubatch, total)) for s in range(0, total, ubatch)])
+    got = kernels_of(pieces)
+    assert all(got[p] == whole[p] for p in range(start, total))

@@ -120,13 +120,19 @@ def test_decode_graph_is_reused(any_model):
 
 
 def test_prefix_reuse(any_model):
+    """A cached prefix is reused up to where the rest reads as in a fresh run (a multiple of 8
+    that leaves 8 to 15 tokens: context.reusable_prefix), and the logits are a fresh run's."""
     m = any_model
-    a = m.tokenize("One two three four five")
+    a = m.tokenize("One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen, "
+                   "sixteen, seventeen, eighteen")
     list(m.generate(a, max_tokens=2, temperature=0))
-    b = a + m.tokenize(" six", add_bos=False)
+    b = a + m.tokenize(" nineteen", add_bos=False)
     before = m.timings.prompt_tokens
-    m.context.eval_prefix(b)
-    assert m.timings.prompt_tokens - before < len(b)  # only the new tokens were evaluated
+    got = m.context.eval_prefix(b)
+    evaluated = m.timings.prompt_tokens - before
+    assert len(b) > 16 and 8 <= evaluated <= 15 and (len(b) - evaluated) % 8 == 0
+    m.context.clear()
+    assert np.array_equal(got, m.context.decode(b))
 
 
 def test_context_full_is_a_clear_error():

@@ -114,3 +114,71 @@ def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
         t_sel, u_sel = np.nonzero(ids == e)
         want = qmatmul.quant_matmul(raw[e], qtype, x[t_sel, 0])
         assert np.array_equal(got[t_sel, u_sel], want), f"expert {e}"
+
+
+# runs of columns: a batch of several sequences, each computed as if alone (ops.mul_mat)
+RUNS = [0, 1, 4, 13, 13, 22]  # columns of one token, a gemm four, 9 (tiled), an empty run, 9
+
+
+@pytest.mark.parametrize("qtype", [Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q4_0, Type.Q8_0, Type.F16, Type.F32],
+                         ids=lambda t: t.name)
+def test_each_run_of_columns_gets_the_bits_of_its_product_alone(qtype):
+    """MUL_MAT with runs: each run's columns are the bits of a product of those columns alone,
+    though the K-quants' kernels for the whole batch round otherwise (repacked Q4_K's gemm for
+    whole fours of columns, the tiled kernels from 8): held here on 40 rows (Q4_K repacked) of
+    256 elements, and with runs=None the batch's own kernels, as before."""
+    k, m, n = 256, 40, RUNS[-1]
+    w, _, _ = weight(qtype, m, k, seed=5)
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((n, k)).astype(np.float32)
+    x = pg.new_tensor(Type.F32, (k, n), "x").set_input()
+    runs = pg.new_tensor(Type.I32, (len(RUNS),), "runs").set_input()
+    got = run_graph(ops.mul_mat(w, x, runs), {x: xv, runs: np.array(RUNS, np.int32)})[0, 0]
+    for r0, r1 in zip(RUNS[:-1], RUNS[1:]):
+        if r1 > r0:
+            xr = pg.new_tensor(Type.F32, (k, r1 - r0), "xr").set_input()
+            alone = run_graph(ops.mul_mat(w, xr), {xr: xv[r0:r1]})[0, 0]
+            assert np.array_equal(got[r0:r1], alone), (qtype.name, r0, r1)
+    whole = run_graph(ops.mul_mat(w, x), {x: xv})[0, 0]
+    if qtype in (Type.Q4_K, Type.Q5_K, Type.Q6_K):  # runs are what makes the difference there
+        assert not np.array_equal(got, whole)
+
+
+@pytest.mark.parametrize("bad", [[1, 22], [0, 21], [0, 14, 9, 22], [0, 23]])
+def test_runs_that_do_not_rise_from_0_to_the_columns_are_refused(bad):
+    w, _, _ = weight(Type.Q4_K, 8, 256, seed=1)
+    x = pg.new_tensor(Type.F32, (256, 22), "x").set_input()
+    runs = pg.new_tensor(Type.I32, (len(bad),), "runs").set_input()
+    with pytest.raises(ValueError, match="MUL_MAT: runs"):
+        run_graph(ops.mul_mat(w, x, runs), {x: np.zeros((22, 256), np.float32), runs: np.array(bad, np.int32)})
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_mul_mat_id_with_runs_gives_each_run_its_bits_alone(name):
+    """MUL_MAT_ID with runs of tokens: every run's rows are those of MUL_MAT_ID over that run's
+    tokens alone (an expert's tokens of two sequences are two groups, not one)."""
+    qtype, n_expert, m, k, n_used = Type[name], 4, 16, 256, 2
+    runs = [0, 9, 10, 20]
+    n_tokens = runs[-1]
+    rng = np.random.default_rng(11)
+    raw = np.stack([pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8).reshape(m, -1)
+                    for _ in range(n_expert)])
+    w = pg.new_tensor(qtype, (k, m, n_expert), "experts")
+    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
+    pg.tensor_set(w, raw)
+    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tokens)]).astype(np.int32)
+    ids[:, 0] = 1  # every token on expert 1: groups of 9, 1 and 10 when cut by the runs
+    x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
+
+    def product(t0: int, t1: int, with_runs: bool) -> np.ndarray:
+        b = pg.new_tensor(Type.F32, (k, 1, t1 - t0), "b").set_input()
+        idt = pg.new_tensor(Type.I32, (n_used, t1 - t0), "ids").set_input()
+        inputs = {b: x[t0:t1], idt: ids[t0:t1]}
+        r = None
+        if with_runs:
+            r = pg.new_tensor(Type.I32, (len(runs),), "runs").set_input()
+            inputs[r] = np.array(runs, np.int32)
+        return run_graph(ops.mul_mat_id(w, b, idt, r), inputs).reshape(t1 - t0, n_used, m)
+    got = product(0, n_tokens, True)
+    for t0, t1 in zip(runs[:-1], runs[1:]):
+        assert np.array_equal(got[t0:t1], product(t0, t1, False)), (name, t0, t1)

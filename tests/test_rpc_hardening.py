@@ -343,3 +343,36 @@ def test_expert_ids_outside_the_experts_are_refused_when_the_product_runs(start_
     got = pg.tensor_array(out).reshape(2, 4)
     assert np.allclose(got, [w[2] @ xv[0, 0], w[1] @ xv[1, 0]], rtol=1e-6)
     device.conn.close()
+
+
+def test_product_runs_that_do_not_rise_to_the_columns_are_refused_when_the_product_runs(start_server):
+    """MUL_MAT's runs (ops.mul_mat) are data too: runs past the columns or falling are an
+    error reply, the server keeps serving, and good runs then compute."""
+    import pyggml as pg
+    from pyggml import ops
+    from pyggml.backend import alloc_tensors
+    from pyggml.rpc import RPCError, connect
+
+    server = start_server()
+    device = connect(server.endpoint)[0]
+    w = pg.new_tensor(Type.F32, (32, 4), "w")
+    alloc_tensors([w], device.get_buffer_type())
+    wv = np.arange(32 * 4, dtype=np.float32).reshape(4, 32) / 100
+    pg.tensor_set(w, wv)
+    x = pg.new_tensor(Type.F32, (32, 6), "x").set_input()
+    runs = pg.new_tensor(Type.I32, (3,), "runs").set_input()
+    out = ops.mul_mat(w, x, runs).set_output()
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler([device.init_backend(), pg.cpu_device().init_backend()])
+    sched.alloc_graph(graph)
+    xv = np.ones((6, 32), np.float32)
+    pg.tensor_set(x, xv)
+    for bad in ([0, 4, 1 << 30], [0, 5, 2], [-3, 2, 6]):
+        pg.tensor_set(runs, np.array(bad, np.int32))
+        sched.graph_compute(graph)
+        with pytest.raises(RPCError, match="MUL_MAT: runs"):
+            pg.tensor_array(out)
+        assert server.alive()
+    pg.tensor_set(runs, np.array([0, 4, 6], np.int32))
+    sched.graph_compute(graph)
+    assert np.allclose(pg.tensor_array(out).reshape(6, 4), xv @ wv.T, rtol=1e-6)

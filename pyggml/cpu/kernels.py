@@ -281,11 +281,26 @@ def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read)
     return lambda: slot.convert(product, x().reshape(-1, width))
 
 
+def column_runs(t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:
+    """MUL_MAT's runs (ops.mul_mat) as int64, checked at every step: they are data (over RPC,
+    from the network) - from 0 to the number of columns, never decreasing."""
+    view = tensor_view(t).reshape(-1)
+
+    def runs() -> np.ndarray:
+        r = view.astype(np.int64)
+        if r[0] != 0 or r[-1] != n_cols or (np.diff(r) < 0).any():
+            raise ValueError(f"MUL_MAT: runs {r[:8].tolist()}{'...' if r.size > 8 else ''} must rise from 0 to "
+                             f"{n_cols} (the columns)")
+        return r
+    return runs
+
+
 def bind_mul_mat(node: Tensor, shared: dict) -> Step:
     a, b = node.src[0], node.src[1]
     out = tensor_view(node)  # [b3, b2, N, M]
     x = reader(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
+    runs = column_runs(node.src[2], b.ne[1]) if len(node.src) > 2 and node.src[2] is not None else None
     if quant_supported(a.type):  # quantized and F16 weights: decoded row by row
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
@@ -293,11 +308,13 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
             acts = _shared_activations(shared, b, product, x)
             if out.flags.c_contiguous:
                 flat = out.reshape(-1, a.ne[1])
+                if runs is not None:
+                    return lambda: product(acts(), flat, runs())
                 return lambda: product(acts(), flat)
 
             def step_copy() -> None:
                 res = np.empty((out.size // a.ne[1], a.ne[1]), dtype=f32)
-                product(acts(), res)
+                product(acts(), res, runs() if runs is not None else None)
                 out[...] = res.reshape(out.shape)
             return step_copy
         slices = {(i3, i2): w[i3 // r3, i2 // r2] for i3 in range(b.ne[3]) for i2 in range(b.ne[2])}
@@ -309,10 +326,16 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
             for (i3, i2), rows in slices.items():
                 product = products.get((i3, i2)) or QuantProduct(np.ascontiguousarray(rows), a.type)
                 res = np.empty(out.shape[2:], dtype=f32)
-                product(product.activations(xv[i3, i2]), res)
+                product(product.activations(xv[i3, i2]), res, runs() if runs is not None else None)
                 out[i3, i2] = res
         return step_batched
     wa = reader(a)            # [a3, a2, M, K]
+    if runs is not None:  # (b is 2-D) each run its own product: BLAS's kernels depend on the columns too
+        def step_runs() -> None:
+            xv, av, r = x()[0, 0], wa()[0, 0], runs()
+            for r0, r1 in zip(r[:-1], r[1:]):
+                out[0, 0, r0:r1] = np.matmul(xv[r0:r1], av.T)
+        return step_runs
 
     def step_float() -> None:
         xv, av = x(), wa()
@@ -450,8 +473,10 @@ def bind_clamp(node: Tensor, shared: dict) -> Step:
 def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     """Tokens grouped by expert: each expert's rows are read once per batch, for all the
     tokens routed to it (as ggml groups them); with the exact block products, every expert's
-    product in one parallel call."""
+    product in one parallel call.  With runs of tokens, a group is an expert's tokens of one
+    run (each computed as that run alone would have it)."""
     a, b, ids = node.src[:3]
+    runs = column_runs(node.src[3], b.ne[2]) if len(node.src) > 3 and node.src[3] is not None else None
     index = tensor_view(ids)[0, 0]           # [n_tokens, n_used]
     x = reader(b)                            # [1, n_tokens, n_b, K]
     out = tensor_view(node)[0]               # [n_tokens, n_used, M]
@@ -469,19 +494,24 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
         if bad.size:
             raise ValueError(f"MUL_MAT_ID: expert id {int(bad[0])} outside 0..{n_expert - 1}")
         xv = x()[0]
+        # a group: the routed (token, slot) pairs of one expert (and one run of tokens), in token order
+        run_of = np.zeros(idx.shape, np.int64) if runs is None else \
+            np.broadcast_to((np.searchsorted(runs(), np.arange(idx.shape[0]), side="right") - 1)[:, None], idx.shape)
+        key = (idx * (run_of.max() + 1) + run_of).reshape(-1)
         if together is not None:
-            # the routed (token, slot) pairs grouped by expert, each group in token order
-            order = np.argsort(idx.reshape(-1), kind="stable")
+            order = np.argsort(key, kind="stable")
             t_sel, u_sel = np.divmod(order, idx.shape[1])
-            used, counts = np.unique(idx.reshape(-1)[order], return_counts=True)
+            _, first, counts = np.unique(key[order], return_index=True, return_counts=True)
             starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             yq, yd, ys = together.activations(xv[t_sel, u_sel % n_b])
             res = np.empty((order.size, m_rows), dtype=f32)
+            used = idx.reshape(-1)[order][first]  # each group's expert
             exact_quant_matmul_id(together.fmt, weights, yq, yd, ys, used.astype(np.int64), starts, res, F16_TABLE)
             out[t_sel, u_sel] = res
             return
-        for e in np.unique(idx):
-            t_sel, u_sel = np.nonzero(idx == e)
+        for group in np.unique(key):
+            t_sel, u_sel = np.nonzero(key.reshape(idx.shape) == group)
+            e = idx[t_sel[0], u_sel[0]]
             cols = np.ascontiguousarray(xv[t_sel, u_sel % n_b])
             if rows is not None:
                 product = QuantProduct(np.ascontiguousarray(rows[e]), a.type)

@@ -148,16 +148,18 @@ def _to_bytes(yq, yb):
 
 
 @_jit
-def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out):
+def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs):
     """Rows start..end of a weight for every column, two at a time (blockdot.py); an odd last
-    row goes with itself."""
-    n_cols = yb.shape[0]
-    for n in range(n_cols):  # a column's format and rows taken once for the chunk's rows (in cache)
-        fmt = column_format(kind, n, n_cols, TILED_MIN_COLS)
-        y, d, s = yb[n], yd[n], ys[n]
-        for m in range(start, end, 2):
-            m1 = min(m + 1, end - 1)
-            out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], y, d, s)
+    row goes with itself.  A column's format is the one a product of its run's columns alone
+    would give it (runs: the runs' first columns, then the number of columns)."""
+    for r in range(runs.size - 1):
+        r0, r1 = runs[r], runs[r + 1]
+        for n in range(r0, r1):  # a column's format and rows taken once for the chunk's rows (in cache)
+            fmt = column_format(kind, n - r0, r1 - r0, TILED_MIN_COLS)
+            y, d, s = yb[n], yd[n], ys[n]
+            for m in range(start, end, 2):
+                m1 = min(m + 1, end - 1)
+                out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], y, d, s)
 
 
 @_jit
@@ -171,12 +173,13 @@ def _chunks(m_rows):
 
 
 @_jit
-def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched):
+def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
     """Rows start..end of weight w times every column of yb: one thread's part of a product.
     Single columns and the K-quants straight from the GGUF blocks (blockdot.py); batches of the
-    32-element types through rows unpacked into bytes, two rows with two columns at a time."""
+    32-element types through rows unpacked into bytes, two rows with two columns at a time
+    (the same float steps as one column's, so their runs need nothing)."""
     if not batched or kind > Fmt.Q8_0:
-        _rows_from_blocks(kind, w, start, end, yb, yd, ys, out)
+        _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs)
         return
     k64, nb = yb.shape[1], yd.shape[1]
     codes = np.zeros((2, k64), dtype=np.int8)
@@ -208,15 +211,17 @@ def _activation_bytes(yq, parallel):
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def exact_quant_matmul(kind, w, yq, yd, ys, out, f16):
+def exact_quant_matmul(kind, w, yq, yd, ys, out, f16, runs):
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
-    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block)."""
+    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block);
+    each run of columns (runs: int64 [first column of each run..., N], checked by the caller)
+    computed as a product of its columns alone would be - [0, N]: the whole batch."""
     m_rows, n_cols = w.shape[0], yq.shape[0]
     batched = n_cols >= INT8_MIN_COLS
     yb = _activation_bytes(yq, batched)
     n_chunks, per = _chunks(m_rows)
     for c in prange(n_chunks):
-        _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched)
+        _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched, runs)
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -229,8 +234,11 @@ def exact_quant_matmul_id(kind, w, yq, yd, ys, experts, starts, out, f16):
     m_rows, n_groups = w.shape[1], experts.size
     yb = _activation_bytes(yq, True)
     n_chunks, per = _chunks(m_rows)
+    whole = np.zeros((n_groups, 2), dtype=np.int64)  # each group one run of its own columns
+    for g in range(n_groups):
+        whole[g, 1] = starts[g + 1] - starts[g]
     for j in prange(n_groups * n_chunks):
         g, c = j // n_chunks, j % n_chunks
         s0, s1 = starts[g], starts[g + 1]
         _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
-                    out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS)
+                    out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS, whole[g])

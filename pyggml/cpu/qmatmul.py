@@ -72,15 +72,23 @@ class QuantProduct:
         x = np.ascontiguousarray(x, dtype=np.float32)
         return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
 
-    def __call__(self, acts, out: np.ndarray) -> None:
-        """out [N, M] (C-contiguous float32) = the product with ``activations(x)``."""
+    def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
+        """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``
+        (int64 [first column of each run..., N], checked), each run of columns computed as a
+        product of its columns alone (ops.mul_mat)."""
         if self.m_rows == 0 or out.shape[0] == 0:
             out[...] = 0.0
             return
         w = self.w
         if self.exact:
             yq, yd, ys = acts
-            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE)
+            whole = runs if runs is not None else np.array([0, out.shape[0]], dtype=np.int64)
+            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE, whole)
+            return
+        if runs is not None and runs.size > 2:
+            for r0, r1 in zip(runs[:-1], runs[1:]):
+                if r1 > r0:
+                    self(acts[r0:r1], out[r0:r1])
             return
         x = acts
         if x.shape[0] <= FUSED_MAX_COLS:

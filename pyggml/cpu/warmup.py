@@ -30,7 +30,8 @@ def _products() -> None:
     x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
     w = frozen(np.zeros((2, Type.Q4_K.row_size(256)), dtype=np.uint8))  # as weights arrive
     yq, yd, ys = quantize(x, int(Act.Q8_K))
-    exact_quant_matmul(int(EXACT[Type.Q4_K]), w, yq, yd, ys, np.empty((2, 2), dtype=f32), F16_TABLE)
+    exact_quant_matmul(int(EXACT[Type.Q4_K]), w, yq, yd, ys, np.empty((2, 2), dtype=f32), F16_TABLE,
+                       np.array([0, 2], dtype=np.int64))
 
 
 def _decoders() -> None:

@@ -553,12 +553,32 @@ def mul_mat_vec_plain(w, x, out) -> None:
         out[...] = dst
 
 
+def _runs(node: Tensor, i: int, n: int) -> np.ndarray | None:
+    """MUL_MAT's / MUL_MAT_ID's runs (ops.mul_mat) read on the host and checked, or None."""
+    if len(node.src) <= i or node.src[i] is None:
+        return None
+    eager()
+    r = cupy_module().asnumpy(tensor_view(node.src[i]).reshape(-1)).astype(np.int64)
+    if r[0] != 0 or r[-1] != n or (np.diff(r) < 0).any():
+        raise ValueError(f"{node.op.name}: runs must rise from 0 to {n}")
+    return r
+
+
 def k_mul_mat(node: Tensor) -> None:
+    """Up to MMVQ_MAX_BATCH columns, each column's sums are its own whatever the batch (the
+    matrix-vector kernels); past it, runs (ops.mul_mat) are multiplied one by one, so that a
+    sequence's prompt beside others gets the products it gets alone."""
     a, b = node.src[0], node.src[1]
     out = tensor_view(node)  # [b3, b2, N, M]
     x = values(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
     w = _matrices(a)
+    runs = _runs(node, 2, b.ne[1]) if b.ne[1] > MMVQ_MAX_BATCH else None
+    if runs is not None:
+        for r0, r1 in zip(runs[:-1], runs[1:]):
+            if r1 > r0:
+                _product(a, w[0, 0], x[0, 0, r0:r1], out[0, 0, r0:r1])
+        return
     for i3 in range(b.ne[3]):
         for i2 in range(b.ne[2]):
             _product(a, w[i3 // r3, i2 // r2], x[i3, i2], out[i3, i2], key=(id(b), i3, i2))
@@ -598,14 +618,17 @@ def k_mul_mat_id(node: Tensor) -> None:
                 x_stride=columns.strides[0] // 4, **common)
         return
     eager()  # the ids are read on the host
-    chosen = cp.asnumpy(index)
+    chosen = cp.asnumpy(index).astype(np.int64)
     if chosen.size and (chosen.min() < 0 or chosen.max() >= n_expert):
         raise IndexError(INDEX_ERRORS[3])
-    for expert in np.unique(chosen):
-        tok, slot = np.nonzero(chosen == expert)
+    runs = _runs(node, 3, n_tokens)  # a group: one expert's tokens of one run
+    run_of = np.zeros(n_tokens, np.int64) if runs is None else np.searchsorted(runs, np.arange(n_tokens), "right") - 1
+    key = chosen * (int(run_of.max()) + 1) + run_of[:, None]
+    for group in np.unique(key):
+        tok, slot = np.nonzero(key == group)
         t, s = cp.asarray(tok), cp.asarray(slot)
         res = cp.empty((len(tok), a.ne[1]), dtype=cp.float32)
-        _product(a, w[int(expert)], cp.ascontiguousarray(x[t, s % n_b]), res)
+        _product(a, w[int(chosen[tok[0], slot[0]])], cp.ascontiguousarray(x[t, s % n_b]), res)
         out[t, s] = res
 
 
