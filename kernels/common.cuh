@@ -116,6 +116,46 @@ static __device__ __forceinline__ float block_reduce(float x, bool is_max) {
 static __device__ __forceinline__ float block_reduce_sum(float x) { return block_reduce(x, false); }
 static __device__ __forceinline__ float block_reduce_max(float x) { return block_reduce(x, true); }
 
+// MUL_MAT_ID's matrix-vector launches (mmvq.cu, mmv.cu) run a row of blocks per (token t, slot
+// e) pair, grid y = t * n_used + e: the pair's expert, ids[e * is0 + t * is1], or -1 for an id
+// outside [0, n_expert) - reported through *error, and the block then reads no weight (all of
+// its threads read the same id, so the whole block returns together)
+static __device__ __forceinline__ int pair_expert(const int *ids, int *error, int n_expert, int n_used, i64 is0,
+                                                  i64 is1, int &t, int &e) {
+    t = blockIdx.y / n_used;
+    e = blockIdx.y % n_used;
+    const int expert = ids[e * is0 + t * is1];
+    if (expert >= 0 && expert < n_expert) return expert;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) *error = ERROR_MUL_MAT_ID_INDEX;
+    return -1;
+}
+
+// The end of a matrix-vector product by a thread block of WARPS warps on one row (mmvq.cu,
+// mmv.cu): warps 1.. hand their lanes' column sums to warp 0 through shared memory, which
+// reduces them all with one set of shuffles (as llama.cpp's mmvq does) and writes each
+// column's sum to dst[c * dst_stride + row].  Every thread of the block calls it.
+template <int WARPS, int MAX_COLS>
+static __device__ __forceinline__ void block_rows_store(const float (&acc)[MAX_COLS], int ncols, float *dst,
+                                                        i64 dst_stride, int row) {
+    __shared__ float partial[WARPS - 1][MAX_COLS][WARP_SIZE];
+    if (threadIdx.y > 0) {
+#pragma unroll
+        for (int c = 0; c < MAX_COLS; ++c) partial[threadIdx.y - 1][c][threadIdx.x] = acc[c];
+    }
+    __syncthreads();
+    if (threadIdx.y > 0) return;
+#pragma unroll
+    for (int c = 0; c < MAX_COLS; ++c) {
+        if (c < ncols) {
+            float v = acc[c];
+#pragma unroll
+            for (int w = 0; w < WARPS - 1; ++w) v += partial[w][c][threadIdx.x];
+            v = warp_reduce_sum(v);
+            if (threadIdx.x == 0) dst[c * dst_stride + row] = v;
+        }
+    }
+}
+
 // The end of a softmax over row[0..n) by a thread block whose threads wrote the scores at
 // j = threadIdx.x, threadIdx.x + blockDim.x, ... and kept their maximum: exp(s - max) / sum, in place.
 static __device__ __forceinline__ void block_softmax_finish(float *row, int n, float local_max) {

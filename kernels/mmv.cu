@@ -26,23 +26,7 @@ static __device__ __forceinline__ void mul_mat_vec_plain(const T *__restrict__ W
             if (c < ncols) acc[c] += w * x[c * x_stride + k];
         }
     }
-    __shared__ float partial[WARPS - 1][MMV_MAX_COLS][WARP_SIZE];
-    if (threadIdx.y > 0) {
-#pragma unroll
-        for (int c = 0; c < MMV_MAX_COLS; ++c) partial[threadIdx.y - 1][c][threadIdx.x] = acc[c];
-    }
-    __syncthreads();
-    if (threadIdx.y > 0) return;
-#pragma unroll
-    for (int c = 0; c < MMV_MAX_COLS; ++c) {
-        if (c < ncols) {
-            float v = acc[c];
-#pragma unroll
-            for (int w = 0; w < WARPS - 1; ++w) v += partial[w][c][threadIdx.x];
-            v = warp_reduce_sum(v);
-            if (threadIdx.x == 0) dst[c * dst_stride + row] = v;
-        }
-    }
+    block_rows_store<WARPS, MMV_MAX_COLS>(acc, ncols, dst, dst_stride, row);
 }
 
 // W: nrows rows of ncols_w elements, row_stride elements apart; x: ncols (<= MMV_MAX_COLS) columns
@@ -67,12 +51,9 @@ extern "C" __global__ void mul_mat_vec_f16(const u16 *__restrict__ W, const floa
                                     const int *ids, int *error, int ncols_w, int nrows, i64 row_stride,          \
                                     i64 expert_stride, int n_expert, int n_used, int n_b, i64 is0, i64 is1,      \
                                     i64 x_stride, i64 ds1, i64 ds2) {                              \
-        const int t = blockIdx.y / n_used, e = blockIdx.y % n_used;                                \
-        const int expert = ids[e * is0 + t * is1];                                                 \
-        if (expert < 0 || expert >= n_expert) {                                                    \
-            if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) *error = ERROR_MUL_MAT_ID_INDEX; \
-            return; /* the whole block: its threads all read the same id */                        \
-        }                                                                                           \
+        int t, e;                                                                                  \
+        const int expert = pair_expert(ids, error, n_expert, n_used, is0, is1, t, e);              \
+        if (expert < 0) return;                                                                    \
         mul_mat_vec_plain<T>(W + expert * expert_stride, x + (i64)(t * n_b + e % n_b) * x_stride,     \
                              dst + e * ds1 + t * ds2, ncols_w, nrows, row_stride, 1, x_stride, 0);    \
     }

@@ -54,25 +54,7 @@ static __device__ __forceinline__ void mul_mat_vec(const u8 *__restrict__ W, con
             }
         }
     }
-    // warps 1..3 hand their lanes' sums to warp 0 through shared memory, which reduces them all
-    // with one set of shuffles (as llama.cpp's mmvq does)
-    __shared__ float partial[WARPS - 1][MAX_COLS][WARP_SIZE];
-    if (threadIdx.y > 0) {
-#pragma unroll
-        for (int c = 0; c < MAX_COLS; ++c) partial[threadIdx.y - 1][c][threadIdx.x] = acc[c];
-    }
-    __syncthreads();
-    if (threadIdx.y > 0) return;
-#pragma unroll
-    for (int c = 0; c < MAX_COLS; ++c) {
-        if (c < ncols) {
-            float v = acc[c];
-#pragma unroll
-            for (int w = 0; w < WARPS - 1; ++w) v += partial[w][c][threadIdx.x];
-            v = warp_reduce_sum(v);
-            if (threadIdx.x == 0) dst[c * dst_stride + row] = v;
-        }
-    }
+    block_rows_store<WARPS, MAX_COLS>(acc, ncols, dst, dst_stride, row);
 }
 
 #define DEFINE_MMVQ(TYPE, LOADER)                                                                  \
@@ -100,12 +82,9 @@ FOR_EACH_WEIGHT_TYPE(DEFINE_MMVQ)
         const u8 *__restrict__ W, const u8 *__restrict__ x, float *__restrict__ dst, const int *ids, int *error,  \
         int groups, int nrows, i64 row_bytes, i64 expert_bytes, int n_expert, int n_used, int n_b, i64 is0,    \
         i64 is1, i64 x_stride, i64 ds1, i64 ds2) {                                                \
-        const int t = blockIdx.y / n_used, e = blockIdx.y % n_used;                               \
-        const int expert = ids[e * is0 + t * is1];                                                \
-        if (expert < 0 || expert >= n_expert) {                                                   \
-            if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) *error = ERROR_MUL_MAT_ID_INDEX; \
-            return; /* the whole block: its threads all read the same id */                       \
-        }                                                                                          \
+        int t, e;                                                                                  \
+        const int expert = pair_expert(ids, error, n_expert, n_used, is0, is1, t, e);              \
+        if (expert < 0) return;                                                                    \
         mul_mat_vec<LOADER, 1>(W + expert * expert_bytes, x + (i64)(t * n_b + e % n_b) * x_stride,   \
                                dst + e * ds1 + t * ds2, groups, nrows, row_bytes, 1, x_stride, 0);   \
     }

@@ -417,27 +417,29 @@ def test_a_quantized_model_whole_on_the_gpu(tmp_path):
     """A tiny llama with its matrices in Q4_K (FFN down Q6_K, output Q6_K, embedding Q8_0, as
     llama.cpp's Q4_K_M): the GPU's logits near the CPU's on the same file, for the prompt and
     for decode steps, which run from a captured CUDA graph from the third step on."""
-    from pyggml.models import load_model
-    from pyggml.models.loader import default_devices
-
     from .synthetic import Shape, random_weights, write_model
     s = Shape(n_embd=256, n_ff=512, n_vocab=256)
     weights = random_weights("llama", s, seed=11)
     types = {name: "Q6_K" if "ffn_down" in name or name == "output.weight" else
              "Q8_0" if name == "token_embd.weight" else "Q4_K" for name, v in weights.items() if v.ndim == 2}
     path = write_model(tmp_path / "llama-q4_k_m.gguf", "llama", s, weights, types)
-    logits = {}
-    for ngl in (None, "all"):
-        model = load_model(path, ngl, default_devices(), progress=False)
-        batch = Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True)
-        ctx = Context(model, n_ctx=64)
-        ctx.decode(SYNTHETIC_TOKENS[:4])
-        steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
-        logits[ngl] = batch, steps, ctx.sched.splits[0].plan
-        model.free()
-    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, plan) = logits[None], logits["all"]
+    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, sched) = (prompt_and_steps(path, ngl) for ngl in (None, "all"))
     assert nmse(gpu_batch, cpu_batch) < 1e-3 and nmse(gpu_steps, cpu_steps) < 1e-3
-    assert plan.replay.captured
+    assert sched.splits[0].plan.replay.captured
+
+
+def prompt_and_steps(path, ngl) -> tuple[np.ndarray, np.ndarray, pg.Scheduler]:
+    """A model file's logits for SYNTHETIC_TOKENS in one batch, then for its tokens from the 5th
+    on as decode steps (the third step on from a captured CUDA graph), and the steps' scheduler."""
+    from pyggml.models import load_model
+    from pyggml.models.loader import default_devices
+    model = load_model(path, ngl, default_devices(), progress=False)
+    batch = Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True)
+    ctx = Context(model, n_ctx=64)
+    ctx.decode(SYNTHETIC_TOKENS[:4])
+    steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
+    model.free()
+    return batch, steps, ctx.sched
 
 
 @pytest.mark.parametrize("experts", ["Q4_K", "F32"])
@@ -445,27 +447,15 @@ def test_a_mixture_of_experts_whole_on_the_gpu(experts, tmp_path):
     """A tiny qwen3moe (tests/test_moe.py's kind: router, top-k, renormalized weights, experts)
     with every node on the GPU - no split falls back to the CPU - near the CPU's logits for the
     prompt and for decode steps, which run from a captured CUDA graph (every MoE op a launch)."""
-    from pyggml.models import load_model
-    from pyggml.models.loader import default_devices
-
     from .synthetic import Shape, expert_types, random_weights, write_model
     s = Shape(n_embd=256, n_ff_exp=256, n_vocab=256)
     weights = random_weights("qwen3moe", s, seed=12)
     path = write_model(tmp_path / "qwen3moe.gguf", "qwen3moe", s, weights,
                        expert_types(weights, None if experts == "F32" else experts, "Q6_K"))
-    logits = {}
-    for ngl in (None, "all"):
-        model = load_model(path, ngl, default_devices(), progress=False)
-        batch = Context(model, n_ctx=64).decode(SYNTHETIC_TOKENS, all_logits=True)
-        ctx = Context(model, n_ctx=64)
-        ctx.decode(SYNTHETIC_TOKENS[:4])
-        steps = np.concatenate([ctx.decode([t]) for t in SYNTHETIC_TOKENS[4:]])
-        logits[ngl] = batch, steps, (ctx.sched.splits, ctx.sched.backends)
-        model.free()
-    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, (splits, backends)) = logits[None], logits["all"]
-    assert [backends[sp.backend_id].get_device().get_type() for sp in splits] == [pg.DeviceType.GPU], \
-        [(backends[sp.backend_id].get_name(), [n.op.name for n in sp.nodes][:8]) for sp in splits]
-    assert splits[0].plan.replay.captured  # F32 router and experts too: kernels/mmv.cu, not cuBLAS
+    (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, sched) = (prompt_and_steps(path, ngl) for ngl in (None, "all"))
+    assert [sched.backends[sp.backend_id].get_device().get_type() for sp in sched.splits] == [pg.DeviceType.GPU], \
+        [(sched.backends[sp.backend_id].get_name(), [n.op.name for n in sp.nodes][:8]) for sp in sched.splits]
+    assert sched.splits[0].plan.replay.captured  # F32 router and experts too: kernels/mmv.cu, not cuBLAS
     limit = 1e-3 if experts != "F32" else 1e-5
     assert nmse(gpu_batch, cpu_batch) < limit and nmse(gpu_steps, cpu_steps) < limit
 

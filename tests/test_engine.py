@@ -94,21 +94,26 @@ def small():
         yield m
 
 
+def answers_from_threads(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy streamed answer, all asked at once from threads of their own."""
+    out: dict[str, str] = {}
+
+    def ask(p):
+        out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=max_tokens, temperature=0))
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
 def test_engine_from_threads_equals_the_model_alone(small):
     want = {p: small.create_completion(p, max_tokens=12, temperature=0)["choices"][0]["text"] for p in PROMPTS}
     with Engine(small, n_parallel=4, n_batch=64) as engine:
         with pytest.raises(RuntimeError, match="belongs to the Engine"):
             small.create_completion("x", max_tokens=1)
-        out: dict[str, str] = {}
-
-        def ask(p):
-            out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=12, temperature=0))
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert out == want
+        assert answers_from_threads(engine, PROMPTS, 12) == want
         r = engine.submit(PROMPTS[0], stream=False, max_tokens=12, temperature=0)
         assert r["choices"][0]["text"] == want[PROMPTS[0]]
         # the slot still holds this prompt, but a rest of one token would take the attention's
@@ -134,16 +139,7 @@ def test_k_quant_answers_in_a_busy_engine_are_the_models_alone():
                 for p in [*prompts, follow_up]}
         assert len(m.tokenize(LONG)) > 64 and len(m.tokenize(prompts[3])) > 32
         with Engine(m, n_parallel=4, n_batch=32) as engine:
-            out: dict[str, str] = {}
-
-            def ask(p):
-                out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=16, temperature=0))
-            threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-            assert out == {p: want[p] for p in prompts}
+            assert answers_from_threads(engine, prompts, 16) == {p: want[p] for p in prompts}
             r = engine.submit(follow_up, stream=False, max_tokens=16, temperature=0)
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
             assert r["choices"][0]["text"] == want[follow_up]

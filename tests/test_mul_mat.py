@@ -91,6 +91,16 @@ def test_integer_dispatch_matches_the_decoders():
         np.testing.assert_array_equal(got, want, err_msg=qtype.name)
 
 
+def experts(qtype: Type, n_expert: int, m: int, k: int, rng) -> tuple[pg.Tensor, np.ndarray]:
+    """Stacked expert weights [k, m, n_expert] of normal values in qtype, and their bytes."""
+    raw = np.stack([pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8).reshape(m, -1)
+                    for _ in range(n_expert)])
+    w = pg.new_tensor(qtype, (k, m, n_expert), "experts")
+    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
+    pg.tensor_set(w, raw)
+    return w, raw
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
     """MUL_MAT_ID computes every expert's product in one parallel call (qdot.exact_quant_matmul_id);
@@ -98,11 +108,7 @@ def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
     token, a batch of 5 (the 32-element types' unpacked path) and of 9 (the K-quants' tiled one)."""
     qtype, n_expert, m, k, n_tokens, n_used = Type[name], 6, 34, 256, 16, 2
     rng = np.random.default_rng(7)
-    raw = np.stack([pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8).reshape(m, -1)
-                    for _ in range(n_expert)])
-    w = pg.new_tensor(qtype, (k, m, n_expert), "experts")
-    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
-    pg.tensor_set(w, raw)
+    w, raw = experts(qtype, n_expert, m, k, rng)
     ids = np.zeros((n_tokens, n_used), dtype=np.int32)
     ids[:, 0] = 4                                      # 16 tokens on expert 4
     ids[:, 1] = [1] * 9 + [2] * 5 + [5, 3]             # 9, 5, 1, 1 on others
@@ -161,11 +167,7 @@ def test_mul_mat_id_with_runs_gives_each_run_its_bits_alone(name):
     runs = [0, 9, 10, 20]
     n_tokens = runs[-1]
     rng = np.random.default_rng(11)
-    raw = np.stack([pg.quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8).reshape(m, -1)
-                    for _ in range(n_expert)])
-    w = pg.new_tensor(qtype, (k, m, n_expert), "experts")
-    pg.alloc_tensors([w], pg.cpu_device().get_buffer_type())
-    pg.tensor_set(w, raw)
+    w, _ = experts(qtype, n_expert, m, k, rng)
     ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tokens)]).astype(np.int32)
     ids[:, 0] = 1  # every token on expert 1: groups of 9, 1 and 10 when cut by the runs
     x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
