@@ -2,7 +2,8 @@
 
 Starts its own ``pyggml-rpc-server`` processes on 127.0.0.1 and prints, for one model:
 generation tokens/s locally, with every layer on one server, and split over two servers
-(embedding and head on one, the layers on the other); the time added per token per
+(embedding and head on one, the layers on the other; the activations passed between the
+servers directly, and - "via client" - through this client); the time added per token per
 server; bytes on the wire per generated token; upload MB/s of the first load; the time of
 a second load that the servers' tensor caches answer; and a cold load from a server that
 holds the file itself (``--gguf``); and how long failover takes from a server's kill -9 to
@@ -34,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg
+from pyggml.rpc import backend as rpc_backend
 from tests.rpc_helpers import ServerProcess
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -194,13 +196,16 @@ def main() -> None:
             one = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
             first_load = time.perf_counter() - t0
             upload = one.rpc_devices[0].conn.bytes_sent
-            two = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
-                           ngl="0:prolog,epilog;1:all", progress=False)
-            runs = {"local": (local, 0), "1 server, all layers": (one, 1), "2 servers, split": (two, 2)}
+            two, via = (pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
+                                 ngl="0:prolog,epilog;1:all", progress=False) for _ in range(2))
+            runs = {"local": (local, 0), "1 server, all layers": (one, 1), "2 servers, split": (two, 2),
+                    "2 servers, via client": (via, 2)}  # activations between the servers through us
             results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
             for _ in range(args.rounds):  # interleaved, so that a noisy moment hits every placement
                 for name, (model, _n) in runs.items():
+                    rpc_backend.PEERS = model is not via
                     results[name].append(generation(model, args.tokens))
+                rpc_backend.PEERS = True
                 print("round: " + ", ".join(f"{name} {r[-1][0]:.1f} tokens/s" for name, r in results.items()),
                       file=sys.stderr)
             rows = []

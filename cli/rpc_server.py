@@ -91,12 +91,16 @@ def generate_key(path: str) -> None:
 @click.option("--gen-key", default=None, metavar="FILE",
               help="Write a key pair for TLS (FILE for this server, FILE.client for its clients) and exit.")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
+@click.option("--no-peers", is_flag=True,
+              help="Never connect to another server. By default, when a client asks, this server sends the "
+                   "tensors another server needs to it directly (a link that server authorizes with a one-time "
+                   "token) instead of through the client.")
 @click.option("--list-devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, max_message, list_devices, log_level) -> None:
+         key_path, gen_key, max_message, no_peers, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -133,11 +137,12 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     chosen = [pick_device(s, devices) for s in specs]
     if len({id(d) for d in chosen}) != len(chosen):
         fail("a device is listed twice")
-    key = None
+    key = peer_key = None
     if key_path:
         from pyggml.rpc import keys
         try:
             key = keys.context(key_path, server_side=True)
+            peer_key = keys.context(key_path, server_side=False)  # for links to other servers
         except ValueError as e:
             fail(str(e))
     for d in chosen:  # the CPU backend sets its thread count when the server creates it
@@ -159,7 +164,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         server = RPCServer(chosen, host=host, port=l_port, mem=parse_size(mem) if mem else None,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
                            max_message=parse_size(max_message), tls=key,
-                           cache_max=parse_size(cache_max), files=files)
+                           cache_max=parse_size(cache_max), files=files, peer_links=not no_peers,
+                           peer_tls=peer_key)
     except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
     click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"

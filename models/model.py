@@ -150,16 +150,33 @@ class Model:
             try:
                 return step()
             except RPCError as e:
+                e = self._culprit(e)
                 if not self.failover:
-                    raise
+                    raise e from None
                 self._recover(e)
+
+    def _culprit(self, error):
+        """The error, naming the server that failed: a server that waited for another's tensor
+        reports that one gone, and still answers itself."""
+        from pyggml.rpc import RPCError
+        conns = {d.conn.endpoint: d.conn for d in self.rpc_devices}
+        named = conns.get(error.endpoint)
+        if named is None or not named.answers():
+            return error
+        dead = [ep for ep, c in conns.items() if ep != error.endpoint and not c.answers()]
+        return RPCError(dead[0], f"lost (reported by {error.endpoint}): {str(error).split(': ', 1)[-1]}") \
+            if dead else error
 
     def _recover(self, error: Exception) -> None:
         """Move the lost server's layers onto the devices left (a spare first), load them,
         and rebuild the cache by replaying the calls that built it: the same calls give the
         same bits, so greedy and seeded generation go on exactly as if nothing happened."""
         t0 = time.perf_counter()
-        lost = [d for d in self.rpc_devices if d.conn.closed_reason is not None or d.conn.endpoint == error.endpoint]
+        # the server that reports a failure may not be the one that failed (a server waiting
+        # for another's tensor reports that one gone): ask each whether it still answers
+        conns = {id(d.conn): d.conn for d in self.rpc_devices}.values()
+        dead = {c.endpoint for c in conns if not c.answers()}
+        lost = [d for d in self.rpc_devices if d.conn.endpoint in dead]
         if not lost:
             raise error
         lost_names = {d.get_name() for d in lost}

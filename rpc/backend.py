@@ -10,6 +10,7 @@ and the allocator all of this looks exactly like a local device.
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 
 from collections import OrderedDict
@@ -181,8 +182,10 @@ class RPCBuffer(Buffer):
         self.conn.send(Command.MEMSET_TENSOR, wire(tensor).pack() + P.MEMSET.pack(offset, size, value))
 
     def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
-        if not isinstance(src.buffer, RPCBuffer) or src.buffer.conn is not self.conn:
-            return False  # another machine: through the host (tensor_copy's fallback)
+        if not isinstance(src.buffer, RPCBuffer):
+            return False  # from this machine: tensor_copy sets it
+        if src.buffer.conn is not self.conn:
+            return peer_copy(src, dst)  # another server: straight from it, or through this client
         self.conn.request(Command.COPY_TENSOR, wire(src).pack() + wire(dst).pack(), reply=P.U8)
         return True
 
@@ -198,6 +201,40 @@ class RPCBuffer(Buffer):
                 self.conn.request(Command.FREE_BUFFER, P.U64.pack(self.handle))
             except RPCError:
                 pass  # the server is gone, and the buffer with it
+
+
+PEERS = os.environ.get("PYGGML_RPC_PEERS", "1") != "0"  # 0: tensors between servers go through the client
+
+
+def peer_copy(src: Tensor, dst: Tensor) -> bool:
+    """Copy a tensor from one server to another without it passing through this client
+    (rpc/peers.py): the first time, introduce the two; then tell the sender to send it, tagged,
+    and the receiver to wait for the tag before its next requests - neither answers now.
+    False (tensor_copy then goes through this client) where the sender cannot reach the
+    receiver, said once per pair."""
+    sender, receiver = src.buffer.conn, dst.buffer.conn
+    if not PEERS:
+        return False
+    link = receiver.links_from.get(id(sender))
+    if link is None:
+        try:
+            token = bytes(receiver.request(Command.PEER_TOKEN)[0])
+            link = sender.request(Command.PEER_CONNECT, P.PEER_CONNECT.pack(token), [receiver.endpoint.encode()],
+                                  reply=P.U32)[0][0]
+        except RPCError as e:
+            if sender.closed_reason is not None or receiver.closed_reason is not None:
+                raise
+            log.warning("RPC: %s cannot send tensors to %s itself (%s); they go through this client",
+                        sender.endpoint, receiver.endpoint, e)
+            link = 0
+        receiver.links_from[id(sender)] = link
+    if not link:
+        return False
+    receiver.peer_tag = tag = (receiver.peer_tag + 1) & 0xFFFFFFFF
+    sender.send(Command.COPY_TO_PEER, P.COPY_TO_PEER.pack(link, tag) + wire(src).pack() + wire(dst).pack())
+    sender.flush()  # the receiver will wait for it: it must not wait in our queue
+    receiver.send(Command.WAIT_PEER, P.U32.pack(tag))
+    return True
 
 
 class RPCBackend(Backend):

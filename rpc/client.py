@@ -58,6 +58,10 @@ class Connection:
         self.sent: Counter[Command] = Counter()  # requests sent, by command
         self._corked: list[list] = []  # messages held back until the next request with a reply
         self._corked_bytes = 0
+        # servers that send this one tensors themselves (rpc/backend.py peer_copy): id(their
+        # Connection) -> the link number on their side, 0 where they cannot; the last tag used
+        self.links_from: dict[int, int] = {}
+        self.peer_tag = 0
         self.channel: transport.Channel | None = None
         try:
             self.channel = transport.Channel.connect(*_split(endpoint), key, connect_timeout)
@@ -135,6 +139,21 @@ class Connection:
         if isinstance(e, (transport.Closed, ConnectionResetError, BrokenPipeError)):
             return "the server closed the connection (did it stop or crash?)"
         return f"the connection broke: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+
+    def answers(self, timeout: float = 5.0) -> bool:
+        """Whether the server still answers a request (a closed connection does not)."""
+        if self.closed_reason is not None:
+            return False
+        try:
+            self.request(Command.DEVICE_COUNT, timeout=timeout)
+        except RPCError:
+            return self.closed_reason is None  # an error reply is an answer
+        return True
+
+    def flush(self) -> None:
+        """Send the requests held back now, without waiting for anything."""
+        with self._lock:
+            self._flush()
 
     def send(self, cmd: Command, payload: bytes, frames: list | tuple = ()) -> None:
         """A request without a reply; a failure comes back with the next :meth:`request`."""

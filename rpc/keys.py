@@ -4,7 +4,7 @@
 for the server and one for its clients with it, and forgets the authority's key.  ``FILE`` holds
 the server's key and certificate, ``FILE.client`` the clients'; each file ends with the
 authority's certificate, the only one either side accepts.  So only a peer holding one of the two
-files can talk to the other: the server proves itself to clients, clients prove themselves to
+files can talk to the other (a server linking to another server presents its own): the server proves itself to clients, clients prove themselves to
 the server, and everything between them is encrypted.  Both files are secrets (mode 0600).
 
 The certificates are made with the ``openssl`` command (present wherever OpenSSL is installed);
@@ -43,7 +43,8 @@ def generate(path: str | os.PathLike) -> tuple[Path, Path]:
         _openssl("req", "-x509", *new_key, "-keyout", "ca.key", "-out", "ca.pem", "-days", _DAYS,
                  "-subj", "/CN=pyggml-rpc-authority", "-addext", "basicConstraints=critical,CA:TRUE",
                  "-addext", "keyUsage=critical,keyCertSign", cwd=tmp)
-        for serial, role, usage in ((1, "server", "serverAuth"), (2, "client", "clientAuth")):
+        # a server also connects to other servers (rpc/peers.py): its certificate serves both ends
+        for serial, role, usage in ((1, "server", "serverAuth, clientAuth"), (2, "client", "clientAuth")):
             Path(tmp, f"{role}.ext").write_text(f"basicConstraints = CA:FALSE\nextendedKeyUsage = {usage}\n")
             _openssl("req", "-new", *new_key, "-keyout", f"{role}.key", "-out", f"{role}.csr",
                      "-subj", f"/CN=pyggml-rpc-{role}", cwd=tmp)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 3: our own framing over TCP (ZeroMQ before)
+PROTOCOL_VERSION = 4  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other
 MAGIC = b"PYGM"
 
 
@@ -44,6 +44,13 @@ class Command(enum.IntEnum):
     GRAPH_RECOMPUTE = 16
     GET_DEVICE_INFO = 17
     SET_TENSOR_FILE = 18
+    # servers that pass tensors to each other (see rpc/peers.py)
+    PEER_TOKEN = 19      # client -> B: a one-time token that lets another server write into this session
+    PEER_CONNECT = 20    # client -> A: connect to B and present the token; the reply numbers the link
+    PEER_AUTH = 21       # A -> B, on A's new connection: the token; the connection then only writes
+    COPY_TO_PEER = 22    # client -> A (no reply): send a tensor of this session over a link, tagged
+    PEER_SET = 23        # A -> B (no reply): the tagged bytes for a tensor of the session that gave the token
+    WAIT_PEER = 24       # client -> B (no reply): hold this session's next requests until that tag arrived
 
 
 class Status(enum.IntEnum):
@@ -78,6 +85,10 @@ SET_TENSOR_FILE = struct.Struct("<QQ32sQ")           # offset, size, file identi
 GET_TENSOR = struct.Struct("<QQB")                   # offset, size, accepted codec
 GET_REPLY = struct.Struct("<QB")                     # size, codec
 MEMSET = struct.Struct("<QQB")                       # offset, size, value
+TOKEN_BYTES = 32
+PEER_CONNECT = struct.Struct(f"<{TOKEN_BYTES}s")      # the token (the endpoint follows as a frame)
+COPY_TO_PEER = struct.Struct("<II")                  # link, tag (then the source and destination tensors)
+PEER_SET = struct.Struct("<IB")                      # tag, codec (after the destination; the bytes as a frame)
 GRAPH = struct.Struct("<IIII")                       # device, slot, n_nodes, n_tensors
 RECOMPUTE = struct.Struct("<II")                     # device, slot
 

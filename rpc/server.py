@@ -18,7 +18,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,10 +28,11 @@ from pyggml.backend import Backend, Buffer, Device
 from pyggml.tensor import Tensor
 from pyggml.types import Type
 
+from . import peers
 from . import protocol as P
 from .cache import TensorCache
 from .files import ServerFiles
-from .protocol import Command, ProtocolError, Status, unpack
+from .protocol import Command, ProtocolError, RPCError, Status, unpack
 from .transport import Disconnected, Listener, Message, Peer
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
@@ -68,6 +69,14 @@ class Session:
     graphs: dict[int, tuple[int, object, set[int]]] = field(default_factory=dict)
     deferred_error: str | None = None
     cached: int = 0  # bytes this session has written into the tensor cache
+    # servers passing tensors to each other (rpc/peers.py)
+    writes_into: Session | None = None   # a link from another server: the session it may write into
+    links: dict[int, object] = field(default_factory=dict)  # link number -> Connection to another server
+    arrived: OrderedDict[int, bool] = field(default_factory=OrderedDict)  # tags come before their WAIT_PEER
+    waiting: tuple[int, float] | None = None  # (tag, deadline): this session's requests are held
+    senders: int = 0                          # links that write into this session now
+    sender_lost: str | None = None            # why the last one went, if none is left
+    held: deque = field(default_factory=deque)  # the requests held meanwhile, in order
 
     def owned(self) -> int:
         """Bytes of the buffers this session holds."""
@@ -88,7 +97,8 @@ class RPCServer:
     def __init__(self, devices: list[Device], host: str = "127.0.0.1", port: int = 0, mem: int | None = None,
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
                  tls: ssl.SSLContext | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
-                 limits: Limits = Limits(), files: ServerFiles | None = None) -> None:
+                 limits: Limits = Limits(), files: ServerFiles | None = None, peer_links: bool = True,
+                 peer_tls: ssl.SSLContext | None = None) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
@@ -97,6 +107,9 @@ class RPCServer:
         self.max_message = max_message
         self.limits = limits
         self.sessions: dict[int, Session] = {}  # by connection
+        self.peer_links = peer_links  # False (--no-peers): never connect to another server
+        self.peer_tls = peer_tls      # how to connect to another server (its client side of TLS)
+        self.tokens = peers.Tokens()
         self._ended: OrderedDict[int, str] = OrderedDict()  # why recent sessions were ended by the server
         self.listener = Listener(host, port, tls, max_frames=limits.frames, max_bytes=max_message,
                                  max_peers=limits.clients, max_queued=limits.pending_replies)
@@ -120,6 +133,12 @@ class RPCServer:
             Command.MEMSET_TENSOR: self._memset_tensor,
             Command.GRAPH_COMPUTE: self._graph_compute,
             Command.GRAPH_RECOMPUTE: self._graph_recompute,
+            Command.PEER_TOKEN: self._peer_token,
+            Command.PEER_CONNECT: self._peer_connect,
+            Command.PEER_AUTH: self._peer_auth,
+            Command.COPY_TO_PEER: self._copy_to_peer,
+            Command.PEER_SET: self._peer_set,
+            Command.WAIT_PEER: self._wait_peer,
         }
         self.running = False
 
@@ -130,16 +149,74 @@ class RPCServer:
         try:
             while self.running:
                 for event in self.listener.poll(0.5):
-                    if isinstance(event, Message):
-                        self.listener.serving = event.peer
-                        try:
-                            self._serve_one(event)
-                        finally:
-                            self.listener.serving = None
-                    else:
+                    if not isinstance(event, Message):
                         self._disconnected(event)
+                        continue
+                    session = self.sessions.get(event.peer.id)
+                    if session is not None and session.waiting is not None:
+                        self._hold(session, event)
+                    else:
+                        self._serve_event(event)
+                self._expire_waits()
         finally:
             self.close()
+
+    def _serve_event(self, message: Message) -> None:
+        self.listener.serving = message.peer
+        try:
+            self._serve_one(message)
+        finally:
+            self.listener.serving = None
+
+    # -- sessions waiting for a tensor from another server (rpc/peers.py) --------------------------
+    def _hold(self, s: Session, message: Message) -> None:
+        if len(s.held) >= peers.MAX_DEFERRED:
+            self._send(message.peer, Status.ERROR, P.HEADER.unpack_from(message.frames[0])[3] if
+                       len(message.frames[0]) >= P.HEADER.size else 0,
+                       f"{peers.MAX_DEFERRED} requests are held while this session waits for another "
+                       f"server's tensor (the limit)".encode(), [])
+            return
+        s.held.append(message)
+        self.listener.held.add(s.peer)  # it waits for us: heartbeats, so that it does not think us gone
+
+    def _arrived(self, s: Session, tag: int) -> None:
+        """A tagged tensor came for session ``s``: end its wait for it, and serve what was held."""
+        if s.waiting is not None and s.waiting[0] == tag:
+            s.waiting = None
+        else:
+            s.arrived[tag] = True
+            while len(s.arrived) > peers.MAX_ARRIVED:
+                s.arrived.popitem(last=False)
+        self._release_held(s)
+
+    def _release_held(self, s: Session) -> None:
+        while s.held and s.waiting is None and s.peer.id in self.sessions:
+            self._serve_event(s.held.popleft())
+        if not s.held:
+            self.listener.held.discard(s.peer)
+
+    def _link_lost(self, link: Session, reason: str) -> None:
+        """A link from another server is gone: its session waits for nothing more from it."""
+        target, link.writes_into = link.writes_into, None
+        if target is None:
+            return
+        target.senders -= 1
+        if not target.senders:
+            target.sender_lost = reason
+        if target.waiting is not None and target.peer.id in self.sessions:
+            tag, target.waiting = target.waiting[0], None
+            target.deferred_error = target.deferred_error or (f"the server sending tensor {tag} is gone "
+                                                              f"({reason})")
+            self._release_held(target)
+
+    def _expire_waits(self) -> None:
+        now = time.monotonic()
+        for s in list(self.sessions.values()):
+            if s.waiting is not None and s.waiting[1] < now:
+                tag, s.waiting = s.waiting[0], None
+                s.deferred_error = s.deferred_error or (f"no tensor tagged {tag} came from the other server "
+                                                        f"within {peers.PEER_WAIT_S:.0f} s")
+                self._release_held(s)
 
     def stop(self) -> None:
         self.running = False
@@ -154,6 +231,8 @@ class RPCServer:
         if s is not None:
             log.info("client %d (%s) disconnected (%s); its %d buffer(s) freed", s.peer.id, s.peer.address,
                      event.reason, len(s.buffers))
+            if s.writes_into is not None:
+                self._link_lost(s, event.reason)
             self._end_session(s)
         self._ended.pop(event.peer.id, None)
 
@@ -161,6 +240,13 @@ class RPCServer:
         for handle in list(s.buffers):
             self._release(s, handle)
         s.graphs.clear()
+        for conn in s.links.values():
+            conn.close("the client that asked for this link is gone")
+        s.links.clear()
+        s.held.clear()
+        self.listener.held.discard(s.peer)
+        s.writes_into = None
+        self.tokens.forget(s.peer.id)
         self.sessions.pop(s.peer.id, None)
 
     def _serve_one(self, message: Message) -> None:
@@ -185,6 +271,8 @@ class RPCServer:
                 session = self.sessions.get(peer.id)
                 if session is None:
                     raise ProtocolError(self._ended.get(peer.id, "HELLO must come first"))
+                if session.writes_into is not None and cmd != Command.PEER_SET:
+                    raise ProtocolError("a link from another server may only send PEER_SET")
                 if session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
                     raise ProtocolError(f"an earlier request failed: {err}")
@@ -423,6 +511,114 @@ class RPCServer:
         if entry is None or entry[0] != dev:
             raise ProtocolError(f"no graph in slot {slot} for device {dev}")
         self._compute(self._device(dev), entry[1])
+        return b"", []
+
+    # -- servers passing tensors to each other (rpc/peers.py) -------------------------------------
+    def _peer_token(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the receiver) A token that lets one connection of another server write into this session."""
+        if len(payload) or data:
+            raise ProtocolError("PEER_TOKEN takes no payload")
+        try:
+            return self.tokens.issue(s.peer.id), []
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+
+    def _peer_connect(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the sender) Connect to the server at the endpoint in the frame and present its
+        token; the reply is the link's number for COPY_TO_PEER."""
+        from .client import Connection  # (the server speaks to another server as its clients do)
+        (token,) = unpack(P.PEER_CONNECT, payload)
+        self._frames(data, 1)
+        if not self.peer_links:
+            raise ProtocolError("this server makes no connections to other servers (--no-peers)")
+        if len(s.links) >= peers.MAX_LINKS:
+            raise ProtocolError(f"this session has {peers.MAX_LINKS} links to other servers, the limit")
+        try:
+            endpoint = P.parse_endpoint(bytes(data[0][:300]).decode("utf-8", "replace"))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        try:
+            conn = Connection(endpoint, self.peer_tls, connect_timeout=peers.PEER_WAIT_S / 6,
+                              timeout=peers.PEER_WAIT_S / 3)
+        except RPCError as e:
+            raise ProtocolError(f"cannot reach {endpoint}: {e}") from None
+        try:
+            conn.request(Command.PEER_AUTH, bytes(token))
+        except RPCError as e:
+            conn.close("refused")
+            raise ProtocolError(f"{endpoint} refused the link: {e}") from None
+        link = max(s.links, default=0) + 1
+        s.links[link] = conn
+        log.info("client %d: link %d to %s", s.peer.id, link, endpoint)
+        return P.U32.pack(link), []
+
+    def _peer_auth(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the receiver) This connection presents a token: it becomes a link that writes
+        into the session the token was issued for, and nothing else."""
+        self._frames(data, 0)
+        if len(payload) != P.TOKEN_BYTES:
+            raise ProtocolError("PEER_AUTH takes a token")
+        if s.buffers or s.graphs or s.links:
+            raise ProtocolError("PEER_AUTH must come right after HELLO")
+        target = self.sessions.get(self.tokens.take(bytes(payload)) or 0)
+        if target is None or target is s:
+            raise ProtocolError("unknown, used or expired peer token")
+        s.writes_into = target
+        target.senders += 1
+        target.sender_lost = None
+        log.info("client %d: a link from %s writes into client %d's tensors", s.peer.id, s.peer.address,
+                 target.peer.id)
+        return b"", []
+
+    def _copy_to_peer(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the sender; no reply) Send a tensor of this session over a link, tagged: after
+        whatever came before it on this connection (the graph that computed it)."""
+        self._frames(data, 0)
+        link, tag = unpack(P.COPY_TO_PEER, payload, exact=False)
+        if len(payload) != P.COPY_TO_PEER.size + 2 * P.TENSOR.size:
+            raise ProtocolError("COPY_TO_PEER payload has the wrong size")
+        conn = s.links.get(link)
+        if conn is None:
+            raise ProtocolError(f"no link {link} in this session")
+        src, at = read_tensor(payload, s.lookup, P.COPY_TO_PEER.size)
+        codec, body = P.compress(src.buffer.get_tensor(src, 0, tensor_extent(src)))
+        try:  # the destination is the receiver's to check
+            conn.send(Command.PEER_SET, P.PEER_SET.pack(tag, codec) + bytes(payload[at:]), [body])
+            conn.flush()
+        except RPCError as e:
+            raise ProtocolError(f"link {link}: {e}") from None
+        return b"", []
+
+    def _peer_set(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the receiver, from a link; no reply) A tagged tensor for the link's session: what
+        goes wrong is that session's error, reported in its next reply."""
+        target = s.writes_into
+        if target is None:
+            raise ProtocolError("PEER_SET comes only over a link that presented a PEER_TOKEN")
+        if target.peer.id not in self.sessions:
+            raise ProtocolError("the session this link wrote into is gone")
+        tag, codec = unpack(P.PEER_SET, payload, exact=False)
+        try:
+            self._frames(data, 1)
+            if len(payload) != P.PEER_SET.size + P.TENSOR.size:
+                raise ProtocolError("PEER_SET payload has the wrong size")
+            dst, _ = read_tensor(payload, target.lookup, P.PEER_SET.size)
+            size = tensor_extent(dst)
+            dst.buffer.set_tensor(dst, P.decompress(codec, data[0], size), 0)
+        except (ProtocolError, ValueError) as e:
+            target.deferred_error = target.deferred_error or f"a tensor from {s.peer.address}: {e}"
+        self._arrived(target, tag)
+        return b"", []
+
+    def _wait_peer(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(on the receiver; no reply) Hold this session's next requests until the tag arrived."""
+        self._frames(data, 0)
+        (tag,) = unpack(P.U32, payload)
+        if s.arrived.pop(tag, None) is not None:
+            return b"", []
+        if not s.senders:  # the server that would send it is gone already: nothing to wait for
+            raise ProtocolError(f"the server sending tensor {tag} is gone ({s.sender_lost or 'no link'})")
+        s.waiting = (tag, time.monotonic() + peers.PEER_WAIT_S)
         return b"", []
 
     @staticmethod

@@ -217,6 +217,7 @@ class Listener:
         self._dirty_lock = threading.Lock()
         self._lost: list[Disconnected] = []  # connections a send found broken, reported by the next poll
         self.serving: Peer | None = None    # whose request the server is working on (it gets heartbeats)
+        self.held: set[Peer] = set()        # whose requests the server holds for now (they get them too)
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
 
@@ -426,6 +427,7 @@ class Listener:
         serving = self.serving
         if serving is not None:
             waiting.add(serving)
+        waiting.update(p for p in list(self.held) if not p.closed)
         return list(waiting)
 
 

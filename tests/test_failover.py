@@ -97,14 +97,17 @@ def test_a_server_that_comes_back_is_attached_again(start_server):
         assert got == want
 
 
-def test_without_failover_a_killed_server_is_a_clean_error(start_server):
+@pytest.mark.parametrize("killed", [0, 1])
+def test_without_failover_a_killed_server_is_a_clean_error(start_server, killed):
+    """The error names the server killed, whichever it is: the one that sends its activations
+    to the other (which then reports it gone) or the one that receives them."""
     servers = [start_server(), start_server()]
     with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False) as m:
         t0 = time.monotonic()
-        with pytest.raises(RPCError, match=servers[1].endpoint):
+        with pytest.raises(RPCError, match=servers[killed].endpoint):
             for i, _ in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=32, temperature=0)):
                 if i == 4:
-                    servers[1].kill()
+                    servers[killed].kill()
         assert time.monotonic() - t0 < 30
 
 

@@ -1,0 +1,217 @@
+"""Servers that pass tensors to each other (rpc/peers.py): a model split over two servers sends
+its activations from one server straight to the other, with the same bits as locally; a server
+that may not link falls back to the path through the client and says so once; and every step of
+the introduction and of the copies is checked like any request from the network."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml.rpc import backend as rpc_backend
+from pyggml.rpc import protocol as P
+
+from .conftest import shared_model
+from .rpc_helpers import RawClient, ServerProcess, tensor
+from .test_rpc_validation import alloc, set_data
+
+C = P.Command
+PROMPT = "The capital of France is"
+
+
+def split_run(endpoints: list[str], peers: bool, monkeypatch, rpc_key: str | None = None
+              ) -> tuple[np.ndarray, list[int], dict, int]:
+    """The prompt's logits and a greedy continuation with the embedding and head on the first
+    server and the layers on the second (activations cross between them both ways each step);
+    the requests sent to each, and the bytes the client received per generated token."""
+    monkeypatch.setattr(rpc_backend, "PEERS", peers)
+    m = pg.Model("smollm2", n_ctx=256, rpc=endpoints, rpc_key=rpc_key, ngl="0:prolog,epilog;1:all", progress=False)
+    try:
+        ids = m.tokenize(PROMPT)
+        logits = m.logits(ids)
+        list(m.generate(ids, max_tokens=2, temperature=0))
+        conns = list({id(d.conn): d.conn for d in m.rpc_devices}.values())
+        before = sum(c.bytes_received for c in conns)
+        tokens = list(m.generate(ids, max_tokens=16, temperature=0))
+        per_token = (sum(c.bytes_received for c in conns) - before) // 16
+        sent = {c.endpoint: dict(c.sent) for c in conns}
+    finally:
+        m.close()
+    return logits, tokens, sent, per_token
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    servers = [ServerProcess(), ServerProcess()]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_a_split_passes_activations_between_the_servers_with_the_bits_of_a_local_run(two_servers, monkeypatch):
+    local = shared_model("smollm2")
+    local.context.clear()
+    ids = local.tokenize(PROMPT)
+    want_logits = local.logits(ids)
+    want_tokens = list(local.generate(ids, max_tokens=16, temperature=0))
+    endpoints = [s.endpoint for s in two_servers]
+    logits, tokens, sent, direct = split_run(endpoints, True, monkeypatch)
+    assert np.array_equal(logits, want_logits) and tokens == want_tokens
+    assert sent[endpoints[0]].get(C.COPY_TO_PEER) and sent[endpoints[1]].get(C.COPY_TO_PEER)
+    assert sent[endpoints[0]].get(C.WAIT_PEER) and sent[endpoints[1]].get(C.WAIT_PEER)
+    _, tokens, sent, through = split_run(endpoints, False, monkeypatch)
+    assert tokens == want_tokens and not sent[endpoints[0]].get(C.COPY_TO_PEER)
+    # through the client, each token's hidden state (576 floats) comes back from the layers' server
+    assert through - direct >= 576 * 4, (through, direct)
+
+
+def test_a_server_that_makes_no_links_falls_back_and_says_so_once(monkeypatch, caplog):
+    servers = [ServerProcess("--no-peers"), ServerProcess()]
+    try:
+        local = shared_model("smollm2")
+        local.context.clear()
+        want = list(local.generate(local.tokenize(PROMPT), max_tokens=16, temperature=0))
+        with caplog.at_level(logging.WARNING, logger="pyggml.rpc"):
+            _, tokens, sent, _ = split_run([s.endpoint for s in servers], True, monkeypatch)
+        assert tokens == want
+        assert not sent[servers[0].endpoint].get(C.COPY_TO_PEER)  # it cannot: --no-peers
+        assert sent[servers[1].endpoint].get(C.COPY_TO_PEER)      # the other one can
+        said = [r.getMessage() for r in caplog.records if "go through this client" in r.getMessage()]
+        assert len(said) == 1 and "--no-peers" in said[0], said
+    finally:
+        for s in servers:
+            s.stop()
+
+
+# -- the introduction and the copies, request by request -------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair():
+    servers = [ServerProcess(env={"PYGGML_RPC_PEER_WAIT": "1"}), ServerProcess(env={"PYGGML_RPC_PEER_WAIT": "1"})]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def ok(reply):
+    status, body, frames = reply
+    assert status == P.Status.OK, body
+    return body, frames
+
+
+def error(reply, match: str) -> str:
+    status, body, _ = reply
+    assert status == P.Status.ERROR and match.lower() in body.decode().lower(), body
+    return body.decode()
+
+
+def linked(pair) -> tuple[RawClient, RawClient, int]:
+    """A client session on each server, and a link from the first server to the second."""
+    a, b = RawClient(pair[0].endpoint), RawClient(pair[1].endpoint)
+    token, _ = ok(b.call(C.PEER_TOKEN))
+    body, _ = ok(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(token), [pair[1].endpoint.encode()]))
+    return a, b, P.U32.unpack(body)[0]
+
+
+def test_a_copy_lands_before_the_receivers_next_request(pair):
+    a, b, link = linked(pair)
+    src_handle, dst_handle = alloc(a), alloc(b)
+    values = np.arange(16, dtype=np.float32)
+    src = set_data(a, src_handle, values, 0, (16, 1, 1, 1))
+    dst = tensor(0, (16, 1, 1, 1), buffer=dst_handle, id=2)
+    b.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 99) + P.U32.pack(7)])  # first: b must hold
+    a.send_raw([P.HEADER.pack(C.COPY_TO_PEER, P.FLAG_NO_REPLY, 0, 98) + P.COPY_TO_PEER.pack(link, 7) + src + dst])
+    body, frames = ok(b.call(C.GET_TENSOR, dst + P.GET_TENSOR.pack(0, 64, P.Codec.RAW)))
+    assert np.array_equal(np.frombuffer(frames[0], np.float32), values)
+
+
+def test_a_tag_that_never_comes_ends_the_wait_with_an_error(pair):
+    """(PYGGML_RPC_PEER_WAIT=1 on these servers); and with no link at all nothing is waited for."""
+    a, b, _ = linked(pair)  # (a's session holds the link: keep it)
+    b.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 5) + P.U32.pack(12345)])
+    error(b.call(C.DEVICE_COUNT, timeout=10), "no tensor tagged 12345")
+    ok(b.call(C.DEVICE_COUNT))  # and it serves again
+    alone = RawClient(pair[1].endpoint)
+    alone.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 5) + P.U32.pack(6)])
+    error(alone.call(C.DEVICE_COUNT, timeout=0.9), "the server sending tensor 6 is gone (no link)")
+    a.close()
+
+
+def test_tokens_are_one_time_and_a_link_may_only_write(pair):
+    a, b = RawClient(pair[0].endpoint), RawClient(pair[1].endpoint)
+    token, _ = ok(b.call(C.PEER_TOKEN))
+    intruder = RawClient(pair[1].endpoint)
+    error(intruder.call(C.PEER_AUTH, bytes(32)), "unknown, used or expired")
+    ok(intruder.call(C.PEER_AUTH, token))
+    error(RawClient(pair[1].endpoint).call(C.PEER_AUTH, token), "unknown, used or expired")  # once only
+    error(intruder.call(C.ALLOC_BUFFER, P.ALLOC_BUFFER.pack(0, 4096)), "may only send PEER_SET")
+    error(a.call(C.PEER_SET, P.PEER_SET.pack(1, 0) + tensor(0), [bytes(64)]), "only over a link")
+    # a link writes only into its own session's buffers: another client's handle is unknown
+    other = alloc(RawClient(pair[1].endpoint))
+    waiting = RawClient(pair[1].endpoint)
+    token, _ = ok(waiting.call(C.PEER_TOKEN))
+    link = RawClient(pair[1].endpoint)
+    ok(link.call(C.PEER_AUTH, token))
+    link.send_raw([P.HEADER.pack(C.PEER_SET, P.FLAG_NO_REPLY, 0, 3) + P.PEER_SET.pack(4, 0)
+                   + tensor(0, buffer=other), bytes(64)])
+    waiting.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 9) + P.U32.pack(4)])
+    error(waiting.call(C.DEVICE_COUNT), "unknown buffer handle")
+
+
+def test_an_unreachable_or_refusing_server_is_an_error_and_both_keep_serving(pair):
+    a, b = RawClient(pair[0].endpoint), RawClient(pair[1].endpoint)
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"127.0.0.1:1"], timeout=20), "cannot reach")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [pair[1].endpoint.encode()]), "refused the link")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"not an endpoint"]), "bad rpc endpoint")
+    error(a.call(C.COPY_TO_PEER, P.COPY_TO_PEER.pack(9, 1) + tensor(0) + tensor(0)), "no link 9")
+    ok(a.call(C.DEVICE_COUNT))
+    ok(b.call(C.DEVICE_COUNT))
+    assert pair[0].alive() and pair[1].alive()
+
+
+def test_servers_of_one_key_pair_link_over_tls(tmp_path, monkeypatch):
+    """With TLS, a server links to another with its own key file: the authority of the pair
+    signed its certificate for both ends of a connection."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("openssl") is None:
+        pytest.skip("making TLS keys needs the openssl command")
+    subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(tmp_path / "k")],
+                   check=True, capture_output=True)
+    local = shared_model("smollm2")
+    local.context.clear()
+    want = list(local.generate(local.tokenize(PROMPT), max_tokens=16, temperature=0))
+    servers = [ServerProcess("--key", str(tmp_path / "k")), ServerProcess("--key", str(tmp_path / "k"))]
+    try:
+        _, tokens, sent, _ = split_run([s.endpoint for s in servers], True, monkeypatch, str(tmp_path / "k.client"))
+        assert tokens == want and all(sent[s.endpoint].get(C.COPY_TO_PEER) for s in servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+
+def test_a_wait_ends_when_the_sending_server_dies_and_the_held_client_hears_heartbeats():
+    """A session that waits for a tagged tensor is held, not forgotten: its server keeps sending
+    it heartbeats (its client must not take the wait for a dead server), and when the sending
+    server dies the wait ends at once with an error naming what is missing."""
+    import time
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        a, b, link = linked(servers)
+        b.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 50) + P.U32.pack(77)])
+        b.send_raw([P.HEADER.pack(C.DEVICE_COUNT, 0, 0, 51)])
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="deadline"):  # not "silence": heartbeats kept coming
+            b.channel.recv(time.monotonic() + 4.5, silence=2.0)
+        servers[0].kill()
+        reply = b.recv(timeout=10)
+        assert reply is not None and time.monotonic() - t0 < 12
+        error(reply, "the server sending tensor 77 is gone")
+        ok(b.call(C.DEVICE_COUNT))
+    finally:
+        for s in servers:
+            s.stop()
