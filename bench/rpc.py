@@ -11,6 +11,7 @@ the next token.
 
     python bench/rpc.py [--model smollm2] [--tokens 64] [--llama-cpp BIN_DIR]
     python bench/rpc.py --synthetic-moe [--llama-cpp BIN_DIR]   # the ~1B qwen3moe of bench/generate.py
+    python bench/rpc.py --netns --rate 100mbit                  # servers on "another host" (root only)
 
 ``--synthetic-moe`` measures generation only (local, one server, two servers), for the
 mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
@@ -22,12 +23,16 @@ llama.cpp figures come beside ours: local, one server, two servers, and the rati
 time added per token per server.
 
 Everything runs on one machine: the servers compete with the client for its cores, so
-on a 2-core machine the split run measures contention as much as the protocol.
+on a 2-core machine the split run measures contention as much as the protocol.  With
+``--netns`` the servers run in a network namespace of their own, joined to the client's by a
+veth pair (``--rate``: each end shaped with tc), as on another host behind a real link: there
+the activations the split servers pass each other stay off the client's link.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 import tempfile
 import time
 from pathlib import Path
@@ -36,9 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg
 from pyggml.rpc import backend as rpc_backend
-from tests.rpc_helpers import ServerProcess
+from tests.rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass
+class Hosts:
+    """Where the servers run: here (on 127.0.0.1), or behind ``prefix`` bound to ``address``."""
+    prefix: tuple[str, ...] = ()
+    address: str | None = None
+
+    def server(self, *args: str, env: dict | None = None) -> ServerProcess:
+        host = ("-H", self.address) if self.address else ()
+        return ServerProcess(*host, *args, env=env, prefix=self.prefix)
 
 
 def wire_bytes(model: pg.Model) -> int:
@@ -80,7 +96,7 @@ def untokenized_generation(ctx, conns: list, n: int) -> tuple[float, float, floa
     return n / dt, wire / n, (sum(c.wait_seconds for c in conns) - w0) / n
 
 
-def moe_main(args, env: dict) -> None:
+def moe_main(args, env: dict, hosts: Hosts) -> None:
     """The three generation placements of the synthetic mixture of experts, and llama.cpp's."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from generate import synthetic_moe
@@ -90,7 +106,7 @@ def moe_main(args, env: dict) -> None:
     from pyggml.rpc import connect
     path = Path(args.synthetic_moe) if args.synthetic_moe else synthetic_moe()
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
+        servers = [hosts.server("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
         opened = []
         try:
             runs = {}
@@ -121,8 +137,8 @@ def moe_main(args, env: dict) -> None:
         added = (1000 / tps - 1000 / local_tps) / n if n else 0.0
         print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}")
     if args.llama_cpp:
-        print_llama_cpp(llama_cpp_rows(args.llama_cpp, path, args.tokens), {name: tps for name, tps, *_ in rows},
-                        args.tokens)
+        print_llama_cpp(llama_cpp_rows(args.llama_cpp, path, args.tokens, hosts=hosts),
+                        {name: tps for name, tps, *_ in rows}, args.tokens)
 
 
 def print_llama_cpp(theirs: dict[str, float], ours: dict[str, float], n: int) -> None:
@@ -135,7 +151,8 @@ def print_llama_cpp(theirs: dict[str, float], ours: dict[str, float], n: int) ->
               f"  (pyggml {ours[name]:.1f} tok/s, {ours[name] / tps:.2f}x)")
 
 
-def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2) -> dict[str, float]:
+def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2, hosts: Hosts | None = None
+                   ) -> dict[str, float]:
     """llama-bench's generation tokens/s locally and with every layer on one and on two
     ggml-rpc-servers (started here, one CPU thread pool each)."""
     import json
@@ -155,12 +172,14 @@ def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2) -> dict
             return sock.getsockname()[1]
     rows = {"local": bench("-ngl", "0")}
     ports = [free_port(), free_port()]
-    servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", str(threads), "-p", str(p)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    hosts = hosts or Hosts()
+    address = hosts.address or "127.0.0.1"
+    servers = [subprocess.Popen([*hosts.prefix, str(bin_dir / "ggml-rpc-server"), "-t", str(threads), "-H", address,
+                                 "-p", str(p)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
     try:
         time.sleep(1.0)
-        rows["1 server, all layers"] = bench("-ngl", "99", "-rpc", f"127.0.0.1:{ports[0]}")
-        rows["2 servers, split"] = bench("-ngl", "99", "-rpc", ",".join(f"127.0.0.1:{p}" for p in ports))
+        rows["1 server, all layers"] = bench("-ngl", "99", "-rpc", f"{address}:{ports[0]}")
+        rows["2 servers, split"] = bench("-ngl", "99", "-rpc", ",".join(f"{address}:{p}" for p in ports))
     finally:
         for proc in servers:
             proc.terminate()
@@ -181,14 +200,28 @@ def main() -> None:
     ap.add_argument("--synthetic-moe", nargs="?", const="", default=None, metavar="FILE",
                     help="the ~1B qwen3moe of random weights instead (generation only; see above), or FILE: "
                          "another GGUF whose vocabulary has no tokenizer")
+    ap.add_argument("--netns", action="store_true",
+                    help="the servers in another network namespace, reached over a veth pair (root only)")
+    ap.add_argument("--rate", default=None, metavar="RATE",
+                    help="with --netns: shape each end of the pair to RATE (tc's units: 1gbit, 100mbit)")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
-    if args.synthetic_moe is not None:
-        moe_main(args, env)
+    main_of = moe_main if args.synthetic_moe is not None else placements_main
+    if not args.netns:
+        main_of(args, env, Hosts())
         return
+    try:
+        with network_namespace(args.rate) as (name, address):
+            print(f"servers in network namespace {name} at {address}, over a veth pair"
+                  + (f" shaped to {args.rate} each way" if args.rate else ""), file=sys.stderr)
+            main_of(args, env, Hosts(("ip", "netns", "exec", name), address))
+    except NamespaceUnavailable as e:
+        print(f"--netns skipped: {e}")
 
+
+def placements_main(args, env: dict, hosts: Hosts) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [ServerProcess("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
+        servers = [hosts.server("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
         try:
             local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
             weights = local.model.weights_nbytes()
@@ -225,7 +258,7 @@ def main() -> None:
         finally:
             for s in servers:
                 s.stop()
-        holder = ServerProcess("--gguf", str(pg.hub.resolve(args.model)), env=env)  # hashes it once (remembered)
+        holder = hosts.server("--gguf", str(pg.hub.resolve(args.model)), env=env)  # hashes it once (remembered)
         try:
             t0 = time.perf_counter()
             disk = pg.Model(args.model, n_ctx=args.ctx, rpc=holder.endpoint, ngl="all", progress=False)
@@ -234,7 +267,7 @@ def main() -> None:
             disk.close()
         finally:
             holder.stop()
-        pair = [ServerProcess(env=env), ServerProcess(env=env)]  # failover: kill -9 of one mid-generation
+        pair = [hosts.server(env=env), hosts.server(env=env)]  # failover: kill -9 of one mid-generation
         try:
             m = pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in pair], progress=False, failover=True)
             tokens = m.generate(m.tokenize("1, 2, 3, 4, 5, 6, 7,"), max_tokens=64, temperature=0)  # goes on
@@ -261,7 +294,7 @@ def main() -> None:
         print(f"{name:<24}{tps:>10.1f}{1000 / tps:>10.2f}{added:>24.2f}{per_token:>18.0f}{client:>17.2f}")
     print("(client ms/token of a remote placement: the time not spent waiting for a server's answer)")
     if args.llama_cpp:
-        print_llama_cpp(llama_cpp_rows(args.llama_cpp, pg.hub.resolve(args.model), args.tokens),
+        print_llama_cpp(llama_cpp_rows(args.llama_cpp, pg.hub.resolve(args.model), args.tokens, hosts=hosts),
                         {name: tps for name, tps, *_ in rows}, args.tokens)
     print(f"first load onto a server: {first_load:.2f} s, {upload / 2**20:.1f} MiB sent "
           f"({upload / 2**20 / first_load:.0f} MB/s including file reading and hashing)")

@@ -11,7 +11,10 @@ is signed by the same authority, for both ends of a connection.
 
 Each step the client tells A to send a tensor over the link, with a tag (``COPY_TO_PEER``, in
 order after A's compute on the same connection), and tells B to hold that session's following
-requests until the tag has arrived (``WAIT_PEER``).  Neither server waits on the other: A's send
+requests until the tag has arrived (``WAIT_PEER``).  B writes a tensor only when the client's
+own requests reach its WAIT_PEER - a tensor that comes earlier is kept until then - because A
+may run ahead: the ubatches of a long prompt go out without waiting, and A's second ubatch can
+reach B before B computed the first.  Neither server waits on the other: A's send
 does not block on B, and B keeps serving every other connection while a session waits - so two
 servers that send each other tensors within one step cannot deadlock, and the client waits only
 for the step's result.  A tag that never comes ends the wait after ``PEER_WAIT_S`` with an error
@@ -31,7 +34,8 @@ TOKEN_TTL_S = 60.0       # a token not presented by then is forgotten
 MAX_TOKENS = 16          # live tokens per session
 MAX_LINKS = 8            # links a session may have its server open to others
 MAX_DEFERRED = 256       # requests a waiting session may have held
-MAX_ARRIVED = 1024       # tags remembered before their WAIT_PEER comes
+MAX_ARRIVED = 1024       # tagged tensors kept before their WAIT_PEER comes ...
+MAX_ARRIVED_BYTES = 64 << 20  # ... and their bytes (or as many as the session holds in buffers)
 
 
 @dataclass

@@ -72,7 +72,10 @@ class Session:
     # servers passing tensors to each other (rpc/peers.py)
     writes_into: Session | None = None   # a link from another server: the session it may write into
     links: dict[int, object] = field(default_factory=dict)  # link number -> Connection to another server
-    arrived: OrderedDict[int, bool] = field(default_factory=OrderedDict)  # tags come before their WAIT_PEER
+    # tagged tensors that came before their WAIT_PEER: (destination, codec, bytes), written only
+    # when the client's own requests reach that WAIT_PEER (a sender may run ahead by ubatches)
+    arrived: OrderedDict[int, tuple] = field(default_factory=OrderedDict)
+    arrived_bytes: int = 0
     waiting: tuple[int, float] | None = None  # (tag, deadline): this session's requests are held
     senders: int = 0                          # links that write into this session now
     sender_lost: str | None = None            # why the last one went, if none is left
@@ -179,15 +182,32 @@ class RPCServer:
         s.held.append(message)
         self.listener.held.add(s.peer)  # it waits for us: heartbeats, so that it does not think us gone
 
-    def _arrived(self, s: Session, tag: int) -> None:
-        """A tagged tensor came for session ``s``: end its wait for it, and serve what was held."""
+    def _arrived(self, s: Session, tag: int, tensor: tuple) -> None:
+        """A tagged tensor came for session ``s``: written now if the session waits for it (and
+        what was held is served), else kept until its WAIT_PEER."""
         if s.waiting is not None and s.waiting[0] == tag:
             s.waiting = None
-        else:
-            s.arrived[tag] = True
-            while len(s.arrived) > peers.MAX_ARRIVED:
-                s.arrived.popitem(last=False)
-        self._release_held(s)
+            try:
+                self._write_arrived(s, tensor)
+            except (ProtocolError, ValueError) as e:
+                s.deferred_error = s.deferred_error or str(e)
+            self._release_held(s)
+            return
+        size = len(tensor[2])
+        if len(s.arrived) >= peers.MAX_ARRIVED or s.arrived_bytes + size > max(peers.MAX_ARRIVED_BYTES, s.owned()):
+            s.deferred_error = s.deferred_error or (f"tensors from another server piled up ({len(s.arrived)}, "
+                                                    f"{s.arrived_bytes} bytes) before this session asked for them")
+            return
+        s.arrived[tag] = tensor
+        s.arrived_bytes += size
+
+    @staticmethod
+    def _write_arrived(s: Session, tensor: tuple) -> None:
+        """Write a tagged tensor into the session's buffer it names (checked now: the buffer may
+        have gone since it came)."""
+        wire_dst, codec, body = tensor
+        dst, _ = read_tensor(wire_dst, s.lookup)
+        dst.buffer.set_tensor(dst, P.decompress(codec, body, tensor_extent(dst)), 0)
 
     def _release_held(self, s: Session) -> None:
         while s.held and s.waiting is None and s.peer.id in self.sessions:
@@ -598,23 +618,22 @@ class RPCServer:
         if target.peer.id not in self.sessions:
             raise ProtocolError("the session this link wrote into is gone")
         tag, codec = unpack(P.PEER_SET, payload, exact=False)
-        try:
-            self._frames(data, 1)
-            if len(payload) != P.PEER_SET.size + P.TENSOR.size:
-                raise ProtocolError("PEER_SET payload has the wrong size")
-            dst, _ = read_tensor(payload, target.lookup, P.PEER_SET.size)
-            size = tensor_extent(dst)
-            dst.buffer.set_tensor(dst, P.decompress(codec, data[0], size), 0)
-        except (ProtocolError, ValueError) as e:
-            target.deferred_error = target.deferred_error or f"a tensor from {s.peer.address}: {e}"
-        self._arrived(target, tag)
+        if len(data) != 1 or len(payload) != P.PEER_SET.size + P.TENSOR.size:
+            target.deferred_error = target.deferred_error or f"a malformed tensor from {s.peer.address}"
+            body = b""
+        else:
+            body = bytes(data[0])  # (the frame is the reader's: keep a copy until it is written)
+        self._arrived(target, tag, (bytes(payload[P.PEER_SET.size:]), codec, body))
         return b"", []
 
     def _wait_peer(self, s: Session, payload: memoryview, data: list) -> Reply:
         """(on the receiver; no reply) Hold this session's next requests until the tag arrived."""
         self._frames(data, 0)
         (tag,) = unpack(P.U32, payload)
-        if s.arrived.pop(tag, None) is not None:
+        tensor = s.arrived.pop(tag, None)
+        if tensor is not None:
+            s.arrived_bytes -= len(tensor[2])
+            self._write_arrived(s, tensor)
             return b"", []
         if not s.senders:  # the server that would send it is gone already: nothing to wait for
             raise ProtocolError(f"the server sending tensor {tag} is gone ({s.sender_lost or 'no link'})")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import socket
 import time
+from contextlib import contextmanager
 
 from pyggml.rpc import protocol as P
 from pyggml.rpc import transport
@@ -18,6 +19,53 @@ def _server_log(path: str | os.PathLike | None = None):
     debugging."""
     path = path or os.environ.get("PYGGML_TEST_SERVER_LOG")
     return open(path, "a") if path else subprocess.DEVNULL
+
+
+class NamespaceUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, no iproute2): the reason."""
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@contextmanager
+def network_namespace(rate: str | None = None):
+    """Another host, for servers: a network namespace joined to this one by a veth pair, each
+    end shaped to ``rate`` (tc's tbf, e.g. "100mbit") if given.  Yields (the namespace's name,
+    its address); servers started with ``ServerProcess("-H", address, prefix=("ip", "netns",
+    "exec", name))`` are reached only over the pair.  Raises NamespaceUnavailable with the
+    reason where it cannot be made."""
+    subnet = 10 + os.getpid() % 200  # 10.77.SUBNET.0/24: unique enough for parallel runs
+    name, veth = f"pyggml-{os.getpid()}", f"pg{os.getpid() % 100000}"
+    r = _ip("netns", "add", name)
+    if r.returncode != 0:
+        raise NamespaceUnavailable(f"cannot create network namespaces here (needs root and iproute2): "
+                                   f"{r.stderr.strip()}")
+    try:
+        inside = ("netns", "exec", name)
+        steps = [("link", "add", f"{veth}c", "type", "veth", "peer", "name", f"{veth}s"),
+                 ("link", "set", f"{veth}s", "netns", name),
+                 ("addr", "add", f"10.77.{subnet}.1/24", "dev", f"{veth}c"),
+                 ("link", "set", f"{veth}c", "up"),
+                 (*inside, "ip", "addr", "add", f"10.77.{subnet}.2/24", "dev", f"{veth}s"),
+                 (*inside, "ip", "link", "set", f"{veth}s", "up"),
+                 (*inside, "ip", "link", "set", "lo", "up")]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode != 0:
+                raise NamespaceUnavailable(f"cannot set up the veth pair: ip {' '.join(step)}: {r.stderr.strip()}")
+        if rate:
+            shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+            for cmd in (["tc", "qdisc", "add", "dev", f"{veth}c", *shape],
+                        ["ip", *inside, "tc", "qdisc", "add", "dev", f"{veth}s", *shape]):
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                if r.returncode != 0:
+                    raise NamespaceUnavailable(f"cannot shape the link to {rate}: {' '.join(cmd)}: {r.stderr.strip()}")
+        yield name, f"10.77.{subnet}.2"
+    finally:
+        _ip("link", "del", f"{veth}c")
+        _ip("netns", "del", name)
 
 
 class ServerProcess:

@@ -3,9 +3,6 @@ servers there, bound to their namespace's address - placement, weights from the 
 disks, and failover over a real (virtual) link rather than loopback."""
 from __future__ import annotations
 
-import os
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -13,37 +10,17 @@ import pyggml as pg
 from pyggml import hub
 
 from .conftest import shared_model
-from .rpc_helpers import ServerProcess
-
-SUBNET = 10 + os.getpid() % 200  # 10.77.SUBNET.0/24: unique enough for parallel runs
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+from .rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
 
 
 @pytest.fixture(scope="module")
 def netns():
     """(namespace name, the servers' address); skipped where namespaces cannot be made."""
-    name, veth = f"pyggml-{os.getpid()}", f"pg{os.getpid() % 100000}"
-    if _ip("netns", "add", name).returncode != 0:
-        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
     try:
-        steps = [("link", "add", f"{veth}c", "type", "veth", "peer", "name", f"{veth}s"),
-                 ("link", "set", f"{veth}s", "netns", name),
-                 ("addr", "add", f"10.77.{SUBNET}.1/24", "dev", f"{veth}c"),
-                 ("link", "set", f"{veth}c", "up"),
-                 ("netns", "exec", name, "ip", "addr", "add", f"10.77.{SUBNET}.2/24", "dev", f"{veth}s"),
-                 ("netns", "exec", name, "ip", "link", "set", f"{veth}s", "up"),
-                 ("netns", "exec", name, "ip", "link", "set", "lo", "up")]
-        for step in steps:
-            r = _ip(*step)
-            if r.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair: ip {' '.join(step)}: {r.stderr.strip()}")
-        yield name, f"10.77.{SUBNET}.2"
-    finally:
-        _ip("link", "del", f"{veth}c")
-        _ip("netns", "del", name)
+        with network_namespace() as ns:
+            yield ns
+    except NamespaceUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -215,3 +215,26 @@ def test_a_wait_ends_when_the_sending_server_dies_and_the_held_client_hears_hear
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_prompt_of_several_ubatches_keeps_each_ubatchs_tensors_apart(two_servers, monkeypatch):
+    """A long prompt is read in ubatches without waiting between them, so the sender may send
+    the second ubatch's activations before the receiver computed the first: each must land only
+    when the receiver's own requests reach it (the logits are a local run's, bit for bit)."""
+    monkeypatch.setattr(rpc_backend, "PEERS", True)
+    text = " ".join(f"word{i}" for i in range(120))
+    local = pg.Model("smollm2", n_ctx=512, n_batch=32, progress=False)
+    ids = local.tokenize(text)
+    assert len(ids) > 3 * 32
+    want = local.logits(ids)
+    # the layers split between the servers, the head on the second: only the first sends, so
+    # the second's requests wait in this client until the prompt's last ubatch reads the result
+    m = pg.Model("smollm2", n_ctx=512, n_batch=32, rpc=[s.endpoint for s in two_servers], progress=False)
+    try:
+        assert m.model.placement.layers[0] != m.model.placement.layers[-1]
+        assert np.array_equal(m.context.decode(ids)[-1], want[-1])
+        m.context.clear()
+        assert np.array_equal(m.logits(ids), want)
+    finally:
+        m.close()
+        local.close()
