@@ -12,6 +12,7 @@ the next token.
     python bench/rpc.py [--model smollm2] [--tokens 64] [--llama-cpp BIN_DIR]
     python bench/rpc.py --synthetic-moe [--llama-cpp BIN_DIR]   # the ~1B qwen3moe of bench/generate.py
     python bench/rpc.py --netns --rate 100mbit                  # servers on "another host" (root only)
+    python bench/rpc.py --pipeline                              # a 512-token prompt, micro-batches or not
 
 ``--synthetic-moe`` measures generation only (local, one server, two servers), for the
 mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
@@ -204,9 +205,12 @@ def main() -> None:
                     help="the servers in another network namespace, reached over a veth pair (root only)")
     ap.add_argument("--rate", default=None, metavar="RATE",
                     help="with --netns: shape each end of the pair to RATE (tc's units: 1gbit, 100mbit)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="a prompt over two servers pinned to one core each, with and without micro-batches")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="with --pipeline: the prompt's length")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
-    main_of = moe_main if args.synthetic_moe is not None else placements_main
+    main_of = moe_main if args.synthetic_moe is not None else pipeline_main if args.pipeline else placements_main
     if not args.netns:
         main_of(args, env, Hosts())
         return
@@ -217,6 +221,44 @@ def main() -> None:
             main_of(args, env, Hosts(("ip", "netns", "exec", name), address))
     except NamespaceUnavailable as e:
         print(f"--netns skipped: {e}")
+
+
+def pipeline_main(args, env: dict, hosts: Hosts) -> None:
+    """Prompt tokens/s of a model whose layers are split over two servers, each pinned to a
+    core of its own with one thread (``taskset``), read in one ubatch after another and in
+    micro-batches that keep both servers busy at once (Context.n_micro)."""
+    import os
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("--pipeline needs two cores")
+        return
+    servers = [ServerProcess("--threads", "1", *(("-H", hosts.address) if hosts.address else ()), env=env,
+                             prefix=(*hosts.prefix, "taskset", "-c", str(cores[i]))) for i in range(2)]
+    try:
+        m = pg.Model(args.model, n_ctx=max(1024, args.prompt_tokens + 16), rpc=[s.endpoint for s in servers],
+                     n_batch=256, progress=False)
+        ids = (m.tokenize(PROMPT * 64))[:args.prompt_tokens]
+        micro, results = m.context.n_micro, {}
+        for _ in range(args.rounds):
+            for name, n_micro in (("one ubatch after another", 0), (f"micro-batches of {micro}", micro)):
+                m.context.n_micro = n_micro
+                m.context.clear()
+                m.context.decode(ids[:16])  # graphs of both shapes made and sent once before timing
+                m.context.clear()
+                t0 = time.perf_counter()
+                m.context.decode(ids)
+                results.setdefault(name, []).append(len(ids) / (time.perf_counter() - t0))
+        m.close()
+    finally:
+        for s in servers:
+            s.stop()
+    layers = "layers split over two servers pinned to one core each (--threads 1)"
+    print(f"model {args.model}, a {len(ids)}-token prompt, {layers}, median of {args.rounds} rounds:")
+    medians = {name: sorted(v)[len(v) // 2] for name, v in results.items()}
+    for name, tps in medians.items():
+        print(f"  {name:<28}{tps:>8.1f} tokens/s")
+    base, piped = medians.values()
+    print(f"  pipelining: {piped / base:.2f}x")
 
 
 def placements_main(args, env: dict, hosts: Hosts) -> None:

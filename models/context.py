@@ -12,6 +12,7 @@ decodes every running sequence's next token in one step.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -125,6 +126,21 @@ def reusable_prefix(cached: int, total: int, ubatch: int) -> int:
     return c
 
 
+PIPELINE_MICRO = int(os.environ.get("PYGGML_PIPELINE_MICRO", "64"))  # 0: no pipelining
+
+
+def pipeline_micro_batch(model: LoadedModel) -> int:
+    """Tokens per micro-batch of a prompt whose layers lie on several remote servers (0: no
+    micro-batches).  A ubatch is then read in pieces that do not wait for each other: each
+    server works on piece i while the one before it works on piece i + 1, their activations
+    passed straight between them (rpc/peers.py) - llama.cpp's pipeline parallelism.  The pieces
+    follow prompt_cut's rule, so every token meets the kernels of the whole ubatch, and the
+    bits are those of a run without pipelining.  Not for a mixture of experts: an expert's share
+    of the tokens decides its kernels there, and a micro-batch holds fewer."""
+    servers = {getattr(model.layer_device(il), "conn", None) for il in range(model.hp.n_layer)} - {None}
+    return PIPELINE_MICRO if len(servers) > 1 and not model.hp.n_expert else 0
+
+
 class Context:
     def __init__(self, model: LoadedModel, n_ctx: int = 2048, n_ubatch: int = 256) -> None:
         if n_ctx < 1:
@@ -148,6 +164,7 @@ class Context:
         self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
         self.timings = Timings()
+        self.n_micro = pipeline_micro_batch(model)
 
     @property
     def n_past(self) -> int:
@@ -263,9 +280,9 @@ class Context:
                                    f"{len(batch)} new); use a larger n_ctx")
         outs = []
         row = 0  # output rows handed out so far
-        for start in range(0, len(batch), self.n_ubatch):
-            ub = batch.slice(start, start + self.n_ubatch)
-            cells = all_cells[start:start + self.n_ubatch]
+        for start, end in self._pieces(batch):
+            ub = batch.slice(start, end)
+            cells = all_cells[start:end]
             self.kv.occupy(cells, ub.seq, ub.pos)
             wanted = int(ub.output.sum())
             n_outputs = max(1, wanted)  # a graph has an output: a row nobody asked for is dropped
@@ -297,6 +314,23 @@ class Context:
         if not outs:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _pieces(self, batch: Batch) -> list[tuple[int, int]]:
+        """(start, end) of each graph a batch is computed in: ubatches of n_ubatch tokens, and
+        with pipelining (n_micro) the ubatches of one sequence in micro-batches."""
+        pieces = []
+        for start in range(0, len(batch), self.n_ubatch):
+            end = min(start + self.n_ubatch, len(batch))
+            seq = batch.seq[start:end]
+            if not self.n_micro or end - start <= self.n_micro or (seq != seq[0]).any():
+                pieces.append((start, end))
+                continue
+            done = 0
+            while done < end - start:
+                n = prompt_cut(done, end - start, self.n_micro, self.n_ubatch) or end - start - done
+                pieces.append((start + done, start + done + n))
+                done += n
+        return pieces
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False, n_top: int = 0,
                hist: np.ndarray | None = None):

@@ -265,6 +265,7 @@ class RPCBackend(Backend):
             self._slots.move_to_end(id(graph))
             conn.send(Command.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(self.device.index, entry[2]))
             self.recomputes += 1
+            conn.flush()  # the server starts now, while we go on to the next split or micro-batch
             return
         if entry is not None:
             slot = entry[2]
@@ -275,6 +276,7 @@ class RPCBackend(Backend):
         self._slots.pop(id(graph), None)
         conn.send(Command.GRAPH_COMPUTE, serialize_graph(graph, self.device.index, slot))
         self._slots[id(graph)] = (graph, signature, slot)
+        conn.flush()  # (see below)
 
     def synchronize(self) -> None:
         """Nothing to wait for here: every later request to this server is answered only

@@ -69,6 +69,12 @@ def test_rpc_bench_runs():
     assert "1 server, all layers" in r.stdout and "cached second load" in r.stdout
 
 
+def test_rpc_bench_pipeline_runs():
+    r = run(sys.executable, "bench/rpc.py", "--pipeline", "--rounds", "1", "--prompt-tokens", "80")
+    assert r.returncode == 0, r.stderr
+    assert "micro-batches of 64" in r.stdout and "pipelining:" in r.stdout, r.stdout
+
+
 def test_rpc_bench_runs_a_mixture_of_experts_without_a_tokenizer(tmp_path):
     """--synthetic-moe's path (token ids into a context, three placements), on a tiny qwen3moe
     in place of the ~1B one that the benchmark writes."""

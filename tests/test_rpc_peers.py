@@ -238,3 +238,22 @@ def test_a_prompt_of_several_ubatches_keeps_each_ubatchs_tensors_apart(two_serve
     finally:
         m.close()
         local.close()
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_a_prompt_over_two_servers_is_pipelined_with_the_bits_of_one_ubatch(two_servers, alias):
+    """A prompt whose layers lie on two servers is read in micro-batches (Context.n_micro) that
+    do not wait for each other, so the two servers work at once; every token still meets the
+    kernels of the whole ubatch (Gemma's K-quants too), so the logits are a local run's."""
+    local = shared_model(alias)
+    local.context.clear()
+    text = " ".join(f"item {i}," for i in range(60))
+    ids = local.tokenize(text)
+    want = local.context.decode(ids)[-1]
+    local.context.clear()
+    with pg.Model(alias, n_ctx=512, rpc=[s.endpoint for s in two_servers], progress=False) as m:
+        ctx = m.context
+        assert ctx.n_micro == 64 and len(ids) > 2 * ctx.n_micro
+        pieces = ctx._pieces(pg.models.context.Batch.of(np.array(ids), 0, 0, "last"))
+        assert len(pieces) >= 3 and all((b - a) % 8 == 0 for a, b in pieces[:-1]) and pieces[-1][1] - pieces[-1][0] >= 8
+        assert np.array_equal(ctx.decode(ids)[-1], want)
