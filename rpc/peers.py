@@ -33,7 +33,8 @@ PEER_WAIT_S = float(os.environ.get("PYGGML_RPC_PEER_WAIT", "30"))  # a session's
 TOKEN_TTL_S = 60.0       # a token not presented by then is forgotten
 MAX_TOKENS = 16          # live tokens per session
 MAX_LINKS = 8            # links a session may have its server open to others
-MAX_DEFERRED = 256       # requests a waiting session may have held
+MAX_HELD = 4096          # requests a waiting session may have held (a prompt's micro-batches queue up) ...
+MAX_HELD_BYTES = 256 << 20  # ... and their bytes
 MAX_ARRIVED = 1024       # tagged tensors kept before their WAIT_PEER comes ...
 MAX_ARRIVED_BYTES = 64 << 20  # ... and their bytes (or as many as the session holds in buffers)
 

@@ -80,6 +80,7 @@ class Session:
     senders: int = 0                          # links that write into this session now
     sender_lost: str | None = None            # why the last one went, if none is left
     held: deque = field(default_factory=deque)  # the requests held meanwhile, in order
+    held_bytes: int = 0
 
     def owned(self) -> int:
         """Bytes of the buffers this session holds."""
@@ -173,13 +174,17 @@ class RPCServer:
 
     # -- sessions waiting for a tensor from another server (rpc/peers.py) --------------------------
     def _hold(self, s: Session, message: Message) -> None:
-        if len(s.held) >= peers.MAX_DEFERRED:
-            self._send(message.peer, Status.ERROR, P.HEADER.unpack_from(message.frames[0])[3] if
-                       len(message.frames[0]) >= P.HEADER.size else 0,
-                       f"{peers.MAX_DEFERRED} requests are held while this session waits for another "
-                       f"server's tensor (the limit)".encode(), [])
+        size = sum(len(f) for f in message.frames)
+        if len(s.held) >= peers.MAX_HELD or s.held_bytes + size > peers.MAX_HELD_BYTES:
+            # the wait cannot go on: it ends with an error for the client's next reply
+            tag, s.waiting = s.waiting[0], None
+            s.deferred_error = s.deferred_error or (f"{len(s.held)} requests ({s.held_bytes} bytes, the limit) "
+                                                    f"piled up while this session waited for tensor {tag}")
+            self._release_held(s)
+            self._serve_event(message)
             return
         s.held.append(message)
+        s.held_bytes += size
         self.listener.held.add(s.peer)  # it waits for us: heartbeats, so that it does not think us gone
 
     def _arrived(self, s: Session, tag: int, tensor: tuple) -> None:
@@ -211,7 +216,9 @@ class RPCServer:
 
     def _release_held(self, s: Session) -> None:
         while s.held and s.waiting is None and s.peer.id in self.sessions:
-            self._serve_event(s.held.popleft())
+            message = s.held.popleft()
+            s.held_bytes -= sum(len(f) for f in message.frames)
+            self._serve_event(message)
         if not s.held:
             self.listener.held.discard(s.peer)
 
@@ -264,6 +271,8 @@ class RPCServer:
             conn.close("the client that asked for this link is gone")
         s.links.clear()
         s.held.clear()
+        s.held_bytes = 0
+        s.arrived.clear()
         self.listener.held.discard(s.peer)
         s.writes_into = None
         self.tokens.forget(s.peer.id)
