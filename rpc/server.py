@@ -72,6 +72,7 @@ class Session:
     # servers passing tensors to each other (rpc/peers.py)
     writes_into: Session | None = None   # a link from another server: the session it may write into
     links: dict[int, object] = field(default_factory=dict)  # link number -> Connection to another server
+    link_attempts: int = 0
     # tagged tensors that came before their WAIT_PEER: (destination, codec, bytes), written only
     # when the client's own requests reach that WAIT_PEER (a sender may run ahead by ubatches)
     arrived: OrderedDict[int, tuple] = field(default_factory=OrderedDict)
@@ -560,8 +561,10 @@ class RPCServer:
         self._frames(data, 1)
         if not self.peer_links:
             raise ProtocolError("this server makes no connections to other servers (--no-peers)")
-        if len(s.links) >= peers.MAX_LINKS:
-            raise ProtocolError(f"this session has {peers.MAX_LINKS} links to other servers, the limit")
+        if len(s.links) >= peers.MAX_LINKS or s.link_attempts >= 2 * peers.MAX_LINKS:
+            raise ProtocolError(f"this session has made {s.link_attempts} links to other servers (at most "
+                                f"{peers.MAX_LINKS} kept, {2 * peers.MAX_LINKS} tried): the limit")
+        s.link_attempts += 1  # (each may keep this server's loop waiting for a connect: bounded)
         try:
             endpoint = P.parse_endpoint(bytes(data[0][:300]).decode("utf-8", "replace"))
         except ValueError as e:
