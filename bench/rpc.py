@@ -263,15 +263,19 @@ def pipeline_main(args, env: dict, hosts: Hosts) -> None:
 
 def placements_main(args, env: dict, hosts: Hosts) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [hosts.server("--cache-dir", f"{tmp}/cache{i}", env=env) for i in range(2)]
+        # the two of the split share this machine's cores, so they busy-wait little (--poll 3);
+        # one server alone is started as one per machine would be (the default --poll)
+        servers = [hosts.server("--cache-dir", f"{tmp}/cache{i}", "--poll", "3", env=env) for i in range(2)]
+        solo = hosts.server("--cache-dir", f"{tmp}/cache-solo", "--poll", "50", env=env)
+        servers.append(solo)
         try:
             local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
             weights = local.model.weights_nbytes()
             t0 = time.perf_counter()
-            one = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
+            one = pg.Model(args.model, n_ctx=args.ctx, rpc=solo.endpoint, ngl="all", progress=False)
             first_load = time.perf_counter() - t0
             upload = one.rpc_devices[0].conn.bytes_sent
-            two, via = (pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers],
+            two, via = (pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers[:2]],
                                  ngl="0:prolog,epilog;1:all", progress=False) for _ in range(2))
             runs = {"local": (local, 0), "1 server, all layers": (one, 1), "2 servers, split": (two, 2),
                     "2 servers, via client": (via, 2)}  # activations between the servers through us
@@ -293,7 +297,7 @@ def placements_main(args, env: dict, hosts: Hosts) -> None:
             local_tps = rows[0][1]
 
             t0 = time.perf_counter()
-            again = pg.Model(args.model, n_ctx=args.ctx, rpc=servers[0].endpoint, ngl="all", progress=False)
+            again = pg.Model(args.model, n_ctx=args.ctx, rpc=solo.endpoint, ngl="all", progress=False)
             cached_load = time.perf_counter() - t0
             cached_upload = again.rpc_devices[0].conn.bytes_sent
             again.close()

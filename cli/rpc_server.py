@@ -67,6 +67,9 @@ def generate_key(path: str) -> None:
                f"both are secrets: whoever holds the client key can use this server")
 
 
+SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("listen", required=False, metavar="[PORT[@DEVICE] | HOST:PORT[@DEVICE]]")
 @click.option("-d", "--device", "device_specs", multiple=True, metavar="ID|NAME",
@@ -91,6 +94,9 @@ def generate_key(path: str) -> None:
 @click.option("--gen-key", default=None, metavar="FILE",
               help="Write a key pair for TLS (FILE for this server, FILE.client for its clients) and exit.")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
+@click.option("--poll", type=click.IntRange(0, 100), default=50, show_default=True,
+              help="How long idle compute threads busy-wait for the next kernel (0-100, as llama.cpp's "
+                   "--poll): high for one server per machine, low (e.g. 3) when servers share cores.")
 @click.option("--no-peers", is_flag=True,
               help="Never connect to another server. By default, when a client asks, this server sends the "
                    "tensors another server needs to it directly (a link that server authorizes with a one-time "
@@ -100,7 +106,7 @@ def generate_key(path: str) -> None:
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, max_message, no_peers, list_devices, log_level) -> None:
+         key_path, gen_key, max_message, poll, no_peers, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -111,11 +117,13 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
       pyggml-chat -m model.gguf --rpc "8080;8081" -ngl "0:prolog,epilog;1:all"
     """
     setup_logging(log_level)
-    # OpenMP workers spin for a while after each parallel region before they sleep; a server
-    # sits idle while its clients and other servers compute, and spinning there takes their
-    # cores (measured on 2 cores: two servers on loopback ran 7 ms/token slower per server
-    # with the default spin, 2.5 ms with this one).  Must be set before numba loads libgomp.
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    # OpenMP workers spin for a while after each parallel region before they sleep (llama.cpp's
+    # --poll).  Spinning keeps a decode step's ~200 kernels from paying a wake-up each (one
+    # server on 2 cores: 1.2 ms/token added over loopback at 50, 3.4 ms at 3), but servers that
+    # share cores take them from each other while idle (two on 2 cores: 6.5 ms/token added per
+    # server at 50, 2.0 at 3).  GOMP_SPINCOUNT in the environment wins.  Must be set before
+    # numba loads libgomp.
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPINS_PER_POLL * poll))
     if gen_key:
         generate_key(gen_key)
         return

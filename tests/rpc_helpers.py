@@ -74,8 +74,10 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None, log: str | os.PathLike | None = None,
                  prefix: tuple[str, ...] = ()) -> None:
         # prefix: what runs the server, e.g. ("ip", "netns", "exec", NAME) for another network namespace
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=_server_log(log),
+        # several servers share a test machine's cores: they busy-wait little (--poll)
+        poll = () if any(a.startswith("--poll") for a in args) else ("--poll", "3")
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "pyggml.cli.rpc_server", "-p", "0", *poll,
+                                      *args], stdout=subprocess.PIPE, stderr=_server_log(log),
                                      env={**os.environ, **(env or {})})
         self.banner = self._read_banner(180)  # a first start on a machine compiles the kernels first
         first = self.banner[0]
