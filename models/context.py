@@ -117,7 +117,9 @@ def prompt_cut(done: int, total: int, budget: int, ubatch: int) -> int:
 
 def reusable_prefix(cached: int, total: int, ubatch: int) -> int:
     """The part of a cached prefix of ``cached`` tokens that the rest of a ``total``-token prompt
-    can be read after as if the prompt were read whole (prompt_cut's rule)."""
+    can be read after as if the prompt were read whole (prompt_cut's rule): never the last
+    token, which is always evaluated, for its logits."""
+    cached = min(cached, total - 1)
     start = cached // ubatch * ubatch
     end = min(total, start + ubatch)
     c = cached // PIECE_ALIGN * PIECE_ALIGN
@@ -237,7 +239,8 @@ class Context:
             self._graphs.popitem(last=False)
         return b
 
-    def _set_inputs(self, b: GraphBuilder, batch: Batch, cells: np.ndarray) -> None:
+    def _set_inputs(self, b: GraphBuilder, batch: Batch, cells: np.ndarray,
+                    runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         inp = b.inputs
         tensor_set(inp.tokens, batch.tokens)
         tensor_set(inp.pos, batch.pos)
@@ -248,9 +251,9 @@ class Context:
             tensor_set(inp.kq_mask_swa, swa)
         if inp.out_ids is not None:
             tensor_set(inp.out_ids, np.flatnonzero(batch.output).astype(np.int32))
-        if inp.token_runs is not None:
-            tensor_set(inp.token_runs, runs_of(batch.seq))
-            tensor_set(inp.output_runs, runs_of(batch.seq[batch.output]))
+        if runs is not None:
+            tensor_set(inp.token_runs, runs[0])
+            tensor_set(inp.output_runs, runs[1])
 
     # -- decoding -----------------------------------------------------------------------------------
     def check_tokens(self, ids: np.ndarray) -> None:
@@ -290,11 +293,11 @@ class Context:
                 ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
             top = n_top if wanted else 0
             # several sequences: each one's products computed as they would be for it alone
-            n_runs, n_output_runs = (len(runs_of(ub.seq)) - 1, len(runs_of(ub.seq[ub.output])) - 1) \
-                if (ub.seq != ub.seq[0]).any() else (0, 0)
-            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, n_runs, n_output_runs)
+            runs = (runs_of(ub.seq), runs_of(ub.seq[ub.output])) if (ub.seq != ub.seq[0]).any() else None
+            n_runs = (len(runs[0]) - 1, len(runs[1]) - 1) if runs else (0, 0)
+            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, *n_runs)
             self.sched.alloc_graph(b.graph)
-            self._set_inputs(b, ub, cells)
+            self._set_inputs(b, ub, cells, runs)
             if b.inputs.hist_ids is not None:
                 tensor_set(b.inputs.hist_ids, np.ascontiguousarray(hist[row:row + wanted], dtype=np.int32))
             self.sched.graph_compute(b.graph)
@@ -363,11 +366,9 @@ class Context:
         return common
 
     def reused_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` eval_prefix takes from the cache: of those cached, all but
-        the last token (always evaluated, for its logits), less what the rest needs to read as
-        it would in a fresh run (reusable_prefix)."""
-        common = min(self.common_prefix(tokens), len(tokens) - 1)
-        return reusable_prefix(common, len(tokens), self.n_ubatch)
+        """How many leading ``tokens`` eval_prefix takes from the cache (reusable_prefix of those
+        cached)."""
+        return reusable_prefix(self.common_prefix(tokens), len(tokens), self.n_ubatch)
 
     def eval_prefix(self, tokens: Sequence[int], n_top: int = 0, hist: np.ndarray | None = None):
         """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return

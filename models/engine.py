@@ -363,8 +363,7 @@ class Engine:
             if not idle:
                 return
             slot = max(idle, key=lambda s: (_common(s.tokens, req.ids), -s.last_used))
-            cached = reusable_prefix(min(_common(slot.tokens, req.ids), len(req.ids) - 1), len(req.ids),
-                                     self.ctx.n_ubatch)
+            cached = reusable_prefix(_common(slot.tokens, req.ids), len(req.ids), self.ctx.n_ubatch)
             owned = kv._owned()
             kept = -(-cached // PAGE)  # the slot's pages that the shared prefix keeps
             need = len(req.ids) // PAGE - cached // PAGE + 1 - (1 if cached % PAGE else 0)

@@ -215,7 +215,7 @@ def peer_copy(src: Tensor, dst: Tensor) -> bool:
     sender, receiver = src.buffer.conn, dst.buffer.conn
     if not PEERS:
         return False
-    link = receiver.links_from.get(id(sender))
+    link = receiver.links_from.get(sender)
     if link is None:
         try:
             token = bytes(receiver.request(Command.PEER_TOKEN)[0])
@@ -227,7 +227,7 @@ def peer_copy(src: Tensor, dst: Tensor) -> bool:
             log.warning("RPC: %s cannot send tensors to %s itself (%s); they go through this client",
                         sender.endpoint, receiver.endpoint, e)
             link = 0
-        receiver.links_from[id(sender)] = link
+        receiver.links_from[sender] = link
     if not link:
         return False
     receiver.peer_tag = tag = (receiver.peer_tag + 1) & 0xFFFFFFFF

@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections import Counter
 
 from . import keys
@@ -58,9 +59,10 @@ class Connection:
         self.sent: Counter[Command] = Counter()  # requests sent, by command
         self._corked: list[list] = []  # messages held back until the next request with a reply
         self._corked_bytes = 0
-        # servers that send this one tensors themselves (rpc/backend.py peer_copy): id(their
-        # Connection) -> the link number on their side, 0 where they cannot; the last tag used
-        self.links_from: dict[int, int] = {}
+        # servers that send this one tensors themselves (rpc/backend.py peer_copy): their
+        # Connection -> the link number on their side, 0 where they cannot (weak: a connection
+        # closed and collected must not lend its entry to a new one); the last tag used
+        self.links_from: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
         self.peer_tag = 0
         self.channel: transport.Channel | None = None
         try:

@@ -281,16 +281,16 @@ def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read)
     return lambda: slot.convert(product, x().reshape(-1, width))
 
 
-def column_runs(t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:
-    """MUL_MAT's runs (ops.mul_mat) as int64, checked at every step: they are data (over RPC,
-    from the network) - from 0 to the number of columns, never decreasing."""
+def column_runs(node: Tensor, t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:
+    """MUL_MAT's / MUL_MAT_ID's runs (ops.mul_mat) as int64, checked at every step: they are data
+    (over RPC, from the network) - from 0 to the number of columns, never decreasing."""
     view = tensor_view(t).reshape(-1)
 
     def runs() -> np.ndarray:
         r = view.astype(np.int64)
         if r[0] != 0 or r[-1] != n_cols or (np.diff(r) < 0).any():
-            raise ValueError(f"MUL_MAT: runs {r[:8].tolist()}{'...' if r.size > 8 else ''} must rise from 0 to "
-                             f"{n_cols} (the columns)")
+            raise ValueError(f"{node.op.name}: runs {r[:8].tolist()}{'...' if r.size > 8 else ''} must rise from 0 "
+                             f"to {n_cols} (the columns)")
         return r
     return runs
 
@@ -300,7 +300,7 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
     out = tensor_view(node)  # [b3, b2, N, M]
     x = reader(b)            # [b3, b2, N, K]
     r2, r3 = b.ne[2] // a.ne[2], b.ne[3] // a.ne[3]
-    runs = column_runs(node.src[2], b.ne[1]) if len(node.src) > 2 and node.src[2] is not None else None
+    runs = column_runs(node, node.src[2], b.ne[1]) if len(node.src) > 2 and node.src[2] is not None else None
     if quant_supported(a.type):  # quantized and F16 weights: decoded row by row
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
@@ -476,7 +476,7 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     product in one parallel call.  With runs of tokens, a group is an expert's tokens of one
     run (each computed as that run alone would have it)."""
     a, b, ids = node.src[:3]
-    runs = column_runs(node.src[3], b.ne[2]) if len(node.src) > 3 and node.src[3] is not None else None
+    runs = column_runs(node, node.src[3], b.ne[2]) if len(node.src) > 3 and node.src[3] is not None else None
     index = tensor_view(ids)[0, 0]           # [n_tokens, n_used]
     x = reader(b)                            # [1, n_tokens, n_b, K]
     out = tensor_view(node)[0]               # [n_tokens, n_used, M]

@@ -14,6 +14,8 @@ gate and up of a feed-forward) converts the activation once and hands it to each
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..types import Type
@@ -43,6 +45,15 @@ def dequantize_rows(w: np.ndarray, qtype: Type, k: int) -> np.ndarray:
     if w.shape[0]:
         decode_rows(int(DECODER[qtype]), frozen(np.ascontiguousarray(w)), out, F16_TABLE)
     return out
+
+
+@functools.cache
+def whole(n_cols: int) -> np.ndarray:
+    """The runs of a product whose columns are one batch: [0, n_cols] (made once per width:
+    a decode step makes a few hundred products)."""
+    r = np.array([0, n_cols], dtype=np.int64)
+    r.flags.writeable = False
+    return r
 
 
 class QuantProduct:
@@ -82,8 +93,7 @@ class QuantProduct:
         w = self.w
         if self.exact:
             yq, yd, ys = acts
-            whole = runs if runs is not None else np.array([0, out.shape[0]], dtype=np.int64)
-            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE, whole)
+            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE, runs if runs is not None else whole(out.shape[0]))
             return
         if runs is not None and runs.size > 2:
             for r0, r1 in zip(runs[:-1], runs[1:]):
