@@ -51,7 +51,10 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: boo
 
     import pyggml
     from pyggml.cpu import warm_up
-    warm_up()  # numba's JIT, its threads and the CPU kernels loaded: the runtime, before any model
+    from pyggml.cpu.warmup import parts_for_file
+    from pyggml.hub import resolve
+    # numba's JIT, its threads and the model's CPU kernels loaded: the runtime, before any model
+    warm_up(parts_for_file(resolve(alias)))
     runtime = resident()
     if Path(alias) == MOE_FILE:
         return run_pyggml_untokenized(alias, threads, n_gen, n_prompt, runtime, profile)

@@ -22,14 +22,15 @@ class _DryRun(Exception):
 
 
 def compile_kernels_once() -> None:
-    """On a machine where this version of the CPU kernels was never compiled, compile them now,
-    saying so, rather than leave the first answer waiting in silence."""
-    from pyggml.cpu import kernel_cache
-    from pyggml.cpu.warmup import compile_in_parallel
-    if kernel_cache.is_cold():
-        click.echo(f"Compiling the CPU kernels for this machine, once (under a minute); later runs load "
-                   f"them from {kernel_cache.FOLDER}", err=True)
-        compile_in_parallel()
+    """Compile every weight format's CPU kernels that this machine has not compiled yet, saying
+    so (a server that does not know its models' weights; pyggml.Model compiles what its model
+    needs while it loads)."""
+    from pyggml.cpu import kernel_cache, warmup
+    todo = warmup.missing(warmup.every_part())
+    if todo:
+        click.echo(f"Compiling the CPU kernels for this machine, once; later runs load them from "
+                   f"{kernel_cache.FOLDER}", err=True)
+        warmup.compile_in_parallel(todo)
 
 
 def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kwargs: Any):
@@ -43,7 +44,6 @@ def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kw
         if dry_run:
             raise _DryRun
     try:
-        compile_kernels_once()
         return Model(on_plan=on_plan, **kwargs)
     except _DryRun:
         sys.exit(0)

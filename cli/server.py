@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from .common import compile_kernels_once, fail, load_model_or_exit, model_options, setup_logging
+from .common import fail, load_model_or_exit, model_options, setup_logging
 from .rpc_server import LOCAL_HOSTS
 
 CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
@@ -71,7 +71,6 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         from pyggml.models import Model, PlacementError
         from pyggml.models.engine import Engine
         try:
-            compile_kernels_once()  # (while /health says "loading")
             m = Model(**model_args, on_plan=click.echo if loading["show_placement"] else None)
             state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
         except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:

@@ -35,6 +35,19 @@ def _tokenizer_of(gguf) -> Tokenizer:
     return tk
 
 
+def _compile_kernels(path, progress: bool | None):
+    """warmup.compile_for_model for a GGUF file (None if its header cannot be read: the load
+    that follows says why)."""
+    from pyggml.cpu import warmup
+    from .loader import _open_cached
+    try:
+        f = _open_cached(path)
+    except (OSError, ValueError):
+        return None
+    return warmup.compile_for_model(((t.name, t.type, t.ne) for t in f.tensors.values()),
+                                    None if progress is False else hub._log)
+
+
 def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None) -> list:
     """The devices of the RPC servers named by ``rpc`` (none when it is empty); ``key``: the
     clients' key file from ``pyggml-rpc-server --gen-key`` (or a TLS context made from it)."""
@@ -79,10 +92,15 @@ class Model:
         else:
             self.spare_endpoints = []
         self.n_threads, self.progress = n_threads, progress
-        self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
-        if ngl is None and self.rpc_devices:
-            ngl = "auto"
-        self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
+        compiling = _compile_kernels(self.path, progress)  # in other processes, while this one loads
+        try:
+            self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
+            if ngl is None and self.rpc_devices:
+                ngl = "auto"
+            self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
+        finally:
+            if compiling is not None:
+                compiling.wait()
         self.tokenizer = Tokenizer(self.model.gguf, pre_tokenizer) if pre_tokenizer else _tokenizer_of(self.model.gguf)
         tk = self.tokenizer
         self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,

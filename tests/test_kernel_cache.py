@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pyggml.cpu.kernel_cache import kernel_digest, kernel_sources
+from pyggml.types import Type
 
 
 def test_the_sources_include_the_files_the_products_inline():
@@ -38,27 +39,34 @@ def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_p
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")
 def test_the_kernels_are_cached_in_the_folder_of_their_sources():
     from pyggml.cpu import qdot
+    from pyggml.cpu.kinds import Fmt
     from pyggml.hub import cache_dir
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
-    assert os.path.commonpath([qdot.exact_quant_matmul._cache._cache_path, folder]) == str(folder)
+    assert os.path.commonpath([qdot.product_kernel(Fmt.Q4_1)._cache._cache_path, folder]) == str(folder)
 
 
-def test_a_cold_cache_is_said_and_compiled_before_the_first_answer(tmp_path, monkeypatch, capsys):
-    """A machine that never compiled this version of the kernels: the tools say so in one line and
-    compile them while loading, instead of leaving the first answer waiting in silence."""
-    from pyggml.cli.common import compile_kernels_once
-    from pyggml.cpu import kernel_cache
+def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monkeypatch, capsys, smollm2_path):
+    """A machine that never compiled what a model needs: loading it says so in one line and
+    compiles exactly the model's parts in other processes while this one loads; once they are
+    marked compiled, nothing is said or compiled again."""
+    from pyggml.cpu import kernel_cache, warmup
+    from pyggml.models.model import _compile_kernels
     monkeypatch.setattr(kernel_cache, "FOLDER", tmp_path)
-    assert kernel_cache.is_cold()
-    compiled = []
-    monkeypatch.setattr("pyggml.cpu.warmup.compile_in_parallel", lambda: compiled.append(True))
-    compile_kernels_once()
-    assert compiled and "Compiling the CPU kernels for this machine, once" in capsys.readouterr().err
-    (tmp_path / "cpu_x").mkdir()
-    (tmp_path / "cpu_x" / "nn.silu-74.py311.nbi").write_bytes(b"")  # as numba leaves it
-    assert not kernel_cache.is_cold()
-    compile_kernels_once()
-    assert len(compiled) == 1 and capsys.readouterr().err == ""
+    started = []
+
+    class Started:
+        def wait(self) -> None:
+            started.append("waited")
+    monkeypatch.setattr(warmup, "start_compiling", lambda parts: started.append(list(parts)) or Started())
+    _compile_kernels(smollm2_path, None).wait()
+    assert started == [warmup.parts_for_file(smollm2_path), "waited"]
+    assert "compiling the CPU kernels of this model's weight types, once" in capsys.readouterr().err
+    (tmp_path / "compiled").mkdir()
+    for name in started[0]:
+        (tmp_path / "compiled" / warmup._mark_name(name)).touch()
+    assert _compile_kernels(smollm2_path, None) is None
+    assert len(started) == 2 and capsys.readouterr().err == ""
+    assert _compile_kernels(tmp_path / "missing.gguf", None) is None  # the load says what is wrong
 
 
 def test_old_versions_of_the_cache_are_pruned(tmp_path):
@@ -73,3 +81,100 @@ def test_old_versions_of_the_cache_are_pruned(tmp_path):
     prune(folders[0], keep=4)  # the oldest, now used again
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([folders[0].name, *(f.name for f in folders[9:]), "not-a-version"])
+
+
+def test_a_model_compiles_the_formats_it_has_and_no_other():
+    """A product compiles the code of its own weight format (qdot._products_of), so the parts a
+    model needs name exactly the formats of its weights: SmolLM2 is Q4_1 with a Q8_0 embedding
+    that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked)."""
+    from pyggml.cpu.warmup import LAYERS, parts_for_tensors
+    smollm2 = [("token_embd.weight", Type.Q8_0, (576, 49152)), ("output_norm.weight", Type.F32, (576,)),
+               ("blk.0.attn_q.weight", Type.Q4_1, (576, 576)), ("blk.0.ffn_down.weight", Type.Q4_1, (1536, 576))]
+    assert parts_for_tensors(smollm2) == [*LAYERS, "decoder:Q8_0", "product:Q8_0", "product:Q4_1"]
+    other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
+             ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
+    assert parts_for_tensors(other) == [*LAYERS, "product:Q4_K_X8", "product:Q4_K", "softmax", "experts:Q6_K",
+                                        "fused:F16", "decoder:F16"]
+
+
+def test_parts_compile_in_other_processes_into_the_cache_and_are_marked(tmp_path, monkeypatch):
+    """compile_in_parallel's processes write numba's cache in this version's folder (here under
+    a fresh PYGGML_CACHE) and mark each part done, so that the next start finds nothing missing."""
+    from pyggml.cpu import kernel_cache, warmup
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PYGGML_CACHE", str(tmp_path))
+    folder = tmp_path / "numba" / kernel_digest(kernel_sources())
+    monkeypatch.setattr(kernel_cache, "FOLDER", folder)
+    parts = ["decoder:Q8_0", "decoder:Q4_K"]
+    assert warmup.missing(parts) == parts
+    warmup.compile_in_parallel(parts)
+    assert warmup.missing(parts) == []
+    assert len(list(folder.rglob("*rows*.nbi"))) >= 1 and len(list(folder.rglob("*.nbc"))) >= 2
+
+
+KERNELS_AFTER_WARM_UP = """
+import gc, json, sys
+from numba.core.registry import CPUDispatcher
+import pyggml
+from pyggml.cpu.warmup import parts_for_file, warm_up
+
+def overloads():
+    return {d: len(d.overloads) for d in gc.get_objects() if isinstance(d, CPUDispatcher)}
+
+path = sys.argv[1]
+warm_up(parts_for_file(path))
+before = overloads()
+if sys.argv[2] == "model":
+    m = pyggml.Model(path, n_ctx=256, progress=False)
+    ids = m.tokenize("The history of the printing press begins in the fifteenth century")
+    list(m.generate(ids, max_tokens=3, temperature=0))          # a prompt, then single tokens
+    list(m.generate(ids[:5], max_tokens=2, temperature=0.8, top_k=40, seed=1))  # sampled
+    m.logits(ids[:9])                                             # every position's logits
+    engine = pyggml.models.Engine(m, n_parallel=2)                # two sequences in one batch (runs)
+    streams = [engine.submit(t, max_tokens=3, temperature=0) for t in ("Hello", "One two three")]
+    for s in streams:
+        list(s)
+    engine.close()
+else:  # a file without a tokenizer: token ids straight into a context
+    from pyggml.models import Context, load_model
+    ctx = Context(load_model(path), n_ctx=64)
+    ctx.decode(list(range(3, 15)), all_logits=True)
+    ctx.decode([5], n_top=4)
+    ctx.decode([6])
+new = {d.py_func.__qualname__: [str(sig) for sig in d.overloads][before.get(d, 0):]
+       for d, n in overloads().items() if n > before.get(d, 0)}
+print(json.dumps(new))
+"""
+
+
+def moe_file(tmp_path: Path, name: str) -> Path:
+    """A tiny mixture of experts of test_moe.py's (tests/synthetic.py)."""
+    import json
+
+    from .synthetic import Shape, expert_types, random_weights, write_model
+    reference = json.loads((Path(__file__).parent / "data" / "moe-llamacpp.json").read_text())
+    ref = reference["models"][name]
+    s = Shape(**{**reference["shape"], **ref.get("shape", {})})
+    weights = random_weights(ref["arch"], s, seed=ref["seed"], moe=True)
+    types = expert_types(weights, ref.get("experts"), ref.get("down_experts"))
+    return write_model(tmp_path / f"{name}.gguf", ref["arch"], s, weights, types, vocab=True)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m", "qwen3moe-q4_k", "llama-moe-q4_0"])
+def test_after_the_warm_up_a_model_compiles_nothing(alias, request, tmp_path):
+    """Every kernel a model runs - prompts, single tokens, sampling, every position's logits, a
+    batch of two sequences - is among the parts parts_for_file names for it, for the very
+    argument types the model passes (a kernel compiled for a writable array is compiled again
+    for a read-only one: the products' runs once cost a second compile of their kernel).  In a
+    process of its own, so that nothing an earlier test ran counts."""
+    import json
+    import subprocess
+    import sys
+    if alias in ("smollm2", "gemma3-270m"):
+        path, how = request.getfixturevalue("smollm2_path" if alias == "smollm2" else "gemma3_path"), "model"
+    else:
+        path, how = moe_file(tmp_path, alias), "context"
+    done = subprocess.run([sys.executable, "-c", KERNELS_AFTER_WARM_UP, str(path), how], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}

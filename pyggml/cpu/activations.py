@@ -38,9 +38,10 @@ def round_f16(v):
     return np.float32(math.copysign(np.rint(a / quantum) * quantum, v))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _quantize_row(x, r, kind, yq, yd, ys):
-    """Row r of quantize_q8."""
+    """Row r of quantize_q8 (not inlined: numba compiles a parallel loop's body slowly, and both
+    quantize_q8 and quantize_q8_serial use this one)."""
     k = x.shape[1]
     block = 256 if kind == Act.Q8_K else 32
     for b in range(k // block):

@@ -22,9 +22,9 @@ from typing import Callable, NamedTuple
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .kinds import Fmt
+from .kinds import Fmt, literal_kind
 from .simd import dot4, hsum8_ir, loop_begin, loop_end, splat8, target_has_vnni
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -337,19 +337,22 @@ def _row_pair_kernel(fmt: Format):
     return intrinsic(typer)
 
 
-# by kinds.Fmt, in its order (the row kernels below are unpacked from these values)
-FORMATS = {Fmt.Q4_0: _legacy(Legacy(18, 2, False, False, 8, False)),
-           Fmt.Q4_1: _legacy(Legacy(20, 4, True, False, 0, False)),
-           Fmt.Q5_0: _legacy(Legacy(22, 6, False, True, 16, False)),
-           Fmt.Q5_1: _legacy(Legacy(24, 8, True, True, 0, False)),
-           Fmt.Q8_0: _legacy(Legacy(34, 2, False, False, 0, True)),
+# by kinds.Fmt, in its order
+LEGACY = {Fmt.Q4_0: Legacy(18, 2, False, False, 8, False), Fmt.Q4_1: Legacy(20, 4, True, False, 0, False),
+          Fmt.Q5_0: Legacy(22, 6, False, True, 16, False), Fmt.Q5_1: Legacy(24, 8, True, True, 0, False),
+          Fmt.Q8_0: Legacy(34, 2, False, False, 0, True)}
+FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
            Fmt.Q4_K_X8: _q4_k_x8(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8(per_pair=True),
            Fmt.Q6_K_TILED: _q6_k_tiled(), Fmt.Q4_K_TILED: _q45_k_tiled(five=False),
            Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
 assert list(FORMATS) == list(Fmt)
-(_q4_0x2, _q4_1x2, _q5_0x2, _q5_1x2, _q8_0x2, _q4_kx2, _q5_kx2, _q6_kx2, _q4_k_x8x2, _q4_k_gemmx2, _q6_k_tiledx2,
- _q4_k_tiledx2, _q5_k_tiledx2) = (_row_pair_kernel(f) for f in FORMATS.values())
+PAIR_KERNELS = {f: _row_pair_kernel(fmt) for f, fmt in FORMATS.items()}
+
+# the format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
+# (column_format says which columns)
+BATCH_FORMAT = {Fmt.Q4_K_X8: Fmt.Q4_K_X8_GEMM, Fmt.Q4_K: Fmt.Q4_K_TILED, Fmt.Q5_K: Fmt.Q5_K_TILED,
+                Fmt.Q6_K: Fmt.Q6_K_TILED}
 
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
@@ -370,33 +373,24 @@ def column_format(kind, n, n_cols, tiled_min_cols):
     return kind
 
 
-@_jit
-def row_pair_dots(fmt, row0, row1, yb, yd, ys):
-    """Two weight rows in a format of FORMATS times one activation column (yb: its integers as
-    int8, yd/ys: per block), their chains interleaved."""
-    nb = yd.size
-    if fmt == Fmt.Q4_0:
-        return _q4_0x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q4_1:
-        return _q4_1x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q5_0:
-        return _q5_0x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q5_1:
-        return _q5_1x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q4_K:
-        return _q4_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q5_K:
-        return _q5_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q6_K:
-        return _q6_kx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q4_K_X8:
-        return _q4_k_x8x2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q4_K_X8_GEMM:
-        return _q4_k_gemmx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q6_K_TILED:
-        return _q6_k_tiledx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q4_K_TILED:
-        return _q4_k_tiledx2(row0, row1, yb, yd, ys, nb)
-    if fmt == Fmt.Q5_K_TILED:
-        return _q5_k_tiledx2(row0, row1, yb, yd, ys, nb)
-    return _q8_0x2(row0, row1, yb, yd, ys, nb)
+def row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
+    """Two weight rows of weight kind ``kind`` (a kinds.Fmt, known when the kernel is compiled)
+    in format ``fmt`` (column_format's: the kind's own or its batch format) times one activation
+    column (yb: its integers as int8, yd/ys: per block), their chains interleaved.  Only the
+    kind's own formats are compiled into a kernel."""
+    raise TypeError("row_pair_dots is called from numba kernels only")
+
+
+@overload(row_pair_dots, prefer_literal=True, inline="always")
+def _row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
+    k = literal_kind(kind, "row_pair_dots")
+    own, batch_fmt = PAIR_KERNELS[Fmt(k)], BATCH_FORMAT.get(Fmt(k))
+    if batch_fmt is None:
+        return lambda kind, fmt, row0, row1, yb, yd, ys: own(row0, row1, yb, yd, ys, yd.size)
+    batch, batch_num = PAIR_KERNELS[batch_fmt], int(batch_fmt)
+
+    def pair_dots(kind, fmt, row0, row1, yb, yd, ys):
+        if fmt == batch_num:
+            return batch(row0, row1, yb, yd, ys, yd.size)
+        return own(row0, row1, yb, yd, ys, yd.size)
+    return pair_dots

@@ -67,9 +67,3 @@ def prune(current: Path, keep: int = KEEP) -> None:
     for old in versions[keep:]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def is_cold() -> bool:
-    """Whether this version of the kernels has not been compiled on this machine yet (numba
-    writes an index file per cached function)."""
-    return FOLDER is not None and next(FOLDER.rglob("*.nbi"), None) is None

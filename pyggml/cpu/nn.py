@@ -67,7 +67,13 @@ def _softmax_row(w, n):
 def softmax_rows(x):
     """Rows of x [rows, n] (scaled and masked) in place."""
     for r in prange(x.shape[0]):
-        _softmax_row(x[r], x.shape[1])
+        _softmax_whole_row(x[r])
+
+
+@njit(cache=True, boundscheck=False)
+def _softmax_whole_row(w):
+    """softmax_rows' loop body as a function: numba compiles a parallel loop's body slowly."""
+    _softmax_row(w, w.shape[0])
 
 
 @njit(cache=True, parallel=True, boundscheck=False)
@@ -337,6 +343,14 @@ def _softmax_seen(w, n, cells, m):
 
 
 @njit(cache=True, boundscheck=False)
+def _row_cells(mask):
+    """_alone_rows and _seen_by_row of a mask, outside the parallel loop of attention_cells
+    (where numba would make each of their arrays a parallel loop of its own)."""
+    n_seen, seen = _seen_by_row(mask)
+    return _alone_rows(mask), n_seen, seen
+
+
+@njit(cache=True, boundscheck=False)
 def seen_cells(mask):
     """How many leading cells attention reads: up to the last one some row of ``mask`` [n_tokens,
     n_kv] shows, in whole 64s (cells past it have probability 0; whole 64s keep every sum's lanes
@@ -366,57 +380,63 @@ def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
     other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as
     padded with zeros to a multiple of 64 cells (llama.cpp pads it to 256).  Cells the mask
     hides are skipped: their probability is exactly 0."""
+    n_head, n_tok = q.shape[0], q.shape[1]
+    alone, n_seen, seen = _row_cells(mask)
+    for r in prange(n_head * n_tok):
+        _attention_row(r // n_tok, r % n_tok, q, k, v, n_head_kv, mask, scale, softcap, out, alone[r % n_tok],
+                       n_seen[r % n_tok], seen[r % n_tok])
+
+
+@njit(cache=True, boundscheck=False)
+def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, m, cells):
+    """attention_cells for head h of token t, which sees the m cells ``cells[:m]``; ``single``: t is
+    the only token of its sequence here.  A function of its own, not the parallel loop's body:
+    numba's parallel passes then take seconds less to compile the kernel."""
     n_head, n_tok, d = q.shape
     n_kv = mask.shape[1]
     dv = v.shape[1] // n_head_kv
     group = n_head // n_head_kv
-    alone = _alone_rows(mask)
-    n_seen, seen = _seen_by_row(mask)
-    for r in prange(n_head * n_tok):
-        h, t = r // n_tok, r % n_tok
-        single = alone[t]
-        # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
-        # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
-        tiny_kq = not single and d % 16 == 0
-        ko, vo = (h // group) * d, (h // group) * dv
-        q16 = np.empty(d, dtype=np.float32)
-        for i in range(d):
-            q16[i] = round_f16(q[h, t, i])
-        # the row's scores: the cells it sees in ascending order; the others hold the 0 that
-        # their exponential is (softmax of -inf), so that every sum adds what it added over them
-        m, cells = n_seen[t], seen[t]
-        s = np.zeros(n_kv, dtype=np.float32)
-        lanes = np.empty(64, dtype=np.float32)
-        for i in range(m):
-            c = cells[i]
-            krow = k[c, ko:ko + d]
-            kq = _dot_tinyblas(krow, q16, lanes) if tiny_kq else _dot_vec_f16(krow, q16, lanes)
-            if softcap != 0.0:
-                kq = f32(math.tanh(kq * f32(scale / softcap))) * f32(softcap)
-            else:
-                kq = kq * f32(scale)
-            s[c] = kq + mask[t, c]
-        if m:
-            _softmax_seen(s, n_kv, cells, m)
-        else:  # a row that sees no cell: NaN, as over -inf everywhere
-            s[:] = -np.inf
-            _softmax_row(s, n_kv)
-        acc = np.zeros((64 if single else 16, dv), dtype=np.float32)
-        for i in range(m if m else n_kv):
-            c = cells[i] if m else i
-            p = round_f16(s[c])
-            if p == 0.0:
-                continue
-            lane = c & 63 if single else c & 15
-            vrow = v[c, vo:vo + dv]
-            for j in range(dv):
-                acc[lane, j] = fma32(_kv_at(vrow, j), p, acc[lane, j])
-        if single:
-            for lane in range(16):
-                for j in range(dv):
-                    acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
+    # tinyBLAS takes only inner sizes in whole 16s (llamafile_sgemm returns false otherwise):
+    # ggml then multiplies by ggml_vec_dot_f16, for a batch as for a single token
+    tiny_kq = not single and d % 16 == 0
+    ko, vo = (h // group) * d, (h // group) * dv
+    q16 = np.empty(d, dtype=np.float32)
+    for i in range(d):
+        q16[i] = round_f16(q[h, t, i])
+    # the row's scores: the cells it sees in ascending order; the others hold the 0 that
+    # their exponential is (softmax of -inf), so that every sum adds what it added over them
+    s = np.zeros(n_kv, dtype=np.float32)
+    lanes = np.empty(64, dtype=np.float32)
+    for i in range(m):
+        c = cells[i]
+        krow = k[c, ko:ko + d]
+        kq = _dot_tinyblas(krow, q16, lanes) if tiny_kq else _dot_vec_f16(krow, q16, lanes)
+        if softcap != 0.0:
+            kq = f32(math.tanh(kq * f32(scale / softcap))) * f32(softcap)
+        else:
+            kq = kq * f32(scale)
+        s[c] = kq + mask[t, c]
+    if m:
+        _softmax_seen(s, n_kv, cells, m)
+    else:  # a row that sees no cell: NaN, as over -inf everywhere
+        s[:] = -np.inf
+        _softmax_row(s, n_kv)
+    acc = np.zeros((64 if single else 16, dv), dtype=np.float32)
+    for i in range(m if m else n_kv):
+        c = cells[i] if m else i
+        p = round_f16(s[c])
+        if p == 0.0:
+            continue
+        lane = c & 63 if single else c & 15
+        vrow = v[c, vo:vo + dv]
         for j in range(dv):
-            out[t, h, j] = reduce16(acc[:, j], 0)
+            acc[lane, j] = fma32(_kv_at(vrow, j), p, acc[lane, j])
+    if single:
+        for lane in range(16):
+            for j in range(dv):
+                acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
+    for j in range(dv):
+        out[t, h, j] = reduce16(acc[:, j], 0)
 
 
 def by_cell(kv: np.ndarray) -> np.ndarray:
@@ -466,26 +486,32 @@ def top_k_rows(x, k, out):
     """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
     first, equal values lowest index first; NaN ranks below every number.  One pass per row
     against a heap of the k best so far: a value enters only when it beats the heap's worst."""
-    n = x.shape[1]
     for r in prange(x.shape[0]):
-        hv = np.empty(k, dtype=np.float32)
-        hi = np.empty(k, dtype=np.int64)
-        for i in range(k):
-            v = x[r, i]
-            hv[i], hi[i] = (v if v == v else f32(-np.inf)), i
-        for at in range(k // 2 - 1, -1, -1):
-            _sift_down(hv, hi, k, at)
-        for i in range(k, n):
-            v = x[r, i]
-            if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
-                hv[0], hi[0] = v, i
-                _sift_down(hv, hi, k, 0)
-        for i in range(1, k):  # best first: insertion sort of the k (few) entries
-            v, j = hv[i], hi[i]
-            at = i
-            while at > 0 and _worse(hv[at - 1], hi[at - 1], v, j):
-                hv[at], hi[at] = hv[at - 1], hi[at - 1]
-                at -= 1
-            hv[at], hi[at] = v, j
-        for i in range(k):
-            out[r, i] = hi[i]
+        _top_k_row(x[r], k, out[r])
+
+
+@njit(cache=True, boundscheck=False)
+def _top_k_row(x, k, out):
+    """top_k_rows of one row (a function: numba compiles a parallel loop's body slowly)."""
+    n = x.shape[0]
+    hv = np.empty(k, dtype=np.float32)
+    hi = np.empty(k, dtype=np.int64)
+    for i in range(k):
+        v = x[i]
+        hv[i], hi[i] = (v if v == v else f32(-np.inf)), i
+    for at in range(k // 2 - 1, -1, -1):
+        _sift_down(hv, hi, k, at)
+    for i in range(k, n):
+        v = x[i]
+        if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
+            hv[0], hi[0] = v, i
+            _sift_down(hv, hi, k, 0)
+    for i in range(1, k):  # best first: insertion sort of the k (few) entries
+        v, j = hv[i], hi[i]
+        at = i
+        while at > 0 and _worse(hv[at - 1], hi[at - 1], v, j):
+            hv[at], hi[at] = hv[at - 1], hi[at - 1]
+            at -= 1
+        hv[at], hi[at] = v, j
+    for i in range(k):
+        out[i] = hi[i]

@@ -8,13 +8,15 @@ half -> float table (ggml's ``ggml_table_f32_f16``).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from ..types import Type
-from .kinds import DECODER, Dec
+from .kinds import DECODER, Dec, literal_kind
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -270,73 +272,71 @@ DECODERS = {
 
 
 # -- kernels over rows ----------------------------------------------------------------------------
-# They take the decoder as an integer (a kinds.Dec) rather than as a function, which
-# numba cannot cache: compiled once per machine instead of once per process.  (Stale machine
-# code after an edit to a decoder is kernel_cache.py's concern: the cache folder is keyed by
-# every kernel source.)
+# They take the decoder as an integer (a kinds.Dec) rather than as a function, which numba
+# cannot cache, and the number is a constant of each kernel (a closure's), so that a kernel
+# compiles one decoder, not all fifteen: a model compiles the decoders of its types.  (Stale
+# machine code after an edit to a decoder is kernel_cache.py's concern: the cache folder is
+# keyed by every kernel source.)
 
 assert set(DECODER) == set(DECODERS), "every decoder has its number in kinds.Dec"
+_BY_DEC = {DECODER[t]: fn for t, fn in DECODERS.items()}
 
 
-@njit(cache=True)
-def decode_row(kind, row, out, f16):
-    """The decoder of ``kind`` (a :class:`kinds.Dec`) applied to one row."""
-    if kind == Dec.Q4_0:
-        dec_q4_0(row, out, f16)
-    elif kind == Dec.Q4_1:
-        dec_q4_1(row, out, f16)
-    elif kind == Dec.Q5_0:
-        dec_q5_0(row, out, f16)
-    elif kind == Dec.Q5_1:
-        dec_q5_1(row, out, f16)
-    elif kind == Dec.Q8_0:
-        dec_q8_0(row, out, f16)
-    elif kind == Dec.Q8_1:
-        dec_q8_1(row, out, f16)
-    elif kind == Dec.IQ4_NL:
-        dec_iq4_nl(row, out, f16)
-    elif kind == Dec.Q2_K:
-        dec_q2_k(row, out, f16)
-    elif kind == Dec.Q3_K:
-        dec_q3_k(row, out, f16)
-    elif kind == Dec.Q4_K:
-        dec_q4_k(row, out, f16)
-    elif kind == Dec.Q5_K:
-        dec_q5_k(row, out, f16)
-    elif kind == Dec.Q6_K:
-        dec_q6_k(row, out, f16)
-    elif kind == Dec.F16:
-        dec_f16(row, out, f16)
-    elif kind == Dec.Q8_K:
-        dec_q8_k(row, out, f16)
-    else:
-        dec_iq4_xs(row, out, f16)
+def decode_row(kind: int, row, out, f16) -> None:
+    """The decoder of ``kind`` (a :class:`kinds.Dec`) applied to one row; in a kernel, kind is a
+    constant of the kernel (numba types it as a literal) and only its decoder is compiled."""
+    _BY_DEC[Dec(kind)](row, out, f16)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def fused_matmul(kind, w, x, out, f16):
+@overload(decode_row, prefer_literal=True)  # not inlined: its float steps must not take fastmath's
+def _decode_row(kind, row, out, f16):
+    dec = _BY_DEC[Dec(literal_kind(kind, "decode_row"))]
+    return lambda kind, row, out, f16: dec(row, out, f16)
+
+
+def fused_matmul(kind: int, w, x, out, f16) -> None:
     """out[n, m] = dot(decode(w[m]), x[n]) for all m, n: each weight row is decoded into a
     small scratch vector and used at once for every column."""
-    m_rows, k = w.shape[0], x.shape[1]
-    n_cols = x.shape[0]
-    n_chunks = min(m_rows, 64)
-    per = (m_rows + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        row = np.empty(k, dtype=np.float32)
-        for m in range(c * per, min(m_rows, (c + 1) * per)):
-            decode_row(kind, w[m], row, f16)
-            for n in range(n_cols):
-                xn = x[n]
-                acc = np.float32(0.0)
-                for i in range(k):
-                    acc += row[i] * xn[i]
-                out[n, m] = acc
+    _decoder_kernels(int(kind))[0](w, x, out, f16)
 
 
-@njit(parallel=True, cache=True)
-def decode_rows(kind, w, out, f16):
-    for m in prange(w.shape[0]):
-        decode_row(kind, w[m], out[m], f16)
+def decode_rows(kind: int, w, out, f16) -> None:
+    """Every row of w decoded into the same row of out (float32 [M, K])."""
+    _decoder_kernels(int(kind))[1](w, out, f16)
+
+
+@functools.cache
+def _decoder_kernels(kind: int):
+    """fused_matmul's and decode_rows' kernels for one decoder (``kind`` a constant of both)."""
+    @njit(parallel=True, fastmath=True, cache=True)
+    def fused(w, x, out, f16):
+        m_rows, k = w.shape[0], x.shape[1]
+        n_chunks = min(m_rows, 64)
+        per = (m_rows + n_chunks - 1) // n_chunks
+        for c in prange(n_chunks):
+            _fused_chunk(kind, w, x, out, f16, c * per, min(m_rows, (c + 1) * per))
+
+    @njit(parallel=True, cache=True)
+    def rows(w, out, f16):
+        for m in prange(w.shape[0]):
+            decode_row(kind, w[m], out[m], f16)
+    return fused, rows
+
+
+@njit(fastmath=True, cache=True)
+def _fused_chunk(kind, w, x, out, f16, start, end):
+    """fused_matmul's rows start..end (a function of its own: quicker to compile than the
+    parallel loop's body)."""
+    k, n_cols = x.shape[1], x.shape[0]
+    row = np.empty(k, dtype=np.float32)
+    for m in range(start, end):
+        decode_row(kind, w[m], row, f16)
+        for n in range(n_cols):
+            xn = x[n]
+            acc = np.float32(0.0)
+            for i in range(k):
+                acc += row[i] * xn[i]
+            out[n, m] = acc
 
 
 @njit(parallel=True, cache=True)

@@ -25,11 +25,15 @@ Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
 """
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+import functools
 
-from .blockdot import FORMATS, column_format, row_pair_dots
-from .kinds import Fmt
+import numpy as np
+import numba
+from numba import njit, prange
+from numba.extending import overload
+
+from .blockdot import FORMATS, LEGACY, column_format, row_pair_dots
+from .kinds import Fmt, literal_kind
 from .qdecode import f16_at, opaque_zero, u32_at, u8_at
 from .simd import block_dots_2x2_min, block_dots_2x2_signed, fma32, lane_chain8, lane_dots, lane_dots_signed
 
@@ -91,18 +95,19 @@ def _int_q8_0(row, wq, wd, f16):
             wq[o + j] = one * np.float32(np.int8(u8_at(row, p + 2 + j) | ((z >> j) & 1))) + zero
 
 
-@_jit
 def unpack(kind, row, wq, wd, wm, f16):
-    if kind == Fmt.Q4_0:
-        _int_nibbles(row, wq, wd, wm, f16, 18, False, False, 8)
-    elif kind == Fmt.Q4_1:
-        _int_nibbles(row, wq, wd, wm, f16, 20, True, False, 0)
-    elif kind == Fmt.Q5_0:
-        _int_nibbles(row, wq, wd, wm, f16, 22, False, True, 16)
-    elif kind == Fmt.Q5_1:
-        _int_nibbles(row, wq, wd, wm, f16, 24, True, True, 0)
-    else:
-        _int_q8_0(row, wq, wd, f16)
+    """A row of a 32-element format (kind, known when the kernel is compiled) into integers and
+    per-block scales (and minima)."""
+    raise TypeError("unpack is called from numba kernels only")
+
+
+@overload(unpack, prefer_literal=True, inline="always")
+def _unpack(kind, row, wq, wd, wm, f16):
+    blk = LEGACY[Fmt(literal_kind(kind, "unpack"))]
+    if blk.bytes8:
+        return lambda kind, row, wq, wd, wm, f16: _int_q8_0(row, wq, wd, f16)
+    size, has_min, five, offset = blk.size, blk.has_min, blk.five, blk.offset
+    return lambda kind, row, wq, wd, wm, f16: _int_nibbles(row, wq, wd, wm, f16, size, has_min, five, offset)
 
 
 @_jit
@@ -116,27 +121,40 @@ def _chain32(S, wd, wm, yd, ys, with_min):
     return lane_chain8(S, wd, yd, wd.size) + summs
 
 
-@_jit
-def _dots(codes, yb, S, signed):
-    if signed:
-        lane_dots_signed(codes, yb, S, codes.size // 64)
-    else:
-        lane_dots(codes, yb, S, codes.size // 64)
+def block_dots(kind, codes, yb, S):
+    """simd.lane_dots of a row unpacked into bytes with an activation column: signed weights
+    unless the format has a minimum (kind known when the kernel is compiled)."""
+    raise TypeError("block_dots is called from numba kernels only")
+
+
+@overload(block_dots, prefer_literal=True)
+def _block_dots(kind, codes, yb, S):
+    dots = lane_dots if with_min.py_func(literal_kind(kind, "block_dots")) else lane_dots_signed
+    return lambda kind, codes, yb, S: dots(codes, yb, S, codes.size // 64)
+
+
+def block_dots_2x2(kind, codes, wd, wm, yb, yd, ys, n, n1, nb):
+    """simd.block_dots_2x2 for a format with a minimum or one of signed weights (kind known when
+    the kernel is compiled)."""
+    raise TypeError("block_dots_2x2 is called from numba kernels only")
+
+
+@overload(block_dots_2x2, prefer_literal=True, inline="always")
+def _block_dots_2x2(kind, codes, wd, wm, yb, yd, ys, n, n1, nb):
+    dots = block_dots_2x2_min if with_min.py_func(literal_kind(kind, "block_dots_2x2")) else block_dots_2x2_signed
+    return lambda kind, codes, wd, wm, yb, yd, ys, n, n1, nb: dots(codes, wd, wm, yb, yd, ys, n, n1, nb)
 
 
 @_jit
 def _legacy_row_pair(kind, w, m, yb, yd, ys, out, f16, codes, wd, wm):
     """Rows m and m + 1 of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight for every column, two columns at a
     time: four block-dot chains in one loop (simd.block_dots_2x2)."""
-    unpack(kind, w[m], codes[0], wd[0], wm[0], f16)
-    unpack(kind, w[m + 1], codes[1], wd[1], wm[1], f16)
+    for i in range(2):  # one call site: each is a copy of the unpacking code
+        unpack(kind, w[m + i], codes[i], wd[i], wm[i], f16)
     nb, n_cols = wd.shape[1], yb.shape[0]
     for n in range(0, n_cols, 2):
         n1 = min(n + 1, n_cols - 1)  # an odd last column goes with itself
-        if with_min(kind):
-            a0, b0, a1, b1 = block_dots_2x2_min(codes, wd, wm, yb, yd, ys, n, n1, nb)
-        else:
-            a0, b0, a1, b1 = block_dots_2x2_signed(codes, wd, wm, yb, yd, ys, n, n1, nb)
+        a0, b0, a1, b1 = block_dots_2x2(kind, codes, wd, wm, yb, yd, ys, n, n1, nb)
         out[n, m], out[n, m + 1] = a0, b0
         out[n1, m], out[n1, m + 1] = a1, b1
 
@@ -159,26 +177,41 @@ def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs):
             y, d, s = yb[n], yd[n], ys[n]
             for m in range(start, end, 2):
                 m1 = min(m + 1, end - 1)
-                out[n, m], out[n, m1] = row_pair_dots(fmt, w[m], w[m1], y, d, s)
+                out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
 
 
 @_jit
-def _chunks(m_rows):
-    """How a product's rows are cut for the threads: (number of chunks, rows per chunk), whole
-    pairs of rows per chunk (only the last may end on an odd one)."""
-    n_chunks = min(m_rows, 64)
+def _chunks(m_rows, n_chunks):
+    """How a product's rows are cut into at most n_chunks: (number of chunks, rows per chunk),
+    whole pairs of rows per chunk (only the last may end on an odd one)."""
+    n_chunks = min(m_rows, n_chunks)
     per = (m_rows + n_chunks - 1) // n_chunks
     per += per % 2
     return (m_rows + per - 1) // per, per
 
 
-@_jit
-def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
+def rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
     """Rows start..end of weight w times every column of yb: one thread's part of a product.
     Single columns and the K-quants straight from the GGUF blocks (blockdot.py); batches of the
     32-element types through rows unpacked into bytes, two rows with two columns at a time
-    (the same float steps as one column's, so their runs need nothing)."""
-    if not batched or kind > Fmt.Q8_0:
+    (the same float steps as one column's, so their runs need nothing).  A function of its own,
+    not the parallel loop's body: numba's parallel passes then take seconds less to compile."""
+    raise TypeError("rows_chunk is called from numba kernels only")
+
+
+@overload(rows_chunk, prefer_literal=True)
+def _rows_chunk_for(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
+    if literal_kind(kind, "rows_chunk") > Fmt.Q8_0:
+        return lambda kind, w, start, end, yb, yd, ys, out, f16, batched, runs: \
+            _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs)
+    return lambda kind, w, start, end, yb, yd, ys, out, f16, batched, runs: \
+        _legacy_rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs)
+
+
+@_jit
+def _legacy_rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
+    """rows_chunk for the 32-element formats."""
+    if not batched:
         _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs)
         return
     k64, nb = yb.shape[1], yd.shape[1]
@@ -192,11 +225,18 @@ def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
         m = end - 1
         unpack(kind, w[m], codes[0], wd[0], wm[0], f16)  # straight into bytes
         for n in range(yb.shape[0]):
-            _dots(codes[0], yb[n], S[0], not with_min(kind))
+            block_dots(kind, codes[0], yb[n], S[0])
             out[n, m] = _chain32(S[0], wd[0], wm[0], yd[n], ys[n], with_min(kind))
 
 
-@_jit
+@njit(cache=True, boundscheck=False)
+def _rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
+    """rows_chunk in a function of its own, compiled once per kind (numba compiles an overload
+    anew in each function that calls it)."""
+    rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
 def _activation_bytes(yq, parallel):
     """The quantized activations as int8 rows zero-padded to whole 64s (lane_dots' step)."""
     n_cols, k = yq.shape
@@ -210,35 +250,68 @@ def _activation_bytes(yq, parallel):
     return yb
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
-def exact_quant_matmul(kind, w, yq, yd, ys, out, f16, runs):
-    """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) and
-    activations quantized by activations.quantize_q8 (yq [N, K] integers, yd/ys per block);
-    each run of columns (runs: int64 [first column of each run..., N], checked by the caller)
-    computed as a product of its columns alone would be - [0, N]: the whole batch."""
-    m_rows, n_cols = w.shape[0], yq.shape[0]
-    batched = n_cols >= INT8_MIN_COLS
-    yb = _activation_bytes(yq, batched)
-    n_chunks, per = _chunks(m_rows)
-    for c in prange(n_chunks):
-        _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched, runs)
+def exact_quant_matmul(kind: int, w, yq, yd, ys, out, f16, runs) -> None:
+    """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) of
+    format ``kind`` (a kinds.Fmt) and activations quantized by activations.quantize_q8 (yq [N,
+    K] integers, yd/ys per block); each run of columns (runs: int64 [first column of each
+    run..., N], checked by the caller) computed as a product of its columns alone would be -
+    [0, N]: the whole batch."""
+    product_kernel(int(kind))(w, yq, yd, ys, out, f16, runs, THREADS)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
-def exact_quant_matmul_id(kind, w, yq, yd, ys, experts, starts, out, f16):
+def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out, f16) -> None:
     """MUL_MAT_ID's products in one parallel loop: for each group g, the columns
     starts[g]..starts[g + 1] of the activations (quantized, yq/yd/ys as exact_quant_matmul's)
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    m_rows, n_groups = w.shape[1], experts.size
-    yb = _activation_bytes(yq, True)
-    n_chunks, per = _chunks(m_rows)
-    whole = np.zeros((n_groups, 2), dtype=np.int64)  # each group one run of its own columns
-    for g in range(n_groups):
+    _products_of(int(kind))[1](w, yq, yd, ys, experts, starts, out, f16)
+
+
+# the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
+THREADS = numba.config.NUMBA_NUM_THREADS
+
+
+def product_kernel(kind: int):
+    """The numba kernel of exact_quant_matmul for weights of format ``kind``: the same arguments
+    but the kind, and THREADS last (a caller that multiplies again and again holds it)."""
+    return _products_of(kind)[0]
+
+
+@functools.cache
+def _products_of(kind: int):
+    """The two product kernels of one weight format.  ``kind`` is a constant of the kernels, so
+    that each compiles the code of its format only (rows_chunk and the functions it calls choose
+    theirs when compiled): a model compiles the formats it has, not all thirteen."""
+    @njit(parallel=True, cache=True, boundscheck=False)
+    def product(w, yq, yd, ys, out, f16, runs, threads):
+        m_rows, n_cols = w.shape[0], yq.shape[0]
+        batched = n_cols >= INT8_MIN_COLS
+        yb = _activation_bytes(yq, batched)
+        # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
+        # each chunk is a call); more: chunks whose rows stay in cache from column to column
+        n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
+        for c in prange(n_chunks):
+            _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched, runs)
+
+    @njit(parallel=True, cache=True, boundscheck=False)
+    def product_id(w, yq, yd, ys, experts, starts, out, f16):
+        m_rows, n_groups = w.shape[1], experts.size
+        yb = _activation_bytes(yq, True)
+        n_chunks, per = _chunks(m_rows, 64)  # the groups' chunks in one range: many, for a fair share
+        whole = _group_runs(starts)
+        for j in prange(n_groups * n_chunks):
+            g, c = j // n_chunks, j % n_chunks
+            s0, s1 = starts[g], starts[g + 1]
+            _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
+                        out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS, whole[g])
+    return product, product_id
+
+
+@njit(cache=True)
+def _group_runs(starts):
+    """Each group of MUL_MAT_ID's one run of its own columns: [[0, columns of group g]...]."""
+    whole = np.zeros((starts.size - 1, 2), dtype=np.int64)
+    for g in range(starts.size - 1):
         whole[g, 1] = starts[g + 1] - starts[g]
-    for j in prange(n_groups * n_chunks):
-        g, c = j // n_chunks, j % n_chunks
-        s0, s1 = starts[g], starts[g + 1]
-        _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
-                    out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS, whole[g])
+    return whole

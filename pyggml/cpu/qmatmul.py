@@ -22,7 +22,7 @@ from ..types import Type
 from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import exact_quant_matmul
+from .qdot import THREADS, product_kernel
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -31,8 +31,8 @@ TILE_ROWS = 1024
 
 def frozen(w: np.ndarray) -> np.ndarray:
     """Weight rows as a read-only array.  They come read-only from a mapped GGUF file and writable
-    from a buffer (an RPC server's, a test's); numba compiles a kernel once for each, and the
-    products' kernel takes it tens of seconds, so every caller hands them over the same way."""
+    from a buffer (an RPC server's, a test's); numba compiles a kernel once for each, and a
+    product's kernel takes seconds, so every caller hands them over the same way."""
     if w.flags.writeable:
         w = w.view()
         w.flags.writeable = False
@@ -56,6 +56,12 @@ def whole(n_cols: int) -> np.ndarray:
     return r
 
 
+def product_format(qtype: Type, m_rows: int) -> Fmt:
+    """The block format an exact weight type's product takes: llama.cpp repacks Q4_K weights of a
+    multiple of 8 rows (and multiplies them with other kernels)."""
+    return Fmt.Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
+
+
 class QuantProduct:
     """x [N, K] float32 times the transpose of quantized weight rows w (uint8 [M, row_bytes]),
     the weight's kernel chosen once."""
@@ -68,7 +74,8 @@ class QuantProduct:
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
         self.exact = qtype in EXACT
         if self.exact:
-            self.fmt = int(Fmt.Q4_K_X8 if qtype == Type.Q4_K and self.m_rows % 8 == 0 else EXACT[qtype])
+            self.fmt = int(product_format(qtype, self.m_rows))
+            self.kernel = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
         else:
             self.dec = int(DECODER[qtype])
 
@@ -93,7 +100,8 @@ class QuantProduct:
         w = self.w
         if self.exact:
             yq, yd, ys = acts
-            exact_quant_matmul(self.fmt, w, yq, yd, ys, out, F16_TABLE, runs if runs is not None else whole(out.shape[0]))
+            # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
+            self.kernel(w, yq, yd, ys, out, F16_TABLE, frozen(runs) if runs is not None else whole(out.shape[0]), THREADS)
             return
         if runs is not None and runs.size > 2:
             for r0, r1 in zip(runs[:-1], runs[1:]):

@@ -1,94 +1,259 @@
-"""Load every numba kernel of the CPU backend once (from numba's on-disk cache after the first
-run on a machine), so that the first real request does not pay for it.
+"""Compile the numba kernels a model needs before its first answer, in a few processes at once.
 
-A server calls this at start-up; bench/generate.py calls it to measure what the runtime holds
-before a model is loaded.  On a machine where the kernels were never compiled,
-:func:`compile_in_parallel` compiles them in a few processes at once (numba compiles one
-function at a time per process, and the products' kernel alone takes most of a minute's
-work), each writing numba's cache, which this process then loads.
+The kernels are compiled once per machine and loaded from numba's on-disk cache after that
+(kernel_cache.py).  Each kernel is a *part* here, named so that another process can compile
+it: the layers' kernels (``norms``, ``attention``, ``activations``, ...) and, for each weight
+format a model has, its product (``product:Q4_1``), its decoder (``decoder:Q8_0``, the row
+lookups of an embedding) and so on - a product compiles the code of its own format only
+(qdot.py), so a model compiles the formats it has, not all of them.
+
+:func:`compile_in_parallel` runs the parts not yet compiled on this machine in one process
+per core (numba compiles one function at a time per process), each part marked done in the
+cache folder when it is; :func:`parts_for_file` says what a GGUF file needs.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import numpy as np
 
 from ..types import Type
-from . import nn
+from . import kernel_cache, nn
 from .activations import quantize
-from .kinds import DECODER, EXACT, Act
+from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
-from .qdot import exact_quant_matmul
-from .qmatmul import frozen
+from .qdot import exact_quant_matmul, exact_quant_matmul_id
+from .qmatmul import frozen, product_format, whole
 
 f32 = np.float32
+K = 256  # a row length every format's block divides
 
 
-def _products() -> None:
-    x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
-    w = frozen(np.zeros((2, Type.Q4_K.row_size(256)), dtype=np.uint8))  # as weights arrive
-    yq, yd, ys = quantize(x, int(Act.Q8_K))
-    exact_quant_matmul(int(EXACT[Type.Q4_K]), w, yq, yd, ys, np.empty((2, 2), dtype=f32), F16_TABLE,
-                       np.array([0, 2], dtype=np.int64))
+def _weights(fmt_or_type: Type, rows: int, experts: int = 0) -> np.ndarray:
+    """Zero weight rows as they reach the kernels: uint8, read-only (qmatmul.frozen)."""
+    shape = (experts, rows, fmt_or_type.row_size(K)) if experts else (rows, fmt_or_type.row_size(K))
+    return frozen(np.zeros(shape, dtype=np.uint8))
 
 
-def _decoders() -> None:
-    x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
+def _x(n: int) -> np.ndarray:
+    return np.linspace(-1, 1, n * K, dtype=f32).reshape(n, K)
+
+
+def _type_of(fmt: Fmt) -> Type:
+    return Type.Q4_K if fmt == Fmt.Q4_K_X8 else Type[fmt.name]
+
+
+def _product(fmt: Fmt) -> None:
+    qtype = _type_of(fmt)
+    yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
+    exact_quant_matmul(fmt, _weights(qtype, 8), yq, yd, ys, np.empty((2, 8), dtype=f32), F16_TABLE, whole(2))
+
+
+def _experts(fmt: Fmt) -> None:
+    qtype = _type_of(fmt)
+    yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
+    exact_quant_matmul_id(fmt, _weights(qtype, 8, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
+                          np.array([0, 2], dtype=np.int64), np.empty((2, 8), dtype=f32), F16_TABLE)
+
+
+def _decoder(dec: Dec) -> None:
+    qtype = Type[dec.name]
+    decode_rows(dec, _weights(qtype, 2), np.empty((2, K), dtype=f32), F16_TABLE)
+
+
+def _fused(dec: Dec) -> None:
+    qtype = Type[dec.name]
+    fused_matmul(dec, _weights(qtype, 2), _x(2), np.empty((2, 2), dtype=f32), F16_TABLE)
+
+
+def _activations() -> None:
     for kind in (Act.Q8_0, Act.Q8_1, Act.Q8_K):
-        quantize(x, int(kind))  # a row or two: in this thread
-        quantize(np.concatenate([x, x]), int(kind))  # more: in parallel
-    w = frozen(np.zeros((2, Type.Q4_K.row_size(256)), dtype=np.uint8))
-    decode_rows(int(DECODER[Type.Q4_K]), w, np.empty((2, 256), dtype=f32), F16_TABLE)
-    fused_matmul(int(DECODER[Type.Q4_K]), w, x, np.empty((2, 2), dtype=f32), F16_TABLE)
-    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
+        quantize(_x(2), int(kind))  # a row or two: in this thread
+        quantize(_x(4), int(kind))  # more: in parallel
 
 
-def _layers() -> None:
-    x = np.linspace(-1, 1, 2 * 256, dtype=f32).reshape(2, 256)
-    out = np.empty_like(x)
-    nn.softmax_rows(x.copy())
-    nn.rms_norm(x, 1e-6, out)
-    nn.silu(x, out)
-    nn.swiglu(x, x, out)
-    nn.gelu(x, out)
-    nn.geglu(x, x, out)
+def _norms() -> None:
+    x = _x(2)
+    nn.rms_norm(x, 1e-6, np.empty_like(x))
     cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
     q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
     nn.rope_rotate(q, np.empty_like(q), cos, sin, 16, True)
+    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
+
+
+def _attention() -> None:
     q = np.ones((1, 2, 64), dtype=f32)
     cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
     mask = np.zeros((2, 2), dtype=f32)
     nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32))
     nn.seen_cells(mask)
+
+
+def _gates() -> None:  # the feed-forwards' SwiGLU and GeGLU (the plain SiLU of UNARY: when used)
+    x = _x(2)
+    out = np.empty_like(x)
+    nn.swiglu(x, x, out)
+    nn.geglu(x, x, out)
+
+
+def _top_k() -> None:  # the sampler's (and TOP_K's)
+    x = _x(2)
     nn.top_k_rows(x, 2, np.empty((2, 2), dtype=np.int64))
 
 
-PARTS = (_products, _decoders, _layers)  # the first is the largest: it starts first
+def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own)
+    nn.softmax_rows(_x(2))
 
 
-def warm_up() -> None:
-    for part in PARTS:
-        part()
+# what every model runs, and roughly how many seconds each part takes to compile on the 2-core
+# machine the project is developed on (to share the parts out between the processes)
+LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 6.5), "activations": (_activations, 2.5),
+          "gates": (_gates, 2.5), "top_k": (_top_k, 1.5)}
+OTHERS = {"softmax": (_softmax, 1.2)}
+BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
+    "product": (Fmt, _product, lambda f: 5.0 if f <= Fmt.Q8_0 else 2.5),  # the 32-element formats' batches
+    "experts": (Fmt, _experts, lambda f: 5.0 if f <= Fmt.Q8_0 else 2.5),
+    "decoder": (Dec, _decoder, lambda d: 1.0), "fused": (Dec, _fused, lambda d: 1.5)}
 
 
-def compile_in_parallel(timeout: float = 600.0) -> None:
-    """Compile the parts in processes of their own, then load them here.  Should a process fail,
-    what it did not compile is compiled here by the final warm_up."""
-    env = {**os.environ, "PYGGML_WARM_UP_PART": ""}
-    procs = []
-    for i in range(len(PARTS)):
-        env["PYGGML_WARM_UP_PART"] = str(i)
-        procs.append(subprocess.Popen([sys.executable, "-c", "import pyggml.cpu.warmup as w; w._part_from_env()"],
-                                      env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    for p in procs:
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    warm_up()
+def part(name: str) -> tuple[Callable[[], None], float]:
+    """The function compiling part ``name``, and its rough cost in seconds."""
+    if name in LAYERS or name in OTHERS:
+        return {**LAYERS, **OTHERS}[name]
+    what, _, kind = name.partition(":")
+    if what not in BY_KIND or kind not in BY_KIND[what][0].__members__:
+        raise ValueError(f"no kernel part {name!r}")
+    enum, fn, cost = BY_KIND[what]
+    member = enum[kind]
+    return (lambda: fn(member)), cost(member)
 
 
-def _part_from_env() -> None:
-    PARTS[int(os.environ["PYGGML_WARM_UP_PART"])]()
+def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]]) -> list[str]:
+    """The parts a model of these tensors (name, type, ne) runs: the layers' kernels, each weight
+    format's product (the experts' own product and their routers' softmax for stacked experts),
+    the embedding's decoder."""
+    parts = dict.fromkeys(LAYERS)
+    for name, qtype, ne in tensors:
+        if len(ne) == 3:
+            parts["softmax"] = None
+        if name.startswith("token_embd") and qtype in DECODER:  # GET_ROWS decodes the rows it picks
+            parts[f"decoder:{DECODER[qtype].name}"] = None
+        if len(ne) < 2 or qtype not in DECODER:
+            continue
+        if qtype in EXACT:
+            parts[f"{'experts' if len(ne) == 3 else 'product'}:{product_format(qtype, ne[1]).name}"] = None
+        else:  # decoded and dotted: few columns fused, many decoded for BLAS
+            parts[f"fused:{DECODER[qtype].name}"] = None
+            parts[f"decoder:{DECODER[qtype].name}"] = None
+    return list(parts)
+
+
+def parts_for_file(path: str | os.PathLike) -> list[str]:
+    """parts_for_tensors of a GGUF file's tensors (its header only is read)."""
+    from ..gguf import GGUFFile
+    f = GGUFFile(path)
+    return parts_for_tensors((t.name, t.type, t.ne) for t in f.tensors.values())
+
+
+def every_part() -> list[str]:
+    """Every part: what a server that does not know its models' weights compiles."""
+    return [*LAYERS, *OTHERS, *(f"product:{f.name}" for f in Fmt if f <= Fmt.Q4_K_X8),
+            *(f"decoder:{d.name}" for d in Dec), *(f"fused:{d.name}" for d in Dec if Type[d.name] not in EXACT)]
+
+
+def warm_up(parts: Iterable[str] | None = None) -> None:
+    """Compile (or load from the cache) ``parts`` in this process: by default, the layers'."""
+    for name in (LAYERS if parts is None else parts):
+        part(name)[0]()
+
+
+def missing(parts: Iterable[str]) -> list[str]:
+    """The parts not yet compiled into this version's cache (each leaves a mark beside it);
+    none where numba keeps no cache we know of (a process then compiles what it uses)."""
+    folder = _marks()
+    return [] if folder is None else [p for p in parts if not (folder / _mark_name(p)).exists()]
+
+
+class Compiling:
+    """Processes compiling parts into the cache (start_compiling's)."""
+
+    def __init__(self, procs: list[subprocess.Popen], timeout: float) -> None:
+        self.procs, self.deadline = procs, time.monotonic() + timeout
+
+    def wait(self) -> None:
+        """Until every process is done (past the timeout, they are stopped: what they did not
+        compile is compiled in this process when first used)."""
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
+    """Compile ``parts`` in one process per core (the costliest first, each to the process with
+    the least work so far), each writing numba's cache and marking its parts; this process
+    loads them from the cache as it uses them."""
+    parts = sorted(parts, key=lambda p: -part(p)[1])
+    n = max(1, min(len(parts), os.cpu_count() or 1))
+    shares: list[list[str]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for p in parts:
+        i = loads.index(min(loads))
+        shares[i].append(p)
+        loads[i] += part(p)[1]
+    return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", *share],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for share in shares if share], timeout)
+
+
+def compile_in_parallel(parts: Iterable[str], timeout: float = 600.0) -> None:
+    """start_compiling, and wait for it."""
+    start_compiling(parts, timeout).wait()
+
+
+def compile_for_model(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], say: Callable[[str], None] | None
+                      ) -> Compiling | None:
+    """Start compiling what a model of these tensors needs and this machine has not compiled yet
+    (saying so in one line through ``say``), or None when there is nothing to compile.  The
+    caller loads the model meanwhile and waits before its first step."""
+    todo = missing(parts_for_tensors(tensors))
+    if not todo:
+        return None
+    if say is not None:
+        say(f"pyggml: compiling the CPU kernels of this model's weight types, once for this machine "
+            f"(later runs load them from {kernel_cache.FOLDER or _marks()})")
+    return start_compiling(todo)
+
+
+def _marks() -> Path | None:
+    """Where the parts compiled into this version's cache are marked."""
+    if kernel_cache.FOLDER is not None:
+        return kernel_cache.FOLDER / "compiled"
+    import numba
+    if numba.config.CACHE_DIR:  # the user's folder: the marks of each version apart
+        return Path(numba.config.CACHE_DIR) / "pyggml-compiled" / kernel_cache.kernel_digest(kernel_cache.kernel_sources())
+    return None
+
+
+def _mark_name(name: str) -> str:
+    return name.replace(":", "-")
+
+
+def _compile_and_mark(names: list[str]) -> None:
+    folder = _marks()
+    for name in names:
+        part(name)[0]()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / _mark_name(name)).touch()
+
+
+if __name__ == "__main__":
+    _compile_and_mark(sys.argv[1:])
