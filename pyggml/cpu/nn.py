@@ -343,6 +343,10 @@ def _softmax_seen(w, n, cells, m):
         w[cells[i]] *= inv
 
 
+# called, not inlined, by attention's rows: numba takes seconds to inline it into a parallel loop
+_softmax_seen_call = njit(cache=True, boundscheck=False)(_softmax_seen.py_func)
+
+
 @njit(cache=True, boundscheck=False)
 def _row_cells(mask):
     """_alone_rows and _seen_by_row of a mask, outside the parallel loop of attention_cells
@@ -436,11 +440,11 @@ def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, 
             kq = kq * f32(scale)
         s[c] = kq + mask[t, c]
     if m:
-        _softmax_seen(s, n_kv, cells, m)
+        _softmax_seen_call(s, n_kv, cells, m)
     else:  # a row that sees no cell: NaN, as over -inf everywhere
         for c in range(n_kv):
             s[c] = -np.inf
-        _softmax_row(s, n_kv)
+        _softmax_whole_row(s)  # (s holds n_kv cells)
     for lane in range(64 if single else 16):
         for j in range(dv):
             acc[lane, j] = 0.0
