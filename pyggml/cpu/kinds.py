@@ -88,3 +88,13 @@ def literal_kind(kind, what: str) -> int:
     if not isinstance(kind, types.IntegerLiteral):
         raise TypingError(f"{what}: the kind must be known when the kernel is compiled (numba.literally), not {kind}")
     return kind.literal_value
+
+
+def kernel_of_kind(fn, kind_name: str, **options):
+    """``numba.njit(**options)(fn)`` for a kernel made for one kind (a closure over it), under a
+    name of its own: numba names a function's cache index after it, and the kernels of two kinds
+    compiled at once in two processes would otherwise write the one index, each dropping the
+    other's entry."""
+    from numba import njit
+    fn.__qualname__ = f"{fn.__qualname__.replace('.<locals>.', '_')}_{kind_name}"
+    return njit(**options)(fn)

@@ -16,7 +16,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from ..types import Type
-from .kinds import DECODER, Dec, literal_kind
+from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -308,7 +308,6 @@ def decode_rows(kind: int, w, out, f16) -> None:
 @functools.cache
 def _decoder_kernels(kind: int):
     """fused_matmul's and decode_rows' kernels for one decoder (``kind`` a constant of both)."""
-    @njit(parallel=True, fastmath=True, cache=True)
     def fused(w, x, out, f16):
         m_rows, k = w.shape[0], x.shape[1]
         n_chunks = min(m_rows, 64)
@@ -316,11 +315,12 @@ def _decoder_kernels(kind: int):
         for c in prange(n_chunks):
             _fused_chunk(kind, w, x, out, f16, c * per, min(m_rows, (c + 1) * per))
 
-    @njit(parallel=True, cache=True)
     def rows(w, out, f16):
         for m in prange(w.shape[0]):
             decode_row(kind, w[m], out[m], f16)
-    return fused, rows
+    name = Dec(kind).name
+    return (kernel_of_kind(fused, name, parallel=True, fastmath=True, cache=True),
+            kernel_of_kind(rows, name, parallel=True, cache=True))
 
 
 @njit(fastmath=True, cache=True)

@@ -33,7 +33,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .blockdot import FORMATS, LEGACY, column_format, row_pair_dots
-from .kinds import Fmt, literal_kind
+from .kinds import Fmt, kernel_of_kind, literal_kind
 from .qdecode import f16_at, opaque_zero, u32_at, u8_at
 from .simd import block_dots_2x2_min, block_dots_2x2_signed, fma32, lane_chain8, lane_dots, lane_dots_signed
 
@@ -195,7 +195,9 @@ def rows_chunk(kind, w, start, end, yb, yd, ys, out, f16, batched, runs):
     Single columns and the K-quants straight from the GGUF blocks (blockdot.py); batches of the
     32-element types through rows unpacked into bytes, two rows with two columns at a time
     (the same float steps as one column's, so their runs need nothing).  A function of its own,
-    not the parallel loop's body: numba's parallel passes then take seconds less to compile."""
+    not the parallel loop's body: numba's parallel passes then take seconds less to compile.
+    (Unlike attention's rows - nn.attention_cells - this costs no speed: the block kernels are
+    LLVM IR of our own, vectorized as written, not by LLVM's alias analysis of numba's arrays.)"""
     raise TypeError("rows_chunk is called from numba kernels only")
 
 
@@ -283,7 +285,6 @@ def _products_of(kind: int):
     """The two product kernels of one weight format.  ``kind`` is a constant of the kernels, so
     that each compiles the code of its format only (rows_chunk and the functions it calls choose
     theirs when compiled): a model compiles the formats it has, not all thirteen."""
-    @njit(parallel=True, cache=True, boundscheck=False)
     def product(w, yq, yd, ys, out, f16, runs, threads):
         m_rows, n_cols = w.shape[0], yq.shape[0]
         batched = n_cols >= INT8_MIN_COLS
@@ -294,7 +295,6 @@ def _products_of(kind: int):
         for c in prange(n_chunks):
             _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, f16, batched, runs)
 
-    @njit(parallel=True, cache=True, boundscheck=False)
     def product_id(w, yq, yd, ys, experts, starts, out, f16):
         m_rows, n_groups = w.shape[1], experts.size
         yb = _activation_bytes(yq, True)
@@ -305,7 +305,8 @@ def _products_of(kind: int):
             s0, s1 = starts[g], starts[g + 1]
             _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
                         out[s0:s1], f16, s1 - s0 >= INT8_MIN_COLS, whole[g])
-    return product, product_id
+    return tuple(kernel_of_kind(fn, Fmt(kind).name, parallel=True, cache=True, boundscheck=False)
+                 for fn in (product, product_id))
 
 
 @njit(cache=True)
