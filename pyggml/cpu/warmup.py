@@ -7,9 +7,11 @@ format a model has, its product (``product:Q4_1``), its decoder (``decoder:Q8_0`
 lookups of an embedding) and so on - a product compiles the code of its own format only
 (qdot.py), so a model compiles the formats it has, not all of them.
 
-:func:`compile_in_parallel` runs the parts not yet compiled on this machine in one process
-per core (numba compiles one function at a time per process), each part marked done in the
-cache folder when it is; :func:`parts_for_file` says what a GGUF file needs.
+:func:`start_compiling` runs parts in one process per core (numba compiles one function at a
+time per process), each part marked done in the cache folder when it is; :func:`missing` says
+which are not done yet; :func:`parts_for_tensors` what a model's weights need.  pyggml.Model
+starts compiling what its file needs before it loads, and waits for it before its first step
+(compile_for_model); the first answer then loads every kernel from the cache.
 """
 from __future__ import annotations
 
@@ -163,7 +165,8 @@ def parts_for_file(path: str | os.PathLike) -> list[str]:
 def every_part() -> list[str]:
     """Every part: what a server that does not know its models' weights compiles."""
     return [*LAYERS, *OTHERS, *(f"product:{f.name}" for f in Fmt if f <= Fmt.Q4_K_X8),
-            *(f"decoder:{d.name}" for d in Dec), *(f"fused:{d.name}" for d in Dec if Type[d.name] not in EXACT)]
+            *(f"decoder:{d.name}" for d in Dec),
+            *(f"fused:{DECODER[t].name}" for t in VEC_DOT if t not in EXACT)]  # the weights decoded and dotted
 
 
 def warm_up(parts: Iterable[str] | None = None) -> None:
@@ -197,11 +200,12 @@ class Compiling:
 
 
 def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
-    """Compile ``parts`` in one process per core (the costliest first, each to the process with
-    the least work so far), each writing numba's cache and marking its parts; this process
-    loads them from the cache as it uses them."""
+    """Compile ``parts`` in one process per core this process may run on (the costliest first,
+    each to the process with the least work so far), each writing numba's cache and marking its
+    parts; this process loads them from the cache as it uses them."""
     parts = sorted(parts, key=lambda p: -part(p)[1])
-    n = max(1, min(len(parts), os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, min(len(parts), cores))
     shares: list[list[str]] = [[] for _ in range(n)]
     loads = [0.0] * n
     for p in parts:
