@@ -223,7 +223,8 @@ def run_llama_bench(binary: str, path: str, threads: int, n_gen: int, n_prompt: 
     r = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-o", "json"],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"llama-bench failed on {path}: {r.stderr.strip().splitlines()[-1:]}")
+        why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        print(f"llama-bench failed on {path} ({why}): {r.stderr.strip().splitlines()[-1:]}")
         return None
     rows = json.loads(r.stdout)
     pp = next(row["avg_ts"] for row in rows if row.get("n_prompt") and not row.get("n_gen"))
