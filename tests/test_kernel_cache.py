@@ -46,26 +46,30 @@ def test_the_kernels_are_cached_in_the_folder_of_their_sources():
 
 
 def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monkeypatch, capsys, smollm2_path):
-    """A machine that never compiled what a model needs: loading it says so in one line and
-    compiles exactly the model's parts in other processes while this one loads; once they are
-    marked compiled, nothing is said or compiled again."""
+    """A machine that never compiled what a model needs: pyggml.Model says so in one line,
+    starts compiling exactly the model's parts in other processes before it loads, and waits
+    for them before it is ready; once they are marked compiled, nothing is said or started."""
+    import pyggml
     from pyggml.cpu import kernel_cache, warmup
-    from pyggml.models.model import _compile_kernels
     monkeypatch.setattr(kernel_cache, "FOLDER", tmp_path)
-    started = []
+    events = []
 
     class Started:
         def wait(self) -> None:
-            started.append("waited")
-    monkeypatch.setattr(warmup, "start_compiling", lambda parts: started.append(list(parts)) or Started())
-    _compile_kernels(smollm2_path, None).wait()
-    assert started == [warmup.parts_for_file(smollm2_path), "waited"]
+            events.append("waited")
+
+    def start(parts):
+        events.append(list(parts))
+        return Started()
+    monkeypatch.setattr(warmup, "start_compiling", start)
+    pyggml.Model(smollm2_path, n_ctx=64, progress=None)
+    assert events == [warmup.parts_for_file(smollm2_path), "waited"]
     assert "compiling the CPU kernels of this model's weight types, once" in capsys.readouterr().err
-    (tmp_path / "compiled").mkdir()
-    for name in started[0]:
-        (tmp_path / "compiled" / warmup._mark_name(name)).touch()
-    assert _compile_kernels(smollm2_path, None) is None
-    assert len(started) == 2 and capsys.readouterr().err == ""
+    warmup.mark_compiled(events[0])
+    assert warmup.missing(events[0]) == []
+    pyggml.Model(smollm2_path, n_ctx=64, progress=None)
+    assert len(events) == 2 and "compiling" not in capsys.readouterr().err
+    from pyggml.models.model import _compile_kernels
     assert _compile_kernels(tmp_path / "missing.gguf", None) is None  # the load says what is wrong
 
 

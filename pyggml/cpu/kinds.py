@@ -79,14 +79,15 @@ EXACT = {Type[f.name]: f for f in Fmt if f <= Fmt.Q6_K}
 
 
 def literal_kind(kind, what: str) -> int:
-    """The value of a kernel's kind argument as numba types it (an ``IntegerLiteral``): the
+    """The value of a kernel's kind argument as numba types it (an ``IntegerLiteral``), for the
     functions that choose their code by kind when a kernel is compiled (numba overloads), so that
     a kernel compiles the code of one kind - the weight types a model has - not of all of them.
-    The kernel asks for the literal with ``numba.literally(kind)``."""
+    The kind is a constant of the kernel (a closure's, kernel_of_kind), which numba types as a
+    literal."""
     from numba.core import types
     from numba.core.errors import TypingError
     if not isinstance(kind, types.IntegerLiteral):
-        raise TypingError(f"{what}: the kind must be known when the kernel is compiled (numba.literally), not {kind}")
+        raise TypingError(f"{what}: the kind must be a constant of the kernel (a literal), not {kind}")
     return kind.literal_value
 
 

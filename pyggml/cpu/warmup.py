@@ -182,6 +182,15 @@ def missing(parts: Iterable[str]) -> list[str]:
     return [] if folder is None else [p for p in parts if not (folder / _mark_name(p)).exists()]
 
 
+def mark_compiled(names: Iterable[str]) -> None:
+    """Mark parts as compiled into this version's cache (missing() then leaves them out)."""
+    folder = _marks()
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (folder / _mark_name(name)).touch()
+
+
 class Compiling:
     """Processes compiling parts into the cache (start_compiling's)."""
 
@@ -251,12 +260,9 @@ def _mark_name(name: str) -> str:
 
 
 def _compile_and_mark(names: list[str]) -> None:
-    folder = _marks()
     for name in names:
         part(name)[0]()
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / _mark_name(name)).touch()
+        mark_compiled([name])
 
 
 if __name__ == "__main__":
