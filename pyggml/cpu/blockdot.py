@@ -1,19 +1,17 @@
-"""Products read straight from the GGUF blocks: single columns (decode steps) of Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, and batches of the K-quants (with llama.cpp's kernels'
-float steps for each: vec_dot, its repacked Q4_K gemm, its tiled matmul).
+"""Products read straight from the GGUF blocks, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
+Q6_K, with llama.cpp's kernels' float steps for each (vec_dot, its repacked Q4_K gemm, its
+tiled K-quant matmul: the kernel llama.cpp picks for a column, blockdot.column_format).
 
-For a batch of columns qdot.exact_matmul can unpack a weight row once and reuse it for every
-column.  A decode step has one column, and there the unpacking (a store and a load of every
-weight, and the lane sums' round trip through memory) cost more than the products: these
-kernels do what ggml's SIMD ``vec_dot`` does, in registers - per 32 weights the nibbles (and
-fifth or sixth bits) become 32 bytes, one ``dot4`` gives 8 lane sums - with the same float
-steps as ggml's in the same order, so the results are the same bits.  Integer sums
-are exact in any order; only the float steps are ggml's.
+These kernels do what ggml's SIMD ``vec_dot`` does, in registers - per 32 weights the nibbles
+(and fifth or sixth bits) become 32 bytes, one ``dot4`` gives 8 lane sums - with the same
+float steps as ggml's in the same order, so the results are the same bits.  Integer sums are
+exact in any order; only the float steps are ggml's.
 
 Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
 block (``block``: the next values of its accumulators) and the result from the accumulators
-(``finish``).  ``_row_pair_kernel`` makes the loop around them, for two rows side by side
-(each chain of fused multiply-adds then hides the other's latency, as in simd.block_dots_2x2).
+(``finish``).  ``_tile_ir`` makes the loop around them for two rows and one, two or four
+columns: a chain per (row, column) - independent chains hide each other's fused multiply-add
+latency, and the columns share each block's load and unpacking.
 """
 from __future__ import annotations
 
@@ -102,23 +100,40 @@ class Legacy(NamedTuple):
 
 def _legacy(blk: Legacy) -> Format:
     """8 lanes, ``acc = fma(d_w * d_y, lanes, acc)`` per block, hsum8; with a minimum, its term
-    ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last."""
+    ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last.
+
+    Signed weights (q - offset; Q8_0's bytes, q - 128 for q = byte + 128) are dotted, with VNNI,
+    as ``vpdpbusd(q, y)`` started at ``-offset x`` the lane's sum of y: the same integers as the
+    sign trick, with one instruction per row and column where the trick takes five; y's lane
+    sums are a column's, computed once for every row of a tile."""
+    offset = 128 if blk.bytes8 else blk.offset
+    by_offset = VNNI and offset > 0
+
     def shared(builder, b, yb, yd, ys):
-        return {"y": load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B),
-                "d": builder.load(builder.gep(yd, [b])),
-                "s": builder.load(builder.gep(ys, [b])) if blk.has_min else None}
+        y = load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B)
+        col = {"y": y, "d": builder.load(builder.gep(yd, [b])),
+               "s": builder.load(builder.gep(ys, [b])) if blk.has_min else None}
+        if by_offset:
+            col["offset"] = builder.mul(dot4(builder, _splat(V32B, 1), y, False, True), _splat(V8I, -offset))
+        return col
 
     def block(builder, base, col, accs):
         if blk.bytes8:
             q, signed = load_at(builder, base, blk.qs, V32B), True
+            if by_offset:
+                q = builder.xor(q, _splat(V32B, -128))  # the byte + 128, unsigned
         else:
             q, signed = _nibbles(builder, load_at(builder, base, blk.qs, ir.VectorType(I8, 16))), False
             if blk.five:  # bit j of qh is element j's fifth bit
                 bits = builder.bitcast(load_at(builder, base, blk.qs - 4, I32), ir.VectorType(ir.IntType(1), 32))
                 q = builder.or_(q, builder.shl(builder.zext(bits, V32B), _splat(V32B, 4)))
-            if blk.offset:
+            if blk.offset and not by_offset:
                 q, signed = builder.sub(q, _splat(V32B, blk.offset)), True
-        lanes = builder.sitofp(dot4(builder, q, col["y"], signed, VNNI), V8F)
+        if by_offset:
+            sums = dot4(builder, q, col["y"], False, True, acc=col["offset"])
+        else:
+            sums = dot4(builder, q, col["y"], signed, VNNI)
+        lanes = builder.sitofp(sums, V8F)
         nxt = [_fma(builder, splat8(builder, builder.fmul(half_at(builder, base, 0), col["d"])), lanes, accs[0])]
         if blk.has_min:
             nxt.append(_fma(builder, half_at(builder, base, 2), col["s"], accs[1]))
@@ -297,10 +312,43 @@ def _q6_k_tiled() -> Format:
     return Format(210, [ir.Constant(F32, 0.0)], _k_shared, block, lambda builder, accs: accs[0])
 
 
+def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
+    """IR: the products of weight rows ``rows`` (pointers to their GGUF blocks) with activation
+    columns ``cols`` ((yb, yd, ys) pointers), one chain per (row, column) in one loop over the
+    blocks; returns the results by row, then column.  Each chain's float steps are the format's
+    for that pair alone.  The rows' unpacking is written once per column but computed once: the
+    same loads and arithmetic in one basic block, which LLVM's common-subexpression pass merges
+    (so C columns cost C dots, not C unpackings)."""
+    n_acc = len(fmt.init)
+    pairs = [(r, c) for r in range(len(rows)) for c in range(len(cols))]
+    inits = fmt.init * len(pairs)
+    b, pre, loop, done = loop_begin(builder, nb, "blocks")
+    accs = [builder.phi(c.type) for c in inits]  # pair i's at i * n_acc
+    for phi, c in zip(accs, inits):
+        phi.add_incoming(c, pre)
+    shared = [fmt.shared(builder, b, *col) for col in cols]
+    bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
+    nexts = []
+    for i, (r, c) in enumerate(pairs):
+        nexts += fmt.block(builder, bases[r], shared[c], accs[i * n_acc:(i + 1) * n_acc])
+    for phi, nxt in zip(accs, nexts):
+        phi.add_incoming(nxt, loop)
+    loop_end(builder, b, nb, loop, done)
+    finals = []  # the exit block's phis, before any other instruction
+    for nxt, c in zip(nexts, inits):
+        phi = builder.phi(c.type)
+        phi.add_incoming(c, pre)
+        phi.add_incoming(nxt, loop)
+        finals.append(phi)
+    results = [fmt.finish(builder, finals[i * n_acc:(i + 1) * n_acc]) for i in range(len(pairs))]
+    return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
+
+
 def _row_pair_kernel(fmt: Format):
     """An intrinsic ``(row0, row1, yb, yd, ys, nb) -> (float32, float32)``: two weight rows'
     products (uint8, the GGUF blocks) with one activation column quantized to bytes (yb, int8),
-    its block scales yd and block sums ys; the two rows' chains side by side.
+    its block scales yd and block sums ys; the two rows' chains side by side (each chain of
+    fused multiply-adds then hides the other's latency).
 
     Raw pointers, no bounds checks: it reads nb * block_bytes bytes of each row and nb blocks
     of yb/yd/ys.  row_pair_dots passes nb = yd.size, the activation's blocks; the rows are
@@ -312,28 +360,44 @@ def _row_pair_kernel(fmt: Format):
 
     def codegen(context, builder, signature, args):
         ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:-1], args[:-1])]
-        rows, (yb, yd, ys) = ptrs[:2], ptrs[2:]
-        n_acc = len(fmt.init)
-        b, pre, loop, done = loop_begin(builder, args[-1], "blocks")
-        accs = [builder.phi(c.type) for _ in rows for c in fmt.init]  # row r's at r * n_acc
-        for phi, c in zip(accs, fmt.init * 2):
-            phi.add_incoming(c, pre)
-        col = fmt.shared(builder, b, yb, yd, ys)
-        nexts = []
-        for r, row in enumerate(rows):
-            base = builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))])
-            nexts += fmt.block(builder, base, col, accs[r * n_acc:(r + 1) * n_acc])
-        for phi, nxt in zip(accs, nexts):
-            phi.add_incoming(nxt, loop)
-        loop_end(builder, b, args[-1], loop, done)
-        finals = []  # the exit block's phis, before any other instruction
-        for nxt, c in zip(nexts, fmt.init * 2):
-            phi = builder.phi(c.type)
-            phi.add_incoming(c, pre)
-            phi.add_incoming(nxt, loop)
-            finals.append(phi)
-        results = [fmt.finish(builder, finals[r * n_acc:(r + 1) * n_acc]) for r in range(2)]
-        return context.make_tuple(builder, signature.return_type, results)
+        (r0,), (r1,) = _tile_ir(builder, fmt, ptrs[:2], [ptrs[2:]], args[-1])
+        return context.make_tuple(builder, signature.return_type, [r0, r1])
+    return intrinsic(typer)
+
+
+def _row_at(context, builder, ty, value, n):
+    """IR: a pointer to row n of a 2-d array (its first element), by the array's own stride."""
+    arr = context.make_array(ty)(context, builder, value)
+    stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+    at = builder.gep(builder.bitcast(arr.data, I8.as_pointer()), [builder.mul(n, stride)])
+    return builder.bitcast(at, arr.data.type), arr
+
+
+def _tile_kernel(fmt: Format, n_cols: int):
+    """An intrinsic ``(row0, row1, yb, yd, ys, n0, out, m0, m1, nb)``: weight rows row0 and row1
+    times activation columns n0 .. n0 + n_cols - 1 (yb int8 [N, k], yd and ys float32 [N, ...]),
+    each product written to out[n, m0] / out[n, m1] (float32 [N, M]): _tile_ir's 2 x n_cols
+    chains, so that a batch's columns share each block's unpacking and its load from memory.
+
+    Raw pointers, no bounds checks: qdot.py passes nb = K's blocks, n0 + n_cols <= N columns
+    and m0, m1 < M, with the arrays of one product (MUL_MAT's shape checks)."""
+    def typer(typingctx, row0, row1, yb, yd, ys, n0, out, m0, m1, nb):
+        return types.void(row0, row1, yb, yd, ys, types.intp, out, types.intp, types.intp, types.intp), codegen
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        row0, row1 = (context.make_array(t)(context, builder, a).data for t, a in zip(tys[:2], args[:2]))
+        n0, m0, m1, nb = args[5], args[7], args[8], args[9]
+        cols = []
+        for c in range(n_cols):
+            n = builder.add(n0, ir.Constant(I64, c))
+            cols.append([_row_at(context, builder, tys[i], args[i], n)[0] for i in (2, 3, 4)])
+        results = _tile_ir(builder, fmt, [row0, row1], cols, nb)
+        for c in range(n_cols):
+            dst = _row_at(context, builder, tys[6], args[6], builder.add(n0, ir.Constant(I64, c)))[0]
+            for r, m in enumerate((m0, m1)):
+                builder.store(results[r][c], builder.gep(dst, [m]))
+        return context.get_dummy_value()
     return intrinsic(typer)
 
 
@@ -348,6 +412,9 @@ FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
 assert list(FORMATS) == list(Fmt)
 PAIR_KERNELS = {f: _row_pair_kernel(fmt) for f, fmt in FORMATS.items()}
+# the columns a tile kernel takes at once (fewer take row_pair_dots)
+TILE_WIDE, TILE_NARROW = 4, 2
+TILE_KERNELS = {(f, n): _tile_kernel(fmt, n) for f, fmt in FORMATS.items() for n in (TILE_WIDE, TILE_NARROW)}
 
 # the format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
 # (column_format says which columns)
@@ -394,3 +461,27 @@ def _row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
             return batch(row0, row1, yb, yd, ys, yd.size)
         return own(row0, row1, yb, yd, ys, yd.size)
     return pair_dots
+
+
+def tile_dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
+    """row_pair_dots for n_cols (TILE_WIDE or TILE_NARROW, a constant) columns from n0 at once, all in
+    format ``fmt``, into out[n, m0] and out[n, m1]: each block of the two rows unpacked once
+    for all of them."""
+    raise TypeError("tile_dots is called from numba kernels only")
+
+
+@overload(tile_dots, prefer_literal=True, inline="always")
+def _tile_dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
+    k, n = literal_kind(kind, "tile_dots"), literal_kind(n_cols, "tile_dots")
+    own, batch_fmt = TILE_KERNELS[Fmt(k), n], BATCH_FORMAT.get(Fmt(k))
+    if batch_fmt is None:
+        return lambda kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1: \
+            own(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
+    batch, batch_num = TILE_KERNELS[batch_fmt, n], int(batch_fmt)
+
+    def dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
+        if fmt == batch_num:
+            batch(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
+        else:
+            own(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
+    return dots

@@ -506,7 +506,7 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
             yq, yd, ys = together.activations(xv[t_sel, u_sel % n_b])
             res = np.empty((order.size, m_rows), dtype=f32)
             used = idx.reshape(-1)[order][first]  # each group's expert
-            exact_quant_matmul_id(together.fmt, weights, yq, yd, ys, used.astype(np.int64), starts, res, F16_TABLE)
+            exact_quant_matmul_id(together.fmt, weights, yq, yd, ys, used.astype(np.int64), starts, res)
             out[t_sel, u_sel] = res
             return
         for group in np.unique(key):

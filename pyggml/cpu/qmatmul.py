@@ -101,7 +101,7 @@ class QuantProduct:
         if self.exact:
             yq, yd, ys = acts
             # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-            self.kernel(w, yq, yd, ys, out, F16_TABLE, frozen(runs) if runs is not None else whole(out.shape[0]), THREADS)
+            self.kernel(w, yq, yd, ys, out, frozen(runs) if runs is not None else whole(out.shape[0]), THREADS)
             return
         if runs is not None and runs.size > 2:
             for r0, r1 in zip(runs[:-1], runs[1:]):

@@ -7,10 +7,10 @@ of an activation, and through a model's layers that flips near-tied argmaxes: so
 does the same operations in the same order, and its results equal llama.cpp's bit for bit
 (tests/test_models.py checks this against llama.cpp's outputs).
 
-These helpers are numba functions inlined into the kernels that use them; the vector loops
-(``lane_chain8``, ``lane_dots``, ``block_dots_2x2``) are written as LLVM IR intrinsics, because
-numba does not vectorize their shape by itself.  Integer products are exact however they are
-computed, so ``lane_dots`` may use ``vpdpbusd``; every float step keeps ggml's order.
+These helpers are numba functions inlined into the kernels that use them, and pieces of LLVM
+IR for the quantized products (blockdot.py), because numba does not vectorize their shape by
+itself.  Integer products are exact however they are computed, so ``dot4`` may use
+``vpdpbusd``; every float step keeps ggml's order.
 """
 from __future__ import annotations
 
@@ -91,58 +91,11 @@ def splat8(builder, x):
 
 
 def hsum8_ir(builder, v):
-    """IR of ``hsum8`` over the 8 lanes of v, in its order."""
+    """IR of ggml's ``hsum_float_8`` over the 8 lanes of v: high half onto low half, then pairs
+    (movehl), then the last two."""
     e = [builder.extract_element(v, ir.Constant(ir.IntType(32), i)) for i in range(8)]
     return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
                         builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
-
-
-def _lane_chains(context, builder, s_rows, wd_rows, yd_ptr, nb):
-    """IR of ``len(s_rows)`` independent 8-lane chains over the same activation scales:
-    ``acc_r[0:8] = fma(wd_r[b] * yd[b], S_r[8b:8b+8], acc_r)`` for b < nb; each then ``hsum8``."""
-    f32t, i64 = ir.FloatType(), ir.IntType(64)
-    v8 = ir.VectorType(f32t, 8)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
-    zero = ir.Constant(v8, [0.0] * 8)
-    b, pre, loop, done = loop_begin(builder, nb, "lanes")
-    accs = [builder.phi(v8) for _ in s_rows]  # phis first in the block
-    for acc in accs:
-        acc.add_incoming(zero, pre)
-    y = builder.load(builder.gep(yd_ptr, [b]))
-    nexts = []
-    for s_ptr, wd_ptr, acc in zip(s_rows, wd_rows, accs):
-        splat = splat8(builder, builder.fmul(builder.load(builder.gep(wd_ptr, [b])), y))
-        lanes = builder.load(builder.bitcast(builder.gep(s_ptr, [builder.mul(b, ir.Constant(i64, 8))]), v8.as_pointer()),
-                             align=4)
-        nexts.append(builder.call(fma, [splat, lanes, acc]))
-    for acc, nacc in zip(accs, nexts):
-        acc.add_incoming(nacc, loop)
-    loop_end(builder, b, nb, loop, done)
-    results = [builder.phi(v8) for _ in nexts]
-    for res, nacc in zip(results, nexts):
-        res.add_incoming(zero, pre)
-        res.add_incoming(nacc, loop)
-    return [hsum8_ir(builder, res) for res in results]
-
-
-@intrinsic
-def lane_chain8(typingctx, S, wd, yd, nb):
-    """The 8-lane accumulation of ggml's quantized dot products, as one vector loop:
-    ``acc[0:8] = fma(wd[b] * yd[b], S[8b:8b+8], acc)`` for b < nb, then ``hsum8(acc)``.
-
-    Written in LLVM IR because numba does not vectorize the 8 scalar chains (its SLP
-    vectorizer is off) and they were most of a decoding step's matrix products.
-
-    Raw pointers, no bounds checks (numba's cannot see into IR): it reads S[0:8nb], wd[0:nb]
-    and yd[0:nb].  qdot.py passes nb = wd.size, the row's blocks, with S of k64/4 >= 8 * nb
-    lane sums and yd of the activation's blocks (the same K: MUL_MAT's shape check)."""
-    sig = types.float32(S, wd, yd, types.intp)
-
-    def codegen(context, builder, signature, args):
-        s_ptr, wd_ptr, yd_ptr = (context.make_array(t)(context, builder, a).data
-                                 for t, a in zip(signature.args[:3], args[:3]))
-        return _lane_chains(context, builder, [s_ptr], [wd_ptr], yd_ptr, args[3])[0]
-    return sig, codegen
 
 
 def target_has_vnni() -> bool:
@@ -161,12 +114,12 @@ def target_has_vnni() -> bool:
     return all(features.get(f) for f in ("avx512vnni", "avx512f", "avx512vl"))
 
 
-def dot4(builder, wb, yb, signed_weights: bool, vnni: bool):
+def dot4(builder, wb, yb, signed_weights: bool, vnni: bool, acc=None):
     """IR: the sums of 4 consecutive products ``w[i] * y[i]`` of two byte vectors of 32 or 64
     elements (weights unsigned, or signed; activations signed), as an i32 vector of a quarter
-    the length; exact.  One ``vpdpbusd`` with AVX-512 VNNI (the instruction ggml's own kernels
-    use), with ggml's sign trick for signed weights (|w| x sign(w) y); plain vector IR that LLVM
-    lowers anywhere else."""
+    the length, plus ``acc`` (an i32 vector of that length, VNNI only) if given; exact.  One
+    ``vpdpbusd`` with AVX-512 VNNI (the instruction ggml's own kernels use), with ggml's sign
+    trick for signed weights (|w| x sign(w) y); plain vector IR that LLVM lowers anywhere else."""
     i8, i32 = ir.IntType(8), ir.IntType(32)
     n = wb.type.count
     vsum = ir.VectorType(i32, n // 4)
@@ -179,7 +132,9 @@ def dot4(builder, wb, yb, signed_weights: bool, vnni: bool):
             wb = builder.select(negative, builder.sub(zero8, wb), wb)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vsum, [vsum] * 3),
                                             f"llvm.x86.avx512.vpdpbusd.{n * 8}")
-        return builder.call(fn, [ir.Constant(vsum, [0] * (n // 4)), builder.bitcast(wb, vsum), builder.bitcast(yb, vsum)])
+        start = ir.Constant(vsum, [0] * (n // 4)) if acc is None else acc
+        return builder.call(fn, [start, builder.bitcast(wb, vsum), builder.bitcast(yb, vsum)])
+    assert acc is None, "dot4's accumulator is for VNNI"
     vwide = ir.VectorType(i32, n)
     cv = builder.sext(wb, vwide) if signed_weights else builder.zext(wb, vwide)
     prod = builder.mul(cv, builder.sext(yb, vwide))
@@ -188,122 +143,7 @@ def dot4(builder, wb, yb, signed_weights: bool, vnni: bool):
     return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
 
-def _lane_dots(signed_weights: bool):
-    """out[16g:16g+16] = float(sum of 4 consecutive products w[i] * y[i]) for g < n64: 8-bit
-    weights (unsigned, or signed) times signed 8-bit activations, 64 at a time, exact (dot4).
-
-    Raw pointers: reads codes[0:64 n64] and y[0:64 n64], writes out[0:16 n64].  qdot.py passes
-    n64 = codes.size // 64 with codes and y both padded to k64 bytes and out of k64 / 4 floats."""
-    def typer(typingctx, codes, y, out, n64):
-        return types.void(codes, y, out, types.intp), _codegen
-    vnni = target_has_vnni()
-
-    def _codegen(context, builder, signature, args):
-        i8, i64, f32t = ir.IntType(8), ir.IntType(64), ir.FloatType()
-        v16f, v64b = ir.VectorType(f32t, 16), ir.VectorType(i8, 64)
-        c_ptr, y_ptr, o_ptr = (context.make_array(t)(context, builder, a).data
-                               for t, a in zip(signature.args[:3], args[:3]))
-        n = args[3]
-        g, _, loop, done = loop_begin(builder, n, "dots")
-        at = builder.mul(g, ir.Constant(i64, 64))
-        wb = builder.load(builder.bitcast(builder.gep(c_ptr, [at]), v64b.as_pointer()), align=1)
-        yb = builder.load(builder.bitcast(builder.gep(y_ptr, [at]), v64b.as_pointer()), align=1)
-        sums = dot4(builder, wb, yb, signed_weights, vnni)
-        dst = builder.bitcast(builder.gep(o_ptr, [builder.mul(g, ir.Constant(i64, 16))]), v16f.as_pointer())
-        builder.store(builder.sitofp(sums, v16f), dst, align=4)
-        loop_end(builder, g, n, loop, done)
-        return context.get_dummy_value()
-    return intrinsic(typer)
-
-
-lane_dots = _lane_dots(signed_weights=False)
-lane_dots_signed = _lane_dots(signed_weights=True)
-
-
-def _block_dots_2x2(signed_weights: bool, with_min: bool):
-    """The dot products of two unpacked weight rows with two activation columns, each as ggml's
-    32-element block dot computes it, in one loop over the blocks: per block b the 8 lane sums
-    of a row and a column (dot4 over its 32 bytes: lane l sums elements 4l..4l+3) go straight
-    into that pair's chain ``acc = fma(wd[b] * yd[b], float(sums), acc)``, and with the minimum
-    ``summs = fma(wm[b], ys[b], summs)`` beside it; the result is ``hsum8(acc) + summs``.  The
-    same float steps as lane_dots + lane_chain8, without the lane sums' trip through memory,
-    and four independent chains in flight.
-
-    ``block_dots_2x2(codes, wd, wm, yb, yd, ys, n0, n1, nb)``: codes int8 [2, k64], wd and wm
-    float32 [2, nb], yb int8 [N, k64], yd and ys float32 [N, nb] (C-contiguous); returns the
-    products of (row 0, column n0), (row 1, n0), (row 0, n1), (row 1, n1).  Raw pointers, no bounds
-    checks: qdot.py passes nb = K / 32 blocks and columns n0, n1 < N."""
-    def typer(typingctx, codes, wd, wm, yb, yd, ys, n0, n1, nb):
-        return types.UniTuple(types.float32, 4)(codes, wd, wm, yb, yd, ys, types.intp, types.intp, types.intp), \
-            _codegen
-    vnni = target_has_vnni()
-
-    def _codegen(context, builder, signature, args):
-        i8, i64, f32t = ir.IntType(8), ir.IntType(64), ir.FloatType()
-        v8, v32b = ir.VectorType(f32t, 8), ir.VectorType(i8, 32)
-        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:6], args[:6])]
-        codes, wd, wm, yb, yd, ys = arrays
-        n0, n1, nb = args[6:9]
-        k64 = builder.extract_value(codes.shape, 1)
-        rows = [(builder.gep(codes.data, [builder.mul(ir.Constant(i64, r), k64)]),
-                 builder.gep(wd.data, [builder.mul(ir.Constant(i64, r), nb)]),
-                 builder.gep(wm.data, [builder.mul(ir.Constant(i64, r), nb)])) for r in range(2)]
-        cols = [(builder.gep(yb.data, [builder.mul(n, k64)]), builder.gep(yd.data, [builder.mul(n, nb)]),
-                 builder.gep(ys.data, [builder.mul(n, nb)])) for n in (n0, n1)]
-        fma_v = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
-        fma_s = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32t, [f32t] * 3), "llvm.fma.f32")
-        zero_v, zero_s = ir.Constant(v8, [0.0] * 8), ir.Constant(f32t, 0.0)
-        pairs = [(r, c) for c in range(2) for r in range(2)]
-        b, pre, loop, done = loop_begin(builder, nb, "blocks")
-        accs = [builder.phi(v8) for _ in pairs]
-        mins = [builder.phi(f32t) for _ in pairs]
-        for phi, zero in zip(accs + mins, [zero_v] * 4 + [zero_s] * 4):
-            phi.add_incoming(zero, pre)
-        at = builder.mul(b, ir.Constant(i64, 32))
-        wbs = [builder.load(builder.bitcast(builder.gep(r[0], [at]), v32b.as_pointer()), align=1) for r in rows]
-        ybs = [builder.load(builder.bitcast(builder.gep(c[0], [at]), v32b.as_pointer()), align=1) for c in cols]
-        wds = [builder.load(builder.gep(r[1], [b])) for r in rows]
-        yds = [builder.load(builder.gep(c[1], [b])) for c in cols]
-        next_accs, next_mins = [], []
-        for (r, c), acc, summs in zip(pairs, accs, mins):
-            sums = builder.sitofp(dot4(builder, wbs[r], ybs[c], signed_weights, vnni), v8)
-            next_accs.append(builder.call(fma_v, [splat8(builder, builder.fmul(wds[r], yds[c])), sums, acc]))
-            if with_min:
-                wm_b = builder.load(builder.gep(rows[r][2], [b]))
-                ys_b = builder.load(builder.gep(cols[c][2], [b]))
-                next_mins.append(builder.call(fma_s, [wm_b, ys_b, summs]))
-            else:
-                next_mins.append(summs)
-        for phi, nxt in zip(accs + mins, next_accs + next_mins):
-            phi.add_incoming(nxt, loop)
-        loop_end(builder, b, nb, loop, done)
-        final_accs = [builder.phi(v8) for _ in pairs]  # the phis first in the block
-        final_mins = [builder.phi(f32t) for _ in pairs] if with_min else []
-        for phi, nacc in zip(final_accs, next_accs):
-            phi.add_incoming(zero_v, pre)
-            phi.add_incoming(nacc, loop)
-        for phi, nmin in zip(final_mins, next_mins):
-            phi.add_incoming(zero_s, pre)
-            phi.add_incoming(nmin, loop)
-        results = [hsum8_ir(builder, acc) for acc in final_accs]
-        if with_min:
-            results = [builder.fadd(total, summs) for total, summs in zip(results, final_mins)]
-        return context.make_tuple(builder, signature.return_type, results)
-    return intrinsic(typer)
-
-
-# the 32-element formats: signed weights without a minimum (Q4_0, Q5_0, Q8_0), unsigned with one (Q4_1, Q5_1)
-block_dots_2x2_signed = _block_dots_2x2(True, False)
-block_dots_2x2_min = _block_dots_2x2(False, True)
-
-
 _jit = njit(cache=True, inline="always")
-
-
-@_jit
-def hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """ggml's ``hsum_float_8``: high half onto low half, then pairs (movehl), then the last two."""
-    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 
 
 @_jit

@@ -53,14 +53,14 @@ def _type_of(fmt: Fmt) -> Type:
 def _product(fmt: Fmt) -> None:
     qtype = _type_of(fmt)
     yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
-    exact_quant_matmul(fmt, _weights(qtype, 8), yq, yd, ys, np.empty((2, 8), dtype=f32), F16_TABLE, whole(2))
+    exact_quant_matmul(fmt, _weights(qtype, 8), yq, yd, ys, np.empty((2, 8), dtype=f32), whole(2))
 
 
 def _experts(fmt: Fmt) -> None:
     qtype = _type_of(fmt)
     yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
     exact_quant_matmul_id(fmt, _weights(qtype, 8, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
-                          np.array([0, 2], dtype=np.int64), np.empty((2, 8), dtype=f32), F16_TABLE)
+                          np.array([0, 2], dtype=np.int64), np.empty((2, 8), dtype=f32))
 
 
 def _decoder(dec: Dec) -> None:
