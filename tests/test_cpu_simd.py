@@ -3,41 +3,154 @@ numpy statements of what ggml's intrinsics compute."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from numba import njit
 
+from pyggml import Type
 from pyggml.cpu.activations import quantize
-from pyggml.cpu.kinds import Act
-from pyggml.cpu.simd import expf_v, lane_chain8
+from pyggml.cpu.kinds import VEC_DOT, Act
+from pyggml.cpu.qmatmul import quant_matmul
+from pyggml.cpu.simd import expf_v, f16_dot16, f16_dot64, round_f16, sum_lanes16, sum_lanes64
+from pyggml.quants import quantize as quantize_weights
+from pyggml.quants.layouts import LAYOUTS
 
 f32, f64 = np.float32, np.float64
 
 
-@njit
-def _chain(S, wd, yd):
-    return lane_chain8(S, wd, yd, wd.size)
+def fma(a, b, c):
+    """float32 a * b + c rounded once (the product of two float32 is exact in double)."""
+    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(f32)
+
+
+def hsum8(acc):
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+
+
+def reduce16(v):
+    """GCC's _mm512_reduce_add_ps: halves folded 16 -> 8 -> 4 -> 2 -> 1."""
+    while v.size > 1:
+        v = v[v.size // 2:] + v[:v.size // 2]
+    return v[0]
+
+
+def legacy_ints(qtype: Type, w: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 32-element format's rows as integers [M, K] (q - offset) and per-block d and m (0 without)."""
+    blocks = w.reshape(-1).view(LAYOUTS[qtype]).reshape(w.shape[0], k // 32)
+    d = blocks["d"].astype(f32)
+    m = blocks["m"].astype(f32) if "m" in LAYOUTS[qtype].names else np.zeros_like(d)
+    qs = blocks["qs"]
+    if qtype == Type.Q8_0:
+        return qs.view(np.int8).astype(np.int64).reshape(w.shape[0], k), d, m
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)  # element j, then 16 + j
+    if qtype == Type.Q5_0:
+        bits = (blocks["qh"][..., None] >> np.arange(32, dtype=np.uint32)) & 1
+        q |= bits.astype(np.int64) << 4
+    offset = {Type.Q4_0: 8, Type.Q5_0: 16, Type.Q4_1: 0}[qtype]
+    return (q - offset).reshape(w.shape[0], k), d, m
+
+
+def ggml_vec_dot_legacy(wq, wd, wm, yq, yd, ys) -> f32:
+    """ggml's AVX2 vec_dot of one 32-element-format row and one Q8_0/Q8_1 column: per block 8
+    lanes of 4-product integer sums, ``acc = fma(d_w * d_y, lanes, acc)``, then hsum8, plus the
+    minimum's ``summs = fma(m_w, s_y, summs)``."""
+    acc, summs = np.zeros(8, f32), f32(0.0)
+    for b in range(wd.size):
+        lanes = (wq[32 * b:32 * b + 32] * yq[32 * b:32 * b + 32].astype(np.int64)).reshape(8, 4).sum(1)
+        acc = fma(f32(wd[b] * yd[b]), lanes.astype(f32), acc)
+        summs = fma(wm[b], ys[b], summs)
+    return f32(hsum8(acc) + summs) if wm.any() else f32(hsum8(acc))
+
+
+def _each(fn):
+    """A numba function applying the numba function fn to each element of an array."""
+    @njit
+    def each(x):
+        out = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = fn(x[i])
+        return out
+    return each
+
+
+_exp, _round = _each(expf_v), _each(round_f16)
+
+
+@pytest.mark.parametrize("qtype", [Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q8_0])
+def test_products_of_any_column_count_are_ggmls_vec_dot_per_column(qtype):
+    """The block kernels take a column alone, or two or four at once (tiles, blockdot.py), and dot
+    signed weights by an offset of the column's sums; every column still gets ggml's vec_dot."""
+    rng = np.random.default_rng(int(qtype))
+    k, m = 96, 7  # an odd row count: the last row is paired with itself
+    w = quantize_weights(rng.standard_normal((m, k)).astype(f32), qtype)
+    wq, wd, wm = legacy_ints(qtype, w, k)
+    for n in (1, 2, 3, 5, 6, 9):
+        x = (rng.standard_normal((n, k)) * 3).astype(f32)
+        yq, yd, ys = quantize(x, int(VEC_DOT[qtype]))
+        want = np.array([[ggml_vec_dot_legacy(wq[r], wd[r], wm[r], yq[c], yd[c], ys[c]) for r in range(m)]
+                         for c in range(n)])
+        got = quant_matmul(w, qtype, x)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype.name, n)
+
+
+def test_round_f16_is_the_nearest_half_ties_to_even():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(20000).astype(f32) * f32(10.0) ** rng.integers(-9, 6, 20000),
+                        np.array([0.0, -0.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e-8, 2.98e-8, 6.0e-8,
+                                  1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, np.inf, -np.inf], f32)]).astype(f32)
+    got = _round(x)
+    with np.errstate(over="ignore"):  # numpy's cast says so when it rounds to infinity
+        want = x.astype(np.float16).astype(f32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isnan(_round(np.array([np.nan], f32))[0])
+
+
+def test_f16_dots_are_ggmls_and_tinyblas_accumulators():
+    rng = np.random.default_rng(4)
+    for d in (16, 64, 128, 256):
+        k = rng.standard_normal(d).astype(np.float16)
+        q = rng.standard_normal(d).astype(np.float16).astype(f32)
+        if d % 64 == 0:  # ggml_vec_dot_f16: 4 x 16 lanes per step of 64, folded 0+2, 1+3
+            acc = np.zeros((4, 16), f32)
+            for o in range(0, d, 64):
+                acc = fma(k[o:o + 64].astype(f32).reshape(4, 16), q[o:o + 64].reshape(4, 16), acc)
+            assert _dot64(k.view(np.uint16), q) == reduce16((acc[0] + acc[2]) + (acc[1] + acc[3]))
+        acc = np.zeros(16, f32)  # tinyBLAS: one 16-lane accumulator
+        for o in range(0, d, 16):
+            acc = fma(k[o:o + 16].astype(f32), q[o:o + 16], acc)
+        assert _dot16(k.view(np.uint16), q) == reduce16(acc)
+
+
+def test_lane_sums_fold_64_or_16_lanes_in_ggmls_order_and_zero_them():
+    rng = np.random.default_rng(5)
+    for single in (True, False):
+        acc = rng.standard_normal((64, 48)).astype(f32)
+        if not single:
+            acc[16:] = 0.0
+        a = acc.copy()
+        if single:
+            a = (a[:16] + a[32:48]) + (a[16:32] + a[48:])
+        want = np.array([reduce16(a[:16, j]) for j in range(48)], f32)
+        out = np.empty(48, f32)
+        _lanes(acc, out, single)
+        assert np.array_equal(out, want) and not acc.any()
 
 
 @njit
-def _exp(x):
-    out = np.empty_like(x)
-    for i in range(x.size):
-        out[i] = expf_v(x[i])
-    return out
+def _dot64(k, q):
+    return f16_dot64(k, q, q.size // 64)
 
 
-def test_lane_chain_is_eight_fused_accumulators_then_hsum8():
-    rng = np.random.default_rng(0)
-    for nb in (0, 1, 7, 40):
-        S = rng.integers(-60000, 60000, 8 * nb).astype(f32)
-        wd = rng.random(nb).astype(f32)
-        yd = (rng.random(nb) * 1e-3).astype(f32)
-        acc = np.zeros(8, f32)
-        for b in range(nb):
-            scale = f32(wd[b] * yd[b])
-            # one rounding per fma: the product is exact in double, the sum rounds once
-            acc = (f64(scale) * S[8 * b:8 * b + 8].astype(f64) + acc.astype(f64)).astype(f32)
-        want = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-        assert _chain(S, wd, yd) == want
+@njit
+def _dot16(k, q):
+    return f16_dot16(k, q, q.size // 16)
+
+
+@njit
+def _lanes(acc, out, single):
+    if single:
+        sum_lanes64(acc, out, out.size // 16)
+    else:
+        sum_lanes16(acc, out, out.size // 16)
 
 
 def test_ggml_expf_is_within_its_error_bound_and_saturates():

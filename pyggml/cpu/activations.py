@@ -16,27 +16,11 @@ Details that matter (checked against llama.cpp's intermediate tensors):
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from .kinds import Act
-
-@njit(cache=True, inline="always")
-def round_f16(v):
-    """The float16 value nearest to ``v`` (ties to even), as float32."""
-    a = abs(v)
-    if a == 0.0 or not math.isfinite(a):
-        return v
-    if a >= 65520.0:
-        return math.copysign(math.inf, v)
-    if a < 6.103515625e-05:             # subnormal halves: a fixed quantum of 2**-24
-        quantum = 5.960464477539063e-08
-    else:
-        quantum = math.ldexp(1.0, math.frexp(a)[1] - 11)
-    return np.float32(math.copysign(np.rint(a / quantum) * quantum, v))
-
+from .simd import round_f16
 
 @njit(cache=True)
 def _quantize_row(x, r, kind, yq, yd, ys):

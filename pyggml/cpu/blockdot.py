@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .kinds import Fmt, literal_kind
-from .simd import dot4, hsum8_ir, loop_begin, loop_end, splat8, target_has_vnni
+from .simd import dot4, fold_halves, hsum8_ir, loop_begin, loop_end, splat8, target_has_vnni
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
@@ -61,13 +61,7 @@ def _nibbles(builder, packed):
 
 def _hsum_int(builder, v):
     """The sum of an integer vector's elements (exact in any order)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
-        v = builder.add(lo, hi)
-    return builder.extract_element(v, ir.Constant(I32, 0))
+    return fold_halves(builder, v, builder.add)
 
 
 def _pair_sums(builder, v):

@@ -24,8 +24,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .activations import round_f16
-from .simd import expf_v, fma32, half_to_float, reduce16, silu_v
+from .simd import (expf_v, f16_axpy16, f16_dot16, f16_dot64, fma32, half_to_float, reduce16, round_f16, silu_v,
+                   sum_lanes16, sum_lanes64)
 
 f32 = np.float32
 _jit = njit(cache=True, inline="always", boundscheck=False)
@@ -239,45 +239,102 @@ def rope_rotate(x, out, cos, sin, n_dims, neox):
 
 # -- attention ---------------------------------------------------------------------------------------
 
-def _kv_at(a, i):
-    """Element i of a row of the K or V cache as float32: its value, or the value of its F16 bits."""
-
-
-@overload(_kv_at, inline="always")
-def _kv_at_impl(a, i):
-    if a.dtype == types.uint16:
-        return lambda a, i: half_to_float(a[i])
-    return lambda a, i: a[i]
-
-
-@_jit
 def _dot_tinyblas(krow, q16, lanes):
     """llamafile's tinyBLAS F16 dot: one 16-lane accumulator, over whole 16s (the caller takes
     _dot_vec_f16 for other head sizes, as ggml does when tinyBLAS declines them).  ``krow``: one
-    cell's key (1-d: the loops vectorize over a contiguous row)."""
-    lanes[:] = 0.0
-    for o in range(0, q16.size, 16):
+    cell's key (1-d), F16 bits (simd.f16_dot16) or float32 values; ``lanes``: scratch."""
+
+
+@overload(_dot_tinyblas, inline="always")
+def _dot_tinyblas_impl(krow, q16, lanes):
+    if krow.dtype == types.uint16:
+        return lambda krow, q16, lanes: f16_dot16(krow, q16, q16.size // 16)
+
+    def dot(krow, q16, lanes):
         for j in range(16):
-            lanes[j] = fma32(_kv_at(krow, o + j), q16[o + j], lanes[j])
-    return reduce16(lanes, 0)
+            lanes[j] = 0.0
+        for o in range(0, q16.size, 16):
+            for j in range(16):
+                lanes[j] = fma32(krow[o + j], q16[o + j], lanes[j])
+        return reduce16(lanes, 0)
+    return dot
+
+
+def _dot_vec_f16(krow, q16, lanes):
+    """ggml_vec_dot_f16 (AVX-512): four 16-lane accumulators over steps of 64, folded 0+2,
+    1+3, then together (simd.f16_dot64 for F16 bits); a tail past the last 64 summed in double."""
+
+
+@overload(_dot_vec_f16, inline="always")
+def _dot_vec_f16_impl(krow, q16, lanes):
+    if krow.dtype == types.uint16:
+        def dot(krow, q16, lanes):
+            n = q16.size
+            full = n - n % 64
+            total = np.float64(f16_dot64(krow, q16, full // 64))
+            for i in range(full, n):
+                total += np.float64(half_to_float(krow[i]) * q16[i])
+            return f32(total)
+        return dot
+
+    def dot_f32(krow, q16, lanes):
+        n = q16.size
+        full = n - n % 64
+        for j in range(64):
+            lanes[j] = 0.0
+        for o in range(0, full, 64):
+            for j in range(64):
+                lanes[j] = fma32(krow[o + j], q16[o + j], lanes[j])
+        for j in range(16):
+            lanes[j] = (lanes[j] + lanes[32 + j]) + (lanes[16 + j] + lanes[48 + j])
+        total = np.float64(reduce16(lanes, 0))
+        for i in range(full, n):
+            total += np.float64(krow[i] * q16[i])
+        return f32(total)
+    return dot_f32
+
+
+def _add_scaled(acc, vrow, p):
+    """``acc += vrow * p``, one rounding per element (fma): a cell's V row into its lane's sums;
+    vrow F16 bits (simd.f16_axpy16 over whole 16s) or float32 values."""
+
+
+@overload(_add_scaled, inline="always")
+def _add_scaled_impl(acc, vrow, p):
+    if vrow.dtype == types.uint16:
+        def add_f16(acc, vrow, p):
+            full = vrow.size - vrow.size % 16
+            f16_axpy16(acc, vrow, p, full // 16)
+            for j in range(full, vrow.size):
+                acc[j] = fma32(half_to_float(vrow[j]), p, acc[j])
+        return add_f16
+
+    def add_f32(acc, vrow, p):
+        for j in range(vrow.size):
+            acc[j] = fma32(vrow[j], p, acc[j])
+    return add_f32
 
 
 @_jit
-def _dot_vec_f16(krow, q16, lanes):
-    """ggml_vec_dot_f16 (AVX-512): four 16-lane accumulators over steps of 64, folded 0+2,
-    1+3, then together; a tail past the last 64 summed in double."""
-    n = q16.size
-    full = n - n % 64
-    lanes[:] = 0.0
-    for o in range(0, full, 64):
-        for j in range(64):
-            lanes[j] = fma32(_kv_at(krow, o + j), q16[o + j], lanes[j])
-    for j in range(16):
-        lanes[j] = (lanes[j] + lanes[32 + j]) + (lanes[16 + j] + lanes[48 + j])
-    total = np.float64(reduce16(lanes, 0))
-    for i in range(full, n):
-        total += np.float64(_kv_at(krow, i) * q16[i])
-    return f32(total)
+def _sum_lanes(acc, out, single):
+    """out[j] = the lane sums of column j of acc (zeroed lanes: [64, dv]) in ggml's order - 64
+    lanes for a single token (ggml_vec_dot_f16), 16 for tinyBLAS - leaving acc zeroed."""
+    dv = out.size
+    if dv % 16 == 0:
+        if single:
+            sum_lanes64(acc, out, dv // 16)
+        else:
+            sum_lanes16(acc, out, dv // 16)
+        return
+    if single:
+        for lane in range(16):
+            for j in range(dv):
+                acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
+    for j in range(dv):
+        out[j] = reduce16(acc[:, j], 0)
+    for lane in range(64):
+        for j in range(dv):
+            acc[lane, j] = 0.0
 
 
 @_jit
@@ -405,7 +462,7 @@ def _attention_rows(start, end, q, k, v, n_head_kv, mask, scale, softcap, out, a
     q16 = np.empty(d, dtype=np.float32)
     s = np.empty(mask.shape[1], dtype=np.float32)
     lanes = np.empty(64, dtype=np.float32)
-    acc = np.empty((64, v.shape[1] // n_head_kv), dtype=np.float32)
+    acc = np.zeros((64, v.shape[1] // n_head_kv), dtype=np.float32)  # _sum_lanes leaves it zeroed
     for r in range(start, end):
         t = r % n_tok
         _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale, softcap, out, alone[t], n_seen[t], seen[t],
@@ -445,24 +502,14 @@ def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, 
         for c in range(n_kv):
             s[c] = -np.inf
         _softmax_whole_row(s)  # (s holds n_kv cells)
-    for lane in range(64 if single else 16):
-        for j in range(dv):
-            acc[lane, j] = 0.0
     for i in range(m if m else n_kv):
         c = cells[i] if m else i
         p = round_f16(s[c])
         if p == 0.0:
             continue
         lane = c & 63 if single else c & 15
-        vrow = v[c, vo:vo + dv]
-        for j in range(dv):
-            acc[lane, j] = fma32(_kv_at(vrow, j), p, acc[lane, j])
-    if single:
-        for lane in range(16):
-            for j in range(dv):
-                acc[lane, j] = (acc[lane, j] + acc[32 + lane, j]) + (acc[16 + lane, j] + acc[48 + lane, j])
-    for j in range(dv):
-        out[t, h, j] = reduce16(acc[:, j], 0)
+        _add_scaled(acc[lane], v[c, vo:vo + dv], p)
+    _sum_lanes(acc, out[t, h], single)
 
 
 def by_cell(kv: np.ndarray) -> np.ndarray:

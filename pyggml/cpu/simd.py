@@ -50,6 +50,21 @@ def half_to_float(typingctx, bits):
 
 
 @intrinsic
+def round_f16(typingctx, v):
+    """The float16 value nearest to ``v`` (ties to even, infinity past the largest half), as
+    float32: LLVM's ``fptrunc`` to half and ``fpext`` back - vcvtps2ph/vcvtph2ps where the CPU has
+    F16C, compiler-rt's exact conversion elsewhere - as ggml's FP32 -> FP16 -> FP32.  (A libm
+    frexp/ldexp version cost a call each: 64 per attention row for its query alone.)"""
+    if v not in (types.float32, types.float64):
+        return None
+    sig = types.float32(v)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
 def pow2_f32(typingctx, n):
     """2**n as float32 for -126 <= n <= 127 (int32 n), from its exponent bits."""
     sig = types.float32(types.int32)
@@ -96,6 +111,130 @@ def hsum8_ir(builder, v):
     e = [builder.extract_element(v, ir.Constant(ir.IntType(32), i)) for i in range(8)]
     return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
                         builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
+
+
+def fold_halves(builder, v, add):
+    """IR: the sum of v's elements by folding halves, ``add(high half, low half)`` until one is
+    left: GCC's ``_mm512_reduce_add_ps`` order for 16 floats (reduce16), any order for integers."""
+    i32 = ir.IntType(32)
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n, 2 * n))))
+        v = add(hi, lo)
+    return builder.extract_element(v, ir.Constant(i32, 0))
+
+
+def _f16_dot(n_acc: int):
+    """An intrinsic ``(k, q, steps) -> float32``: the dot product of the F16 values k (uint16 bits)
+    and the float32 values q over ``steps`` steps of 16 x n_acc elements, in n_acc 16-lane
+    accumulators of fused multiply-adds, accumulator a taking elements 16a..16a+15 of each step;
+    then (with 4) ``(acc0 + acc2) + (acc1 + acc3)``, and reduce16.  With 4: ggml_vec_dot_f16's
+    vector part (AVX-512, its GGML_F16_STEP of 64); with 1: llamafile's tinyBLAS F16 dot.
+
+    In IR because numba left the 64 lanes in memory, a load and a store per element per cell:
+    here they stay in four registers.  Raw pointers: it reads k[0:16 n_acc steps] and the same of
+    q (nn.py passes steps from q's size, and a cache row of the same size)."""
+    def typer(typingctx, k, q, steps):
+        return types.float32(k, q, types.intp), codegen
+
+    def codegen(context, builder, signature, args):
+        f32t, i64 = ir.FloatType(), ir.IntType(64)
+        v16f, v16h, v16s = ir.VectorType(f32t, 16), ir.VectorType(ir.HalfType(), 16), ir.VectorType(ir.IntType(16), 16)
+        kptr, qptr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+        zero = ir.Constant(v16f, [0.0] * 16)
+        i, pre, loop, done = loop_begin(builder, args[2], "f16dot")
+        accs = [builder.phi(v16f) for _ in range(n_acc)]
+        for acc in accs:
+            acc.add_incoming(zero, pre)
+        base = builder.mul(i, ir.Constant(i64, 16 * n_acc))
+        nexts = []
+        for a, acc in enumerate(accs):
+            at = builder.add(base, ir.Constant(i64, 16 * a))
+            kv = builder.load(builder.bitcast(builder.gep(kptr, [at]), v16s.as_pointer()), align=2)
+            kf = builder.fpext(builder.bitcast(kv, v16h), v16f)
+            qv = builder.load(builder.bitcast(builder.gep(qptr, [at]), v16f.as_pointer()), align=4)
+            nexts.append(builder.call(fma, [kf, qv, acc]))
+        for acc, nxt in zip(accs, nexts):
+            acc.add_incoming(nxt, loop)
+        loop_end(builder, i, args[2], loop, done)
+        finals = []
+        for nxt in nexts:
+            phi = builder.phi(v16f)
+            phi.add_incoming(zero, pre)
+            phi.add_incoming(nxt, loop)
+            finals.append(phi)
+        v = finals[0] if n_acc == 1 else builder.fadd(builder.fadd(finals[0], finals[2]), builder.fadd(finals[1], finals[3]))
+        return fold_halves(builder, v, builder.fadd)
+    return intrinsic(typer)
+
+
+@intrinsic
+def f16_axpy16(typingctx, acc, v, p, steps):
+    """``acc[i] = fma(float(v[i]), p, acc[i])`` for i < 16 x steps: a row of F16 values (uint16
+    bits) times p into float32 accumulators, 16 lanes at a time (attention's V sums).  Raw
+    pointers: nn.py passes steps from the row's size, acc at least as long."""
+    sig = types.void(acc, v, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        f32t, i64 = ir.FloatType(), ir.IntType(64)
+        v16f, v16h, v16s = ir.VectorType(f32t, 16), ir.VectorType(ir.HalfType(), 16), ir.VectorType(ir.IntType(16), 16)
+        aptr, vptr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+        one = builder.insert_element(ir.Constant(v16f, ir.Undefined), args[2], ir.Constant(ir.IntType(32), 0))
+        pv = builder.shuffle_vector(one, ir.Constant(v16f, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        i, pre, loop, done = loop_begin(builder, args[3], "axpy")
+        at = builder.mul(i, ir.Constant(i64, 16))
+        hv = builder.load(builder.bitcast(builder.gep(vptr, [at]), v16s.as_pointer()), align=2)
+        a_at = builder.bitcast(builder.gep(aptr, [at]), v16f.as_pointer())
+        total = builder.call(fma, [builder.fpext(builder.bitcast(hv, v16h), v16f), pv, builder.load(a_at, align=4)])
+        builder.store(total, a_at, align=4)
+        loop_end(builder, i, args[3], loop, done)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _sum_lanes(n_lanes: int):
+    """An intrinsic ``(acc, out, steps)``: out[j] = the sum over lanes of acc [n_lanes, 16 steps]
+    column j in ggml's order - with 64 lanes first ``(a[l] + a[l+32]) + (a[l+16] + a[l+48])``
+    for l < 16 (ggml_vec_dot_f16's four accumulators), then reduce16's tree over the 16 - and
+    acc zeroed for the next row.  Sixteen columns at a time in vector registers (numba's loops
+    over a [64, dv] array were most of a decoding step's attention).  Raw pointers: acc
+    C-contiguous with rows of 16 x steps floats, out as long."""
+    def typer(typingctx, acc, out, steps):
+        return types.void(acc, out, types.intp), codegen
+
+    def codegen(context, builder, signature, args):
+        f32t, i64 = ir.FloatType(), ir.IntType(64)
+        v16f = ir.VectorType(f32t, 16)
+        aptr, optr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
+        row = builder.mul(args[2], ir.Constant(i64, 16))  # floats per lane
+        zero = ir.Constant(v16f, [0.0] * 16)
+        jb, pre, loop, done = loop_begin(builder, args[2], "lanes")
+        at = builder.mul(jb, ir.Constant(i64, 16))
+        ptrs = [builder.bitcast(builder.gep(aptr, [builder.add(at, builder.mul(row, ir.Constant(i64, lane)))]),
+                                v16f.as_pointer()) for lane in range(n_lanes)]
+        a = [builder.load(p, align=4) for p in ptrs]
+        for p in ptrs:
+            builder.store(zero, p, align=4)
+        if n_lanes == 64:
+            a = [builder.fadd(builder.fadd(a[l], a[l + 32]), builder.fadd(a[l + 16], a[l + 48])) for l in range(16)]
+        half = 8
+        while half:
+            a = [builder.fadd(a[l + half], a[l]) for l in range(half)]
+            half //= 2
+        builder.store(a[0], builder.bitcast(builder.gep(optr, [at]), v16f.as_pointer()), align=4)
+        loop_end(builder, jb, args[2], loop, done)
+        return context.get_dummy_value()
+    return intrinsic(typer)
+
+
+sum_lanes64 = _sum_lanes(64)
+sum_lanes16 = _sum_lanes(16)
+f16_dot64 = _f16_dot(4)
+f16_dot16 = _f16_dot(1)
 
 
 def target_has_vnni() -> bool:
