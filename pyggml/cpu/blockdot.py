@@ -165,12 +165,12 @@ def _q4_k_scales(builder, base):
     return builder.zext(scales, V8I), builder.zext(mins, V8I)
 
 
-def _q4_k_sums(builder, base, col, five: bool = False):
-    """A Q4_K (or Q5_K) block's integers: the 8 lanes of each sub-block's sum of q x y, times
-    the sub-block's scale, and the 8 sub-blocks' min x (their activations' sum)."""
+def _q4_k_dots(builder, base, col, five: bool = False):
+    """A Q4_K (or Q5_K) block's integers: the 8 lanes of each sub-block's sum of q x y (not yet
+    times its scale), the 8 sub-block scales, and the 8 sub-blocks' min x (their activations' sum)."""
     scales, mins = _q4_k_scales(builder, base)
     qh = load_at(builder, base, 16, V32B) if five else None  # bit s of byte l: sub-block s, value l
-    subs = []
+    dots = []
     for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
         packed = load_at(builder, base, (48 if five else 16) + 32 * pair, V32B)
         for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
@@ -178,9 +178,35 @@ def _q4_k_sums(builder, base, col, five: bool = False):
             if five:
                 fifth = builder.and_(builder.lshr(qh, _splat(V32B, s)), _splat(V32B, 1))
                 q = builder.or_(q, builder.shl(fifth, _splat(V32B, 4)))
-            sc = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
-            subs.append(builder.mul(dot4(builder, q, col["y"][s], False, VNNI), sc))
-    return subs, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+            dots.append(dot4(builder, q, col["y"][s], False, VNNI))
+    return dots, scales, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+
+
+def _q4_k_sums(builder, base, col, five: bool = False):
+    """_q4_k_dots with each sub-block's lanes times its scale (vec_dot keeps the lanes apart)."""
+    dots, scales, min_terms = _q4_k_dots(builder, base, col, five)
+    subs = [builder.mul(d, builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))) for s, d in enumerate(dots)]
+    return subs, min_terms
+
+
+def _scaled_sums(builder, base, col, five: bool = False):
+    """A Q4_K (or Q5_K) block's per-sub-block integers for the kernels that sum a block's lanes
+    (the repacked and tiled ones): each sub-block's q x y summed over its lanes, times its scale
+    (i32 x 8), and the mins' terms.  The lanes are summed before the scales multiply them - the
+    same integers with one vector multiply instead of eight."""
+    dots, scales, min_terms = _q4_k_dots(builder, base, col, five)
+    return builder.mul(_lane_sums8(builder, dots), scales), min_terms
+
+
+def _lane_sums8(builder, vecs):
+    """IR: an i32 x 8 whose element i is the sum of the 8 elements of vecs[i] (exact): three
+    rounds of adding the even and the odd elements of two vectors' concatenation."""
+    even = ir.Constant(ir.VectorType(I32, 8), list(range(0, 16, 2)))
+    odd = ir.Constant(ir.VectorType(I32, 8), list(range(1, 16, 2)))
+    while len(vecs) > 1:
+        vecs = [builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
+                for a, b in zip(vecs[::2], vecs[1::2])]
+    return vecs[0]
 
 
 def _q45_k(five: bool) -> Format:
@@ -222,19 +248,19 @@ def _q4_k_x8(per_pair: bool) -> Format:
     converted once per block for single columns (ggml_gemv_q4_K_8x8_q8_K), once per pair of
     sub-blocks for columns in fours (ggml_gemm_q4_K_8x8_q8_K)."""
     def block(builder, base, col, accs):
-        subs, min_terms = _q4_k_sums(builder, base, col)
+        sums, min_terms = _scaled_sums(builder, base, col)
         d = builder.fmul(half_at(builder, base, 0), col["d"])
         dmin = builder.fmul(half_at(builder, base, 2), col["d"])
         acc, acc_min = accs
-        groups = [(2 * p, 2 * p + 2) for p in range(4)] if per_pair else [(0, 8)]
-        for lo, hi in groups:
-            total = subs[lo]
-            for sub in subs[lo + 1:hi]:
-                total = builder.add(total, sub)
-            part = ir.Constant(ir.VectorType(I32, hi - lo), list(range(lo, hi)))
-            mins = builder.shuffle_vector(min_terms, min_terms, part)
-            acc = _fma(builder, builder.sitofp(_hsum_int(builder, total), F32), d, acc)
-            acc_min = _fma(builder, builder.sitofp(_hsum_int(builder, mins), F32), dmin, acc_min)
+        if per_pair:
+            totals, mins = _pair_sums(builder, sums), _pair_sums(builder, min_terms)
+            parts = [(builder.extract_element(totals, ir.Constant(I32, p)), builder.extract_element(mins, ir.Constant(I32, p)))
+                     for p in range(4)]
+        else:
+            parts = [(_hsum_int(builder, sums), _hsum_int(builder, min_terms))]
+        for total, mins_part in parts:
+            acc = _fma(builder, builder.sitofp(total, F32), d, acc)
+            acc_min = _fma(builder, builder.sitofp(mins_part, F32), dmin, acc_min)
         return [acc, acc_min]
 
     def finish(builder, accs):
@@ -249,11 +275,8 @@ def _q45_k_tiled(five: bool) -> Format:
     ``r = float(scales' integer) * d_w``, ``r = fma(-dmin_w, float(mins' integer), r)``,
     ``acc = fma(r, d_y, acc)``."""
     def block(builder, base, col, accs):
-        subs, min_terms = _q4_k_sums(builder, base, col, five)
-        total = subs[0]
-        for sub in subs[1:]:
-            total = builder.add(total, sub)
-        r = builder.fmul(builder.sitofp(_hsum_int(builder, total), F32), half_at(builder, base, 0))
+        sums, min_terms = _scaled_sums(builder, base, col, five)
+        r = builder.fmul(builder.sitofp(_hsum_int(builder, sums), F32), half_at(builder, base, 0))
         mins = builder.sitofp(_hsum_int(builder, min_terms), F32)
         r = _fma(builder, builder.fneg(half_at(builder, base, 2)), mins, r)
         return [_fma(builder, r, col["d"], accs[0])]
