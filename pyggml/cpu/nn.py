@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import (expf_v, f16_axpy16, f16_dot16, f16_dot64, fma32, half_to_float, reduce16, round_f16, silu_v,
+from .simd import (expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32, half_to_float, reduce16, round_f16, silu_v,
                    sum_lanes16, sum_lanes64)
 
 f32 = np.float32
@@ -235,6 +235,17 @@ def rope_rotate(x, out, cos, sin, n_dims, neox):
                 out[i3, t, h, j1] = fma32(x0, s, x1 * c)
             for j in range(n_dims, hd):
                 out[i3, t, h, j] = x[i3, t, h, j]
+
+
+@njit(cache=True, boundscheck=False)
+def set_rows_f16(x, ids, out):
+    """out[ids[i]] = x[i] as F16 bits (x float32 [n, ne0], ids int64 [n] checked by the caller,
+    out uint16 [rows, ne0]): SET_ROWS into an F16 cache, as ggml's FP32 -> FP16 (nearest, ties
+    to even).  A few rows per step: no threads."""
+    for i in range(x.shape[0]):
+        r = ids[i]
+        for j in range(x.shape[1]):
+            out[r, j] = f16_bits(x[i, j])
 
 
 # -- attention ---------------------------------------------------------------------------------------

@@ -65,6 +65,18 @@ def round_f16(typingctx, v):
 
 
 @intrinsic
+def f16_bits(typingctx, v):
+    """The bits (uint16) of the float16 nearest to the float32 ``v`` (round_f16's rounding)."""
+    if v != types.float32:
+        return None
+    sig = types.uint16(v)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+@intrinsic
 def pow2_f32(typingctx, n):
     """2**n as float32 for -126 <= n <= 127 (int32 n), from its exponent bits."""
     sig = types.float32(types.int32)
