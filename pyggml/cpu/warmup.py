@@ -119,8 +119,8 @@ LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 6.5), "activations":
           "gates": (_gates, 2.5), "top_k": (_top_k, 1.5)}
 OTHERS = {"softmax": (_softmax, 1.2)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
-    "product": (Fmt, _product, lambda f: 5.0 if f <= Fmt.Q8_0 else 2.5),  # the 32-element formats' batches
-    "experts": (Fmt, _experts, lambda f: 5.0 if f <= Fmt.Q8_0 else 2.5),
+    "product": (Fmt, _product, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),  # a K-quant block is larger IR
+    "experts": (Fmt, _experts, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),
     "decoder": (Dec, _decoder, lambda d: 1.0), "fused": (Dec, _fused, lambda d: 1.5)}
 
 
