@@ -43,9 +43,9 @@ LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # one vec_dot formula for any
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_batched_columns_equal_single_columns(name):
-    """From 4 columns the rows are unpacked once and dotted with two columns at a time
-    (simd.block_dots_2x2); for these types ggml's batched arithmetic is its vec_dot, so every
-    column must equal its own (9 columns: the odd last one goes with itself)."""
+    """Batches go through blockdot's tiles (two rows with four or two columns at once, signed
+    weights dotted from an offset); for these types ggml's batched arithmetic is its vec_dot, so
+    every column must equal its own (9 columns: two tiles of four and a single one)."""
     w, x = DATA[name + "_w"], DATA[name + "_x"]
     qtype = pg.Type[name]
     xs = np.concatenate([x, x[::-1], x * np.float32(0.5)])  # 9 columns
@@ -157,9 +157,9 @@ def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
 
 
 def test_portable_lane_dots_equal_vnni(tmp_path):
-    """The plain-IR integer dots (CPUs without AVX-512 VNNI) give the same bits, for batches
-    (simd.lane_dots) and single columns (blockdot.py): run in a process of its own with
-    PYGGML_NO_VNNI=1 and its own numba cache."""
+    """The plain-IR integer dots (CPUs without AVX-512 VNNI, where signed weights take the sign
+    trick instead of VNNI's offset) give the same bits, for batches (blockdot's tiles) and
+    single columns: run in a process of its own with PYGGML_NO_VNNI=1 and its own numba cache."""
     import os
     import subprocess
     import sys
