@@ -231,10 +231,14 @@ def bind_rope(node: Tensor, shared: dict) -> Step:
     # rope_rotate reads each pair before it writes it: the result may go straight into out
     direct = out.flags.c_contiguous
 
+    # the angles of the step's positions, computed by the first ROPE of the plan and taken by
+    # the others with the same positions and parameters (every layer's Q and K)
+    angles = _shared_value(shared, ("rope", id(pos), id(ff), p), lambda: nn.rope_cache(
+        positions.reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor,
+        p.beta_fast, p.beta_slow, p.n_ctx_orig, factors.reshape(-1), ff is not None))
+
     def step() -> None:
-        cos, sin = nn.rope_cache(positions.reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale,
-                                 p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig,
-                                 factors.reshape(-1), ff is not None)
+        cos, sin = angles()
         v = np.ascontiguousarray(x())  # [ne3, n_tokens, n_head, head_dim]
         if direct:
             nn.rope_rotate(v, out, cos, sin, p.n_dims, neox)
@@ -245,17 +249,18 @@ def bind_rope(node: Tensor, shared: dict) -> Step:
     return step
 
 
-class _SharedActivations:
-    """One activation in the form several products of a plan take it: converted by the first
-    (``convert``), read by the ones after it in graph order (``take``) - each step runs after the
-    first's - and let go by the last, so that a plan holds no step's activations between steps."""
+class _SharedValue:
+    """A value several steps of a plan need (one activation in the form several products take
+    it; RoPE's angles): computed by the first (``compute``), read by the ones after it in graph
+    order (``take``) - each step runs after the first's - and let go by the last, so that a plan
+    holds no step's values between steps."""
     __slots__ = ("value", "readers", "left")
 
     def __init__(self) -> None:
         self.value, self.readers, self.left = None, 0, 0
 
-    def convert(self, product: QuantProduct, x: np.ndarray):
-        value = product.activations(x)
+    def compute(self, make: Callable[[], object]):
+        value = make()
         if self.readers:
             self.value, self.left = value, self.readers
         return value
@@ -268,17 +273,23 @@ class _SharedActivations:
         return value
 
 
-def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
-    """The activations of b for ``product``, converted once per step for every product of the
-    plan that reads b in the same form."""
-    key = ("activations", id(b), product.activation_key)
+def _shared_value(shared: dict, key: tuple, make: Callable[[], object]) -> Callable[[], object]:
+    """A step's value under ``key``, made once per step for every step of the plan that asks
+    for it (the first to bind makes it: binding follows graph order)."""
     slot = shared.get(key)
     if slot is not None:
         slot.readers += 1
         return slot.take
-    slot = shared[key] = _SharedActivations()
+    slot = shared[key] = _SharedValue()
+    return lambda: slot.compute(make)
+
+
+def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
+    """The activations of b for ``product``, converted once per step for every product of the
+    plan that reads b in the same form."""
     width = b.ne[0]
-    return lambda: slot.convert(product, x().reshape(-1, width))
+    return _shared_value(shared, ("activations", id(b), product.activation_key),
+                         lambda: product.activations(x().reshape(-1, width)))
 
 
 def column_runs(node: Tensor, t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:

@@ -77,18 +77,27 @@ def _softmax_whole_row(w):
     _softmax_row(w, w.shape[0])
 
 
+@_jit
+def _rms_row(x, r, eps, out):
+    n = x.shape[1]
+    total = 0.0
+    for i in range(n):
+        total += np.float64(x[r, i] * x[r, i])
+    scale = f32(1.0) / f32(math.sqrt(f32(total / n) + f32(eps)))
+    for i in range(n):
+        out[r, i] = x[r, i] * scale
+
+
 @njit(cache=True, parallel=True, boundscheck=False)
 def rms_norm(x, eps, out):
     """ggml_compute_forward_rms_norm_f32: squares rounded to float, summed in double in order;
-    the mean and the scale in float."""
-    n = x.shape[1]
+    the mean and the scale in float.  A single row (a decode step's) without the threads: it
+    takes less than starting them."""
+    if x.shape[0] == 1:
+        _rms_row(x, 0, eps, out)
+        return
     for r in prange(x.shape[0]):
-        total = 0.0
-        for i in range(n):
-            total += np.float64(x[r, i] * x[r, i])
-        scale = f32(1.0) / f32(math.sqrt(f32(total / n) + f32(eps)))
-        for i in range(n):
-            out[r, i] = x[r, i] * scale
+        _rms_row(x, r, eps, out)
 
 
 @njit(cache=True, parallel=True, boundscheck=False)
@@ -218,23 +227,31 @@ def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta
     return cos, sin
 
 
+@_jit
+def _rope_row(x, out, cos, sin, n_dims, neox, i3, t):
+    n_head, hd = x.shape[2], x.shape[3]
+    half = n_dims // 2
+    for h in range(n_head):
+        for i in range(half):
+            j0, j1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[i3, t, h, j0], x[i3, t, h, j1]
+            c, s = cos[t, i], sin[t, i]
+            out[i3, t, h, j0] = fma32(x0, c, -(x1 * s))
+            out[i3, t, h, j1] = fma32(x0, s, x1 * c)
+        for j in range(n_dims, hd):
+            out[i3, t, h, j] = x[i3, t, h, j]
+
+
 @njit(cache=True, parallel=True, boundscheck=False)
 def rope_rotate(x, out, cos, sin, n_dims, neox):
     """x, out [batch, n_tokens, n_head, head_dim]; pairs (2i, 2i+1), or (i, i + n_dims/2) for
-    NEOX; dimensions past n_dims are copied."""
-    b3, n_tok, n_head, hd = x.shape
-    half = n_dims // 2
+    NEOX; dimensions past n_dims are copied.  A single token without the threads."""
+    b3, n_tok = x.shape[0], x.shape[1]
+    if b3 * n_tok == 1:
+        _rope_row(x, out, cos, sin, n_dims, neox, 0, 0)
+        return
     for r in prange(b3 * n_tok):
-        i3, t = r // n_tok, r % n_tok
-        for h in range(n_head):
-            for i in range(half):
-                j0, j1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
-                x0, x1 = x[i3, t, h, j0], x[i3, t, h, j1]
-                c, s = cos[t, i], sin[t, i]
-                out[i3, t, h, j0] = fma32(x0, c, -(x1 * s))
-                out[i3, t, h, j1] = fma32(x0, s, x1 * c)
-            for j in range(n_dims, hd):
-                out[i3, t, h, j] = x[i3, t, h, j]
+        _rope_row(x, out, cos, sin, n_dims, neox, r // n_tok, r % n_tok)
 
 
 @njit(cache=True, boundscheck=False)
