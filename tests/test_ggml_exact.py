@@ -156,7 +156,7 @@ def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
     return np.concatenate([x] * 3) if batch else x[:1]
 
 
-def test_portable_lane_dots_equal_vnni(tmp_path):
+def test_portable_integer_dots_equal_vnni(tmp_path):
     """The plain-IR integer dots (CPUs without AVX-512 VNNI, where signed weights take the sign
     trick instead of VNNI's offset) give the same bits, for batches (blockdot's tiles) and
     single columns: run in a process of its own with PYGGML_NO_VNNI=1 and its own numba cache."""
