@@ -10,7 +10,8 @@ from pyggml import Type
 from pyggml.cpu.activations import quantize
 from pyggml.cpu.kinds import VEC_DOT, Act
 from pyggml.cpu.qmatmul import quant_matmul
-from pyggml.cpu.simd import expf_v, f16_dot16, f16_dot64, round_f16, sum_lanes16, sum_lanes64
+from pyggml.cpu import nn
+from pyggml.cpu.simd import expf_v, f16_dot16, f16_dot64, round_f16, silu_v, sum_lanes16, sum_lanes64
 from pyggml.quants import quantize as quantize_weights
 from pyggml.quants.layouts import LAYOUTS
 
@@ -72,7 +73,7 @@ def _each(fn):
     return each
 
 
-_exp, _round = _each(expf_v), _each(round_f16)
+_exp, _round, _silu = _each(expf_v), _each(round_f16), _each(silu_v)
 
 
 @pytest.mark.parametrize("qtype", [Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q8_0])
@@ -162,6 +163,32 @@ def test_ggml_expf_is_within_its_error_bound_and_saturates():
     assert _exp(np.array([0.0], f32))[0] == 1.0
     big = _exp(np.array([-200.0, 200.0, -np.inf], f32))
     assert big[0] == 0.0 and np.isinf(big[1]) and big[2] == 0.0
+
+
+def test_silu_rows_in_and_out_of_exps_branch_free_range_are_ggml_v_silu():
+    """SwiGLU takes expf's branch-free steps for rows within its normal range and expf_v's
+    branches for the others (or a NaN): both must be ggml_v_silu, the tail the C library's."""
+    rng = np.random.default_rng(6)
+    rows = [np.linspace(-86, 86, 4099), rng.standard_normal(4099) * 30, np.linspace(-120, 120, 4099)]
+    a = np.stack(rows).astype(f32)
+    a[2, 7] = np.nan
+    g = rng.standard_normal(a.shape).astype(f32)
+    for n_rows in (1, 3):  # one row without the threads, several with
+        out = np.empty_like(a[:n_rows])
+        nn.swiglu(a[:n_rows], g[:n_rows], out)
+        full = a.shape[1] - a.shape[1] % 16
+        want = _silu(a[:n_rows, :full].reshape(-1)).reshape(n_rows, full) * g[:n_rows, :full]
+        assert same_bits(out[:, :full], want)
+        tail = a[:n_rows, full:]  # the C library's expf of a double, as the kernel's math.exp
+        exp = np.exp(-tail.astype(f64)).astype(f32)
+        assert same_bits(out[:, full:], tail / (f32(1.0) + exp) * g[:n_rows, full:])
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN."""
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(b)) and np.array_equal(np.where(nan, 0, a).view(np.uint32),
+                                                               np.where(nan, 0, b).view(np.uint32))
 
 
 def test_q8_k_bsums_are_sums_of_16():

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .simd import (expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32, half_to_float, reduce16, round_f16, silu_v,
+from .simd import (EXP_RANGE, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32, half_to_float, reduce16, round_f16, silu_v,
                    sum_lanes16, sum_lanes64)
 
 f32 = np.float32
@@ -100,31 +100,57 @@ def rms_norm(x, eps, out):
         _rms_row(x, r, eps, out)
 
 
+@_jit
+def _in_exp_range(x, r, n):
+    """Whether every x[r, :n] is within EXP_RANGE (NaN is not): a count, not an early exit, so
+    that the loop vectorizes."""
+    outside = 0
+    for i in range(n):
+        outside += not abs(x[r, i]) <= EXP_RANGE
+    return outside == 0
+
+
+@_jit
+def _silu_row(a, g, out, r, gated):
+    """silu(a[r]) (times g[r] if gated) into out[r]: ggml_v_silu 16 values at a time, the C
+    library's expf for the last n % 16 (ggml works row by row too).  Rows within expf's normal
+    range (all of them, in practice) take its branch-free steps, which vectorize."""
+    n = a.shape[1]
+    full = n - n % 16
+    in_range = _in_exp_range(a, r, full)
+    if in_range and gated:
+        for i in range(full):
+            out[r, i] = a[r, i] / (f32(1.0) + expf_in_range(f32(0.0) - a[r, i])) * g[r, i]
+    elif in_range:
+        for i in range(full):
+            out[r, i] = a[r, i] / (f32(1.0) + expf_in_range(f32(0.0) - a[r, i]))
+    else:
+        for i in range(full):
+            out[r, i] = silu_v(a[r, i]) * g[r, i] if gated else silu_v(a[r, i])
+    for i in range(full, n):
+        v = a[r, i]
+        v = v / (f32(1.0) + f32(math.exp(-v)))
+        out[r, i] = v * g[r, i] if gated else v
+
+
 @njit(cache=True, parallel=True, boundscheck=False)
 def silu(x, out):
-    """ggml_vec_silu_f32 per row of x [rows, n]: ggml_v_silu 16 values at a time, the C
-    library's expf for the last n % 16 of each row (ggml works row by row too)."""
-    n = x.shape[1]
-    full = n - n % 16
+    """ggml_vec_silu_f32 per row of x [rows, n]; a single row without the threads."""
+    if x.shape[0] == 1:
+        _silu_row(x, x, out, 0, False)
+        return
     for r in prange(x.shape[0]):
-        for i in range(full):
-            out[r, i] = silu_v(x[r, i])
-        for i in range(full, n):
-            v = x[r, i]
-            out[r, i] = v / (f32(1.0) + f32(math.exp(-v)))
+        _silu_row(x, x, out, r, False)
 
 
 @njit(cache=True, parallel=True, boundscheck=False)
 def swiglu(a, g, out):
     """ggml_vec_swiglu_f32 per row: silu(a) * g, as ``silu``."""
-    n = a.shape[1]
-    full = n - n % 16
+    if a.shape[0] == 1:
+        _silu_row(a, g, out, 0, True)
+        return
     for r in prange(a.shape[0]):
-        for i in range(full):
-            out[r, i] = silu_v(a[r, i]) * g[r, i]
-        for i in range(full, n):
-            v = a[r, i]
-            out[r, i] = v / (f32(1.0) + f32(math.exp(-v))) * g[r, i]
+        _silu_row(a, g, out, r, True)
 
 
 @functools.cache

@@ -342,6 +342,22 @@ def expf_v(x):
     return f32(math.ldexp(np.float64(j), np.int64(n)))
 
 
+# below this magnitude expf_v(x)'s 2**n is a normal float: expf_in_range gives its bits
+EXP_RANGE = f32(86.0)
+
+
+@_jit
+def expf_in_range(x):
+    """expf_v for |x| <= EXP_RANGE: the same steps without its branches, so that a loop of them
+    vectorizes (callers check the range first and take expf_v outside it)."""
+    z = fma32(x, _LOG2E, _SHIFT)
+    n = z - _SHIFT
+    b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, f32(1.0)))
+    return j * pow2_f32(np.int32(n))
+
+
 @_jit
 def silu_v(x):
     """ggml_v_silu: x / (1 + e**-x) with ggml_v_expf."""
