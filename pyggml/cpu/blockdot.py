@@ -330,9 +330,9 @@ def _q6_k_tiled() -> Format:
 
 
 # how far ahead of the last row's block the kernels ask for weight bytes: a decode step reads
-# every weight once, from memory, and the hardware prefetcher alone left products waiting on it
-# (8 GB/s over two cores; 13 GB/s 4 KiB ahead in a loop of products, and in a model, where
-# other ops run between them, best from 8 to 16 KiB)
+# every weight once, from memory, and with the hardware prefetcher alone the products waited on
+# it.  Far enough to cover memory's latency at a single column's pace, near enough that the
+# lines are still in cache when the rows reach them (in a model other ops run in between)
 PREFETCH_BYTES = 8192
 
 
