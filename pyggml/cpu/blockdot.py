@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .kinds import Fmt, literal_kind
-from .simd import dot4, fold_halves, hsum8_ir, loop_begin, loop_end, splat8, target_has_vnni
+from .simd import dot4, fold_halves, hsum8_ir, loop_begin, loop_end, splat, target_has_vnni
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
@@ -128,7 +128,7 @@ def _legacy(blk: Legacy) -> Format:
         else:
             sums = dot4(builder, q, col["y"], signed, VNNI)
         lanes = builder.sitofp(sums, V8F)
-        nxt = [_fma(builder, splat8(builder, builder.fmul(half_at(builder, base, 0), col["d"])), lanes, accs[0])]
+        nxt = [_fma(builder, splat(builder, builder.fmul(half_at(builder, base, 0), col["d"])), lanes, accs[0])]
         if blk.has_min:
             nxt.append(_fma(builder, half_at(builder, base, 2), col["s"], accs[1]))
         return nxt
@@ -221,13 +221,13 @@ def _q45_k(five: bool) -> Format:
         lanes = subs[0]
         for sub in subs[1:]:
             lanes = builder.add(lanes, sub)
-        scale = splat8(builder, builder.fmul(half_at(builder, base, 0), col["d"]))
+        scale = splat(builder, builder.fmul(half_at(builder, base, 0), col["d"]))
         acc = _fma(builder, scale, builder.sitofp(lanes, V8F), accs[0])
         dmin = builder.fmul(builder.fneg(col["d"]), half_at(builder, base, 2))
         if five:
             return [acc, _fma(builder, dmin, builder.sitofp(_hsum_int(builder, min_terms), F32), accs[1])]
         pairs = builder.sitofp(_pair_sums(builder, min_terms), v4f)  # the mins of sub-blocks 0+1, 2+3, ...
-        eight = splat8(builder, dmin)
+        eight = splat(builder, dmin)
         dmins = builder.shuffle_vector(eight, eight, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3]))
         return [acc, _fma(builder, dmins, pairs, accs[1])]
 
@@ -309,7 +309,7 @@ def _q6_k() -> Format:
     """Q6_K's vec_dot: ``acc = fma(d_y * d_w, lanes, acc)`` per block, then hsum8 (+ 0, as
     the K-quants' vec_dot adds its sum of mins, 0 here)."""
     def block(builder, base, col, accs):
-        scale = splat8(builder, builder.fmul(col["d"], half_at(builder, base, 208)))
+        scale = splat(builder, builder.fmul(col["d"], half_at(builder, base, 208)))
         return [_fma(builder, scale, builder.sitofp(_q6_k_lanes(builder, base, col), V8F), accs[0])]
 
     def finish(builder, accs):

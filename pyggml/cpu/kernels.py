@@ -438,7 +438,13 @@ def bind_set_rows(node: Tensor, shared: dict) -> Step:
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
     quantized = node.type.is_quantized
     out = tensor_rows(node) if quantized else tensor_view(node)
+    # the KV cache's writes (F32 rows into F16 ones, both contiguous): one numba loop
     halves = out.view(np.uint16) if node.type == Type.F16 and src.type == Type.F32 else None
+    if halves is not None:
+        rows_in = tensor_view(src)
+        if not all(halves[i3, i2].flags.c_contiguous and rows_in[i3, i2].flags.c_contiguous
+                   for i3 in range(src.ne[3]) for i2 in range(src.ne[2])):
+            halves = None
 
     def step() -> None:
         ids = index()
@@ -446,9 +452,8 @@ def bind_set_rows(node: Tensor, shared: dict) -> Step:
         for i3 in range(src.ne[3]):
             for i2 in range(src.ne[2]):
                 rows, at = xv[i3, i2], ids[0, i3 // r3, i2 // r2]
-                dst = halves[i3, i2] if halves is not None else None
-                if dst is not None and dst.flags.c_contiguous and rows.flags.c_contiguous:
-                    nn.set_rows_f16(rows, np.ascontiguousarray(at), dst)  # the KV cache's writes
+                if halves is not None:
+                    nn.set_rows_f16(rows, np.ascontiguousarray(at), halves[i3, i2])
                 else:
                     out[i3, i2][at] = quants.quantize(rows, node.type) if quantized else rows
     return step

@@ -40,13 +40,16 @@ assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
 
-@_jit
-def _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs):
-    """Rows start..end of a weight for every column, two rows at a time (blockdot.py), and
-    TILE_WIDE (or TILE_NARROW) columns at a time where that many consecutive columns share a
-    format (each block then unpacked once for all of them); an odd last row goes with itself.  A column's format
-    is the one a product of its run's columns alone would give it (runs: the runs' first
-    columns, then the number of columns) - a tile may span runs: its columns' sums are apart."""
+@njit(cache=True, boundscheck=False)
+def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
+    """Rows start..end of weight w times every column of yb - one thread's part of a product -
+    two rows at a time (blockdot.py), and TILE_WIDE (or TILE_NARROW) columns at a time where
+    that many consecutive columns share a format (each block then unpacked once for all of
+    them); an odd last row goes with itself.  A column's format is the one a product of its
+    run's columns alone would give it (runs: the runs' first columns, then the number of
+    columns) - a tile may span runs: its columns' sums are apart.
+    A function of its own, not the parallel loop's body: numba's parallel passes then take
+    seconds less to compile, and the block kernels are IR of our own, vectorized as written."""
     n_cols = yb.shape[0]
     fmts = np.empty(n_cols, dtype=np.int64)
     for r in range(runs.size - 1):
@@ -93,16 +96,6 @@ def _chunks(m_rows, n_chunks):
     per = (m_rows + n_chunks - 1) // n_chunks
     per += per % 2
     return (m_rows + per - 1) // per, per
-
-
-@njit(cache=True, boundscheck=False)
-def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
-    """Rows start..end of weight w times every column of yb: one thread's part of a product.
-    A function of its own, not the parallel loop's body: numba's parallel passes then take
-    seconds less to compile.  (Unlike attention's rows - nn.attention_cells - this costs no
-    speed: the block kernels are LLVM IR of our own, vectorized as written, not by LLVM's alias
-    analysis of numba's arrays.)"""
-    _rows_from_blocks(kind, w, start, end, yb, yd, ys, out, runs)
 
 
 @_jit

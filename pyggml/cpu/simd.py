@@ -110,11 +110,20 @@ def loop_end(builder, i, n, loop, done) -> None:
     builder.position_at_end(done)
 
 
-def splat8(builder, x):
-    """IR: a float as all 8 lanes of a vector."""
-    v8, i32 = ir.VectorType(ir.FloatType(), 8), ir.IntType(32)
-    one = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
-    return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+def splat(builder, x, lanes: int = 8):
+    """IR: a float as all lanes of a vector (8 unless told)."""
+    vec, i32 = ir.VectorType(ir.FloatType(), lanes), ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+V16F = ir.VectorType(ir.FloatType(), 16)
+
+
+def load_halves16(builder, ptr, at):
+    """IR: the 16 F16 values (uint16 bits) at element ``at`` of ``ptr`` as float32 (exact)."""
+    bits = builder.load(builder.bitcast(builder.gep(ptr, [at]), ir.VectorType(ir.IntType(16), 16).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), V16F)
 
 
 def hsum8_ir(builder, v):
@@ -152,8 +161,7 @@ def _f16_dot(n_acc: int):
         return types.float32(k, q, types.intp), codegen
 
     def codegen(context, builder, signature, args):
-        f32t, i64 = ir.FloatType(), ir.IntType(64)
-        v16f, v16h, v16s = ir.VectorType(f32t, 16), ir.VectorType(ir.HalfType(), 16), ir.VectorType(ir.IntType(16), 16)
+        i64, v16f = ir.IntType(64), V16F
         kptr, qptr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
         zero = ir.Constant(v16f, [0.0] * 16)
@@ -165,10 +173,8 @@ def _f16_dot(n_acc: int):
         nexts = []
         for a, acc in enumerate(accs):
             at = builder.add(base, ir.Constant(i64, 16 * a))
-            kv = builder.load(builder.bitcast(builder.gep(kptr, [at]), v16s.as_pointer()), align=2)
-            kf = builder.fpext(builder.bitcast(kv, v16h), v16f)
             qv = builder.load(builder.bitcast(builder.gep(qptr, [at]), v16f.as_pointer()), align=4)
-            nexts.append(builder.call(fma, [kf, qv, acc]))
+            nexts.append(builder.call(fma, [load_halves16(builder, kptr, at), qv, acc]))
         for acc, nxt in zip(accs, nexts):
             acc.add_incoming(nxt, loop)
         loop_end(builder, i, args[2], loop, done)
@@ -191,17 +197,14 @@ def f16_axpy16(typingctx, acc, v, p, steps):
     sig = types.void(acc, v, types.float32, types.intp)
 
     def codegen(context, builder, signature, args):
-        f32t, i64 = ir.FloatType(), ir.IntType(64)
-        v16f, v16h, v16s = ir.VectorType(f32t, 16), ir.VectorType(ir.HalfType(), 16), ir.VectorType(ir.IntType(16), 16)
+        i64, v16f = ir.IntType(64), V16F
         aptr, vptr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
-        one = builder.insert_element(ir.Constant(v16f, ir.Undefined), args[2], ir.Constant(ir.IntType(32), 0))
-        pv = builder.shuffle_vector(one, ir.Constant(v16f, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        pv = splat(builder, args[2], 16)
         i, pre, loop, done = loop_begin(builder, args[3], "axpy")
         at = builder.mul(i, ir.Constant(i64, 16))
-        hv = builder.load(builder.bitcast(builder.gep(vptr, [at]), v16s.as_pointer()), align=2)
         a_at = builder.bitcast(builder.gep(aptr, [at]), v16f.as_pointer())
-        total = builder.call(fma, [builder.fpext(builder.bitcast(hv, v16h), v16f), pv, builder.load(a_at, align=4)])
+        total = builder.call(fma, [load_halves16(builder, vptr, at), pv, builder.load(a_at, align=4)])
         builder.store(total, a_at, align=4)
         loop_end(builder, i, args[3], loop, done)
         return context.get_dummy_value()
@@ -219,8 +222,7 @@ def _sum_lanes(n_lanes: int):
         return types.void(acc, out, types.intp), codegen
 
     def codegen(context, builder, signature, args):
-        f32t, i64 = ir.FloatType(), ir.IntType(64)
-        v16f = ir.VectorType(f32t, 16)
+        i64, v16f = ir.IntType(64), V16F
         aptr, optr = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:2], args[:2]))
         row = builder.mul(args[2], ir.Constant(i64, 16))  # floats per lane
         zero = ir.Constant(v16f, [0.0] * 16)
