@@ -40,6 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 import pyggml as pg
 from pyggml.rpc import backend as rpc_backend
 from tests.rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
@@ -208,6 +210,10 @@ def main() -> None:
     ap.add_argument("--pipeline", action="store_true",
                     help="a prompt over two servers pinned to one core each, with and without micro-batches")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="with --pipeline: the prompt's length")
+    ap.add_argument("--sequences", type=lambda t: [int(x) for x in t.split(",")], default=[8, 32],
+                    help="with --pipeline: decode steps of this many sequences (comma-separated), "
+                         "in one batch and in groups of sequences")
+    ap.add_argument("--decode-steps", type=int, default=16, help="with --pipeline: decode steps timed")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
     main_of = moe_main if args.synthetic_moe is not None else pipeline_main if args.pipeline else placements_main
@@ -235,10 +241,13 @@ def pipeline_main(args, env: dict, hosts: Hosts) -> None:
     servers = [ServerProcess("--threads", "1", *(("-H", hosts.address) if hosts.address else ()), env=env,
                              prefix=(*hosts.prefix, "taskset", "-c", str(cores[i]))) for i in range(2)]
     try:
-        m = pg.Model(args.model, n_ctx=max(1024, args.prompt_tokens + 16), rpc=[s.endpoint for s in servers],
+        from pyggml.models.kv_cache import PAGE  # each sequence takes whole pages of cells
+        n_ctx = max(1024, args.prompt_tokens + 16, 2 * PAGE * max(args.sequences, default=0))
+        m = pg.Model(args.model, n_ctx=n_ctx, rpc=[s.endpoint for s in servers],
                      n_batch=256, progress=False)
         ids = (m.tokenize(PROMPT * 64))[:args.prompt_tokens]
-        micro, results = m.context.n_micro, {}
+        micro, groups, results = m.context.n_micro, m.context.n_groups, {}
+        decodes: dict[int, dict[str, list[float]]] = {}
         for _ in range(args.rounds):
             for name, n_micro in (("one ubatch after another", 0), (f"micro-batches of {micro}", micro)):
                 m.context.n_micro = n_micro
@@ -248,17 +257,52 @@ def pipeline_main(args, env: dict, hosts: Hosts) -> None:
                 t0 = time.perf_counter()
                 m.context.decode(ids)
                 results.setdefault(name, []).append(len(ids) / (time.perf_counter() - t0))
+            m.context.n_micro = micro
+            for n_seq in args.sequences:
+                for name, n_groups in (("one batch", 0), ("groups of sequences", groups)):
+                    m.context.n_groups = n_groups
+                    decodes.setdefault(n_seq, {}).setdefault(name, []).append(
+                        batched_decode(m.context, n_seq, args.decode_steps))
         m.close()
     finally:
         for s in servers:
             s.stop()
     layers = "layers split over two servers pinned to one core each (--threads 1)"
-    print(f"model {args.model}, a {len(ids)}-token prompt, {layers}, median of {args.rounds} rounds:")
+    print_pipelining(f"model {args.model}, a {len(ids)}-token prompt, {layers}, median of {args.rounds} rounds:",
+                     results)
+    for n_seq, runs in decodes.items():
+        print_pipelining(f"decode steps of {n_seq} sequences (top-k 40), {args.decode_steps} steps:", runs)
+
+
+def print_pipelining(title: str, results: dict[str, list[float]]) -> None:
+    """The median tokens/s without and with pipelining (in that order), and their ratio."""
+    print(title)
     medians = {name: sorted(v)[len(v) // 2] for name, v in results.items()}
     for name, tps in medians.items():
         print(f"  {name:<28}{tps:>8.1f} tokens/s")
     base, piped = medians.values()
     print(f"  pipelining: {piped / base:.2f}x")
+
+
+def batched_decode(ctx, n_seq: int, steps: int) -> float:
+    """Generated tokens/s of ``n_seq`` sequences decoded together (a server's decode steps with
+    every slot busy), each after a short prompt of its own."""
+    from pyggml.models.context import Batch
+    ctx.clear_cache()
+    pos = []
+    for i in range(n_seq):
+        prompt = np.arange(8 + i % 5, dtype=np.int32) + 100 * (i + 1)
+        ctx.decode_batch(Batch.of(prompt, 0, seq=i), n_top=40)
+        pos.append(len(prompt))
+    tokens, seqs = np.full(n_seq, 1, np.int32), np.arange(n_seq, dtype=np.int32)
+    t0 = 0.0
+    for step in range(steps + 2):  # two steps first: graphs made and sent
+        if step == 2:
+            t0 = time.perf_counter()
+        top = ctx.decode_batch(Batch(tokens, np.array(pos, np.int32), seqs, np.ones(n_seq, bool)), n_top=40)
+        tokens = top.ids[:, 0].astype(np.int32)
+        pos = [p + 1 for p in pos]
+    return n_seq * steps / (time.perf_counter() - t0)
 
 
 def placements_main(args, env: dict, hosts: Hosts) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import Scheduler, tensor_array, tensor_arrays, tensor_set
-from pyggml.backend import Backend
+from pyggml import Scheduler, tensor_set
+from pyggml.backend import Backend, tensor_arrays_async
 
 from .blocks import GraphBuilder
 from .kv_cache import KVCache
@@ -139,8 +139,36 @@ def pipeline_micro_batch(model: LoadedModel) -> int:
     follow prompt_cut's rule, so every token meets the kernels of the whole ubatch, and the
     bits are those of a run without pipelining.  Not for a mixture of experts: an expert's share
     of the tokens decides its kernels there, and a micro-batch holds fewer."""
-    servers = {getattr(model.layer_device(il), "conn", None) for il in range(model.hp.n_layer)} - {None}
-    return PIPELINE_MICRO if len(servers) > 1 and not model.hp.n_expert else 0
+    return PIPELINE_MICRO if layer_servers(model) > 1 and not model.hp.n_expert else 0
+
+
+def layer_servers(model: LoadedModel) -> int:
+    """How many remote servers hold the model's layers (the stages of a pipeline)."""
+    return len({getattr(model.layer_device(il), "conn", None) for il in range(model.hp.n_layer)} - {None})
+
+
+# A pipelined batch of several sequences (a server's decode step) is cut into one group of
+# sequences per server, so that each server works on one group while the next server works on
+# the one before; but into no group of fewer than MIN_GROUP_TOKENS tokens: every group reads
+# every weight again and pays each op's fixed cost again, which a few columns do not win back
+# (bench/rpc.py --pipeline shows what the cut gains at 8 and 32 sequences).
+GROUPS_PER_SERVER = 1
+MIN_GROUP_TOKENS = 4
+
+
+def sequence_groups(seq: np.ndarray, n_groups: int) -> list[tuple[int, int]]:
+    """(start, end) of at most ``n_groups`` pieces of a batch, each a run of whole sequences
+    (runs_of), of about equal numbers of tokens.  A sequence's tokens are computed as they would
+    be alone whatever else is in their batch (the products' runs, attention's single rows), so
+    any such cut keeps the bits."""
+    runs = runs_of(seq)
+    total, cuts = len(seq), [0]
+    for i in range(1, n_groups):
+        target = total * i // n_groups
+        cut = int(runs[np.searchsorted(runs, target)])  # the first run start at or after it
+        if cuts[-1] < cut < total:
+            cuts.append(cut)
+    return list(zip(cuts, cuts[1:] + [total]))
 
 
 class Context:
@@ -167,6 +195,7 @@ class Context:
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
+        self.n_groups = GROUPS_PER_SERVER * layer_servers(model) if self.n_micro else 0
 
     @property
     def n_past(self) -> int:
@@ -281,7 +310,7 @@ class Context:
         if all_cells is None:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full ({self.kv.n_used} cached + "
                                    f"{len(batch)} new); use a larger n_ctx")
-        outs = []
+        reads = []  # per piece with outputs: (rows, top-k or whole rows, their read)
         row = 0  # output rows handed out so far
         for start, end in self._pieces(batch):
             ub = batch.slice(start, end)
@@ -301,14 +330,20 @@ class Context:
             if b.inputs.hist_ids is not None:
                 tensor_set(b.inputs.hist_ids, np.ascontiguousarray(hist[row:row + wanted], dtype=np.int32))
             self.sched.graph_compute(b.graph)
-            if wanted and top:
+            if wanted:
                 t = b.top
-                read = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else [])
-                arrays = [a.reshape(wanted, -1) for a in tensor_arrays(read)]  # together: one round trip
-                outs.append((*arrays[:2], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32)))
-            elif wanted:
-                outs.append(tensor_array(b.graph.output()).reshape(n_outputs, -1))
+                out = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else []) if top \
+                    else [b.graph.output()]
+                # asked for now, read once every piece is on its way: a server that holds the
+                # head answers between this piece's graph and the next, while the servers
+                # before it already work on the next piece (pipelining)
+                reads.append((wanted, top, tensor_arrays_async(out)))
             row += wanted
+        outs = []
+        for wanted, top, read in reads:
+            arrays = [a.reshape(wanted, -1) for a in read()]
+            outs.append((*arrays[:2], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32))
+                        if top else arrays[0])
         self._logged(("b", batch), len(batch))
         if n_top:
             parts = list(zip(*outs)) if outs else [[np.zeros((0, n_top), np.int32)], [np.zeros((0, n_top), np.float32)],
@@ -320,12 +355,18 @@ class Context:
 
     def _pieces(self, batch: Batch) -> list[tuple[int, int]]:
         """(start, end) of each graph a batch is computed in: ubatches of n_ubatch tokens, and
-        with pipelining (n_micro) the ubatches of one sequence in micro-batches."""
+        with pipelining (n_micro) the ubatches of one sequence in micro-batches, those of several
+        sequences in groups of sequences (n_groups)."""
         pieces = []
         for start in range(0, len(batch), self.n_ubatch):
             end = min(start + self.n_ubatch, len(batch))
             seq = batch.seq[start:end]
-            if not self.n_micro or end - start <= self.n_micro or (seq != seq[0]).any():
+            several = (seq != seq[0]).any()
+            if several and self.n_groups:
+                n_groups = min(self.n_groups, len(seq) // MIN_GROUP_TOKENS)
+                pieces += [(start + a, start + b) for a, b in sequence_groups(seq, max(n_groups, 1))]
+                continue
+            if several or not self.n_micro or end - start <= self.n_micro:
                 pieces.append((start, end))
                 continue
             done = 0

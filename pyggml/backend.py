@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -97,6 +97,14 @@ class Buffer(abc.ABC):
         """Several whole tensors' bytes (each in a buffer of this type); a buffer that pays per
         request, as a remote one does, asks for them together."""
         return [t.buffer.get_tensor(t, 0, t.nbytes()) for t in tensors]
+
+    def get_tensors_async(self, tensors: list[Tensor]) -> Callable[[], list[np.ndarray]]:
+        """get_tensors, whose answer is read when the function returned is called (ggml's
+        tensor_get_async and synchronize): the bytes are those of the tensors now, even if
+        later work overwrites them first.  A buffer that waits for its answers (a remote one)
+        asks now and reads later; by default the bytes are read now."""
+        arrays = self.get_tensors(tensors)
+        return lambda: arrays
 
     @abc.abstractmethod
     def memset_tensor(self, tensor: Tensor, value: int, offset: int = 0, size: int | None = None) -> None: ...
@@ -266,14 +274,25 @@ def tensor_array(tensor: Tensor) -> np.ndarray:
 def tensor_arrays(tensors: Sequence[Tensor]) -> list[np.ndarray]:
     """:func:`tensor_array` of several tensors, read together where their buffers can (one
     round trip to an RPC server for a decode step's outputs)."""
+    return tensor_arrays_async(tensors)()
+
+
+def tensor_arrays_async(tensors: Sequence[Tensor]) -> Callable[[], list[np.ndarray]]:
+    """:func:`tensor_arrays` of the tensors as they are now, read when the function returned
+    is called (Buffer.get_tensors_async): a remote buffer's answer can then come while the
+    next graph is sent."""
     by_type: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         by_type.setdefault(id(_require_buffer(t).get_type()), []).append(i)
-    raws: list = [None] * len(tensors)
-    for idx in by_type.values():
-        for i, raw in zip(idx, tensors[idx[0]].buffer.get_tensors([tensors[i] for i in idx])):
-            raws[i] = raw
-    return [_values(t, raw) for t, raw in zip(tensors, raws)]
+    reads = [(idx, tensors[idx[0]].buffer.get_tensors_async([tensors[i] for i in idx])) for idx in by_type.values()]
+
+    def arrays() -> list[np.ndarray]:
+        raws: list = [None] * len(tensors)
+        for idx, read in reads:
+            for i, raw in zip(idx, read()):
+                raws[i] = raw
+        return [_values(t, raw) for t, raw in zip(tensors, raws)]
+    return arrays
 
 
 def _values(tensor: Tensor, raw: np.ndarray) -> np.ndarray:

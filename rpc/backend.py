@@ -14,6 +14,7 @@ import os
 import ssl
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -158,13 +159,19 @@ class RPCBuffer(Buffer):
 
     def get_tensors(self, tensors: list[Tensor]) -> list[np.ndarray]:
         """Every tensor whole, asked for together: one round trip to a server, not one each."""
+        return self.get_tensors_async(tensors)()
+
+    def get_tensors_async(self, tensors: list[Tensor]) -> Callable[[], list[np.ndarray]]:
+        """The requests leave now; the server answers them after what was sent before (the
+        graph that computes them) and before what is sent after (the next one, which may
+        overwrite them)."""
         if any(not isinstance(t.buffer, RPCBuffer) or t.buffer.conn is not self.conn for t in tensors):
-            return super().get_tensors(tensors)
+            return super().get_tensors_async(tensors)
         for t in tensors:
             t.buffer._check(t, 0, t.nbytes())
-        answers = self.conn.request_many([(Command.GET_TENSOR, t.buffer._packed(t) + P.GET_TENSOR.pack(
+        answers = self.conn.request_many_async([(Command.GET_TENSOR, t.buffer._packed(t) + P.GET_TENSOR.pack(
             0, t.nbytes(), Codec.LZ4), ()) for t in tensors], reply=P.GET_REPLY)
-        return [self._received(a, t.nbytes()) for a, t in zip(answers, tensors)]
+        return lambda: [self._received(a, t.nbytes()) for a, t in zip(answers(), tensors)]
 
     def _received(self, answer: tuple, size: int) -> np.ndarray:
         (n, codec), frames = answer

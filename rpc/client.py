@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 from . import keys
 from . import protocol as P
@@ -59,6 +60,10 @@ class Connection:
         self.sent: Counter[Command] = Counter()  # requests sent, by command
         self._corked: list[list] = []  # messages held back until the next request with a reply
         self._corked_bytes = 0
+        # requests sent whose answers nobody has read yet (request_many_async), and answers that
+        # came while another was awaited: kept until their reader asks
+        self._unread: set[int] = set()
+        self._early: dict[int, list[memoryview]] = {}
         # servers that send this one tensors themselves (rpc/backend.py peer_copy): their
         # Connection -> the link number on their side, 0 where they cannot (weak: a connection
         # closed and collected must not lend its entry to a new one); the last tag used
@@ -171,25 +176,43 @@ class Connection:
                      timeout: float | None = None) -> list[tuple[tuple | memoryview, list[memoryview]]]:
         """Several requests sent together, their answers read in order: one round trip.  The
         first error is raised after every answer has been read."""
+        return self.request_many_async(requests, reply, timeout)()
+
+    def request_many_async(self, requests: list[tuple[Command, bytes, list | tuple]], reply=None,
+                           timeout: float | None = None
+                           ) -> Callable[[], list[tuple[tuple | memoryview, list[memoryview]]]]:
+        """request_many's requests sent now; the function returned reads their answers (as
+        request_many returns them) when called.  Meanwhile the connection serves other requests,
+        in order: the server answers these after everything sent before them and before
+        everything sent after (so a result read this way is the one computed before it was
+        asked for, whatever runs after it)."""
         with self._lock:
             seqs = [self._send(cmd, payload, list(frames), 0, more=i + 1 < len(requests))
                     for i, (cmd, payload, frames) in enumerate(requests)]
-            self.round_trips += 1
-            t0 = time.perf_counter()
-            try:
-                answers = [self._wait(seq, cmd, self.timeout if timeout is None else timeout)
-                           for seq, (cmd, _, _) in zip(seqs, requests)]
-            finally:
-                self.wait_seconds += time.perf_counter() - t0
-        results, error = [], None
-        for (cmd, _, _), parts in zip(requests, answers):
-            try:
-                results.append(self._answer(cmd, parts, reply))
-            except RPCError as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+            self._unread.update(seqs)
+
+        def answers() -> list[tuple[tuple | memoryview, list[memoryview]]]:
+            with self._lock:
+                self.round_trips += 1
+                t0 = time.perf_counter()
+                try:
+                    parts = [self._wait(seq, cmd, self.timeout if timeout is None else timeout)
+                             for seq, (cmd, _, _) in zip(seqs, requests)]
+                finally:
+                    self.wait_seconds += time.perf_counter() - t0
+                    self._unread.difference_update(seqs)
+                    for seq in seqs:  # (after an error: answers kept for the ones not reached)
+                        self._early.pop(seq, None)
+            results, error = [], None
+            for (cmd, _, _), p in zip(requests, parts):
+                try:
+                    results.append(self._answer(cmd, p, reply))
+                except RPCError as e:
+                    error = error or e
+            if error is not None:
+                raise error
+            return results
+        return answers
 
     def _answer(self, cmd: Command, parts: list[memoryview], reply) -> tuple[tuple | memoryview, list[memoryview]]:
         head = parts[0]
@@ -209,6 +232,8 @@ class Connection:
         return body, parts[1:]
 
     def _wait(self, seq: int, cmd: Command, timeout: float) -> list[memoryview]:
+        if seq in self._early:
+            return self._early.pop(seq)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -223,6 +248,9 @@ class Connection:
             self.bytes_received += sum(len(p) for p in parts)
             if len(parts[0]) < P.HEADER.size:
                 self._fail("malformed reply")
-            if P.HEADER.unpack_from(parts[0])[3] != seq:
-                continue  # an answer to a request that timed out earlier
-            return parts
+            answered = P.HEADER.unpack_from(parts[0])[3]
+            if answered == seq:
+                return parts
+            if answered in self._unread:  # asked earlier, read later (request_many_async)
+                self._early[answered] = parts
+            # else: an answer to a request that timed out earlier

@@ -70,9 +70,11 @@ def test_rpc_bench_runs():
 
 
 def test_rpc_bench_pipeline_runs():
-    r = run(sys.executable, "bench/rpc.py", "--pipeline", "--rounds", "1", "--prompt-tokens", "80")
+    r = run(sys.executable, "bench/rpc.py", "--pipeline", "--rounds", "1", "--prompt-tokens", "80",
+            "--sequences", "8", "--decode-steps", "2")
     assert r.returncode == 0, r.stderr
-    assert "micro-batches of 64" in r.stdout and "pipelining:" in r.stdout, r.stdout
+    assert "micro-batches of 64" in r.stdout and r.stdout.count("pipelining:") == 2, r.stdout
+    assert "decode steps of 8 sequences" in r.stdout and "groups of sequences" in r.stdout, r.stdout
 
 
 def test_rpc_bench_runs_a_mixture_of_experts_without_a_tokenizer(tmp_path):

@@ -245,3 +245,26 @@ def test_old_curve_keys_get_a_clear_error(tmp_path):
     old.write_text("rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7\n")
     with pytest.raises(ValueError, match="CurveZMQ key from an older pyggml"):
         load_key(old)
+
+
+def test_a_read_asked_for_early_gets_the_bytes_of_then_and_answers_read_meanwhile_keep(start_server):
+    """tensor_arrays_async: the read leaves at once and the server answers it in order - after
+    what was sent before and before what is sent after - so a later write does not change what
+    it reads, and a request answered while it waits (its answer comes first) leaves it intact."""
+    from pyggml.backend import alloc_tensors, tensor_arrays_async
+    device = connect(start_server().endpoint)[0]
+    try:
+        a, b = pg.new_tensor(pg.Type.F32, (64,), "a"), pg.new_tensor(pg.Type.F32, (64,), "b")
+        alloc_tensors([a, b], device.get_buffer_type())
+        before, after = np.arange(64, dtype=np.float32), -np.arange(64, dtype=np.float32)
+        pg.tensor_set(a, before)
+        pg.tensor_set(b, after)
+        early = tensor_arrays_async([a, b])
+        pg.tensor_set(a, after)  # sent after the read: answered after it
+        assert np.array_equal(pg.tensor_array(a).ravel(), after)  # waits past the early read's answers
+        assert device.conn.answers()
+        got = [x.ravel() for x in early()]
+        assert np.array_equal(got[0], before) and np.array_equal(got[1], after)
+        assert not device.conn._early and not device.conn._unread
+    finally:
+        device.conn.close()

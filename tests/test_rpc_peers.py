@@ -257,3 +257,47 @@ def test_a_prompt_over_two_servers_is_pipelined_with_the_bits_of_one_ubatch(two_
         pieces = ctx._pieces(pg.models.context.Batch.of(np.array(ids), 0, 0, "last"))
         assert len(pieces) >= 3 and all((b - a) % 8 == 0 for a, b in pieces[:-1]) and pieces[-1][1] - pieces[-1][0] >= 8
         assert np.array_equal(ctx.decode(ids)[-1], want)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_a_decode_step_of_several_sequences_over_two_servers_is_cut_into_groups_with_local_bits(
+        two_servers, alias, monkeypatch):
+    """A server's decode step - the next token of several sequences and a waiting prompt, in
+    one batch - over two servers is computed in groups of whole sequences that do not wait for
+    each other (Context.n_groups): each group's outputs are asked for as its graph is sent and
+    read once all are on their way.  They come back in batch order, top-k and whole rows, with
+    the bits of the local run."""
+    from pyggml.models import context as context_module
+    from pyggml.models.context import Batch
+    local = shared_model(alias)
+    prompts = [local.tokenize(t) for t in ("The capital of France is", "Once upon a time", "1, 2, 3, 4,",
+                                           "def main():", "Three colours:")]
+
+    def steps(ctx) -> list:
+        ctx.clear_cache()
+        for i, p in enumerate(prompts[:4]):
+            ctx.decode_batch(Batch.of(p[:-1], 0, seq=i))
+        # the last prompt token of four sequences, and the whole prompt of a fifth
+        parts = [(i, p[-1:], len(p) - 1) for i, p in enumerate(prompts[:4])] + [(4, prompts[4], 0)]
+        batch = Batch(np.concatenate([t for _, t, _ in parts]).astype(np.int32),
+                      np.concatenate([np.arange(p0, p0 + len(t)) for _, t, p0 in parts]).astype(np.int32),
+                      np.concatenate([np.full(len(t), i) for i, t, _ in parts]).astype(np.int32),
+                      np.concatenate([np.arange(len(t)) == len(t) - 1 for _, t, _ in parts]))
+        top = ctx.decode_batch(batch, n_top=8, hist=np.tile(np.arange(3, dtype=np.int32), (5, 1)))
+        pos = np.array([len(p) for p in prompts], np.int32)
+        nxt = Batch(top.ids[:, 0].astype(np.int32), pos, np.arange(5, dtype=np.int32), np.ones(5, bool))
+        rows = ctx.decode_batch(nxt)
+        ctx.clear_cache()
+        return [top.ids, top.values, top.hist_values, rows]
+
+    want = steps(local.context)
+    monkeypatch.setattr(context_module, "MIN_GROUP_TOKENS", 1)
+    with pg.Model(alias, n_ctx=512, rpc=[s.endpoint for s in two_servers], progress=False) as m:
+        ctx = m.context
+        assert ctx.n_groups == 2  # one group per server
+        ctx.n_groups = 4
+        seq = np.array([0, 1, 2, 3, 4, 4, 4, 4], np.int32)
+        assert ctx._pieces(Batch(seq, seq, seq, np.ones(8, bool))) == [(0, 2), (2, 4), (4, 8)]
+        got = steps(ctx)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and np.array_equal(a, b)
