@@ -13,6 +13,7 @@ from .blocks import GraphBuilder
 from .hparams import HParams
 
 ROPE_MODE = RopeMode.NEOX
+FFN_ACT = ops.geglu  # the feed-forward's gate; warmup compiles its kernel only
 
 
 def adjust_hparams(hp: HParams) -> None:
@@ -34,7 +35,7 @@ def build(b: GraphBuilder) -> Tensor:
         cur = b.build_norm(cur, b.w("post_attention_norm.weight", il), "attn_post_norm", il)
         sa_out = b.cb(ops.add(cur, inp), "sa_out", il)
         cur = b.build_norm(sa_out, b.w("ffn_norm.weight", il), "ffn_norm", il)
-        cur = b.build_ffn(cur, il, ops.geglu)
+        cur = b.build_ffn(cur, il, FFN_ACT)
         cur = b.build_norm(cur, b.w("post_ffw_norm.weight", il), "ffn_post_norm", il)
         inp = b.cb(ops.add(cur, sa_out), "l_out", il)
     return b.build_output(inp)

@@ -12,6 +12,8 @@ from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
 
+FFN_ACT = ops.swiglu  # the feed-forward's gate (and the experts'); warmup compiles its kernel only
+
 
 def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
     hp = b.hp
@@ -25,7 +27,7 @@ def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
         if b.w("ffn_gate_inp.weight", il) is not None:  # Mixtral-style experts (qwen3moe's too)
             cur = b.build_moe_ffn(cur, il)
         else:
-            cur = b.build_ffn(cur, il, ops.swiglu)
+            cur = b.build_ffn(cur, il, FFN_ACT)
         inp = b.cb(ops.add(cur, ffn_inp), "l_out", il)
     return b.build_output(inp)
 

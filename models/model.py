@@ -41,11 +41,17 @@ def _compile_kernels(path, progress: bool | None):
     from pyggml.cpu import warmup
     from .loader import open_gguf
     try:
-        f, _ = open_gguf(path)  # parsed once: the load that follows takes it from open_gguf's cache
+        f, arch = open_gguf(path)  # parsed once: the load that follows takes it from open_gguf's cache
     except (OSError, ValueError):
         return None
     return warmup.compile_for_model(((t.name, t.type, t.ne) for t in f.tensors.values()),
-                                    None if progress is False else hub.say)
+                                    None if progress is False else hub.say, gate_part(arch))
+
+
+def gate_part(arch) -> str | None:
+    """The kernel part (warmup.GATES) of an architecture's feed-forward gate, None if unknown."""
+    act = getattr(arch, "FFN_ACT", None)
+    return act.__name__ if act is not None else None
 
 
 def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None) -> list:
@@ -98,10 +104,11 @@ class Model:
             if ngl is None and self.rpc_devices:
                 ngl = "auto"
             self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
+            self.tokenizer = Tokenizer(self.model.gguf, pre_tokenizer) if pre_tokenizer else \
+                _tokenizer_of(self.model.gguf)
         finally:
             if compiling is not None:
                 compiling.wait()
-        self.tokenizer = Tokenizer(self.model.gguf, pre_tokenizer) if pre_tokenizer else _tokenizer_of(self.model.gguf)
         tk = self.tokenizer
         self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,
                                           tk.token_text(tk.bos_id) if tk.bos_id is not None else "",

@@ -5,7 +5,7 @@ from pyggml import Tensor
 from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
-from .llama import build_llama_layers
+from .llama import FFN_ACT, build_llama_layers  # FFN_ACT: this architecture's, as its layers are llama's
 
 ROPE_MODE = RopeMode.NEOX
 

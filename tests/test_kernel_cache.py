@@ -63,7 +63,8 @@ def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monke
         return Started()
     monkeypatch.setattr(warmup, "start_compiling", start)
     pyggml.Model(smollm2_path, n_ctx=64, progress=None)
-    assert events == [warmup.parts_for_file(smollm2_path), "waited"]
+    assert events == [warmup.parts_for_file(smollm2_path, "swiglu"), "waited"]  # llama's gate, not GeGLU's
+    assert "geglu" not in events[0]
     assert "compiling the CPU kernels of this model's weight types, once" in capsys.readouterr().err
     warmup.mark_compiled(events[0])
     assert warmup.missing(events[0]) == []
@@ -90,14 +91,15 @@ def test_old_versions_of_the_cache_are_pruned(tmp_path):
 def test_a_model_compiles_the_formats_it_has_and_no_other():
     """A product compiles the code of its own weight format (qdot._products_of), so the parts a
     model needs name exactly the formats of its weights: SmolLM2 is Q4_1 with a Q8_0 embedding
-    that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked)."""
-    from pyggml.cpu.warmup import LAYERS, parts_for_tensors
+    that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked).  Of the
+    feed-forward gates, the one its architecture names (both where it is not known)."""
+    from pyggml.cpu.warmup import GATES, LAYERS, parts_for_tensors
     smollm2 = [("token_embd.weight", Type.Q8_0, (576, 49152)), ("output_norm.weight", Type.F32, (576,)),
                ("blk.0.attn_q.weight", Type.Q4_1, (576, 576)), ("blk.0.ffn_down.weight", Type.Q4_1, (1536, 576))]
-    assert parts_for_tensors(smollm2) == [*LAYERS, "decoder:Q8_0", "product:Q8_0", "product:Q4_1"]
+    assert parts_for_tensors(smollm2, "swiglu") == [*LAYERS, "swiglu", "decoder:Q8_0", "product:Q8_0", "product:Q4_1"]
     other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
              ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
-    assert parts_for_tensors(other) == [*LAYERS, "product:Q4_K_X8", "product:Q4_K", "softmax", "experts:Q6_K",
+    assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "product:Q4_K", "softmax", "experts:Q6_K",
                                         "fused:F16", "decoder:F16"]
 
 
@@ -150,12 +152,14 @@ import gc, json, sys
 from numba.core.registry import CPUDispatcher
 import pyggml
 from pyggml.cpu.warmup import parts_for_file, warm_up
+from pyggml.models.loader import open_gguf
+from pyggml.models.model import gate_part
 
 def overloads():
     return {d: len(d.overloads) for d in gc.get_objects() if isinstance(d, CPUDispatcher)}
 
 path = sys.argv[1]
-warm_up(parts_for_file(path))
+warm_up(parts_for_file(path, gate_part(open_gguf(path)[1])))  # the model's own gate only
 before = overloads()
 if sys.argv[2] == "model":
     m = pyggml.Model(path, n_ctx=256, progress=False)

@@ -97,11 +97,14 @@ def _attention() -> None:
     nn.seen_cells(mask)
 
 
-def _gates() -> None:  # the feed-forwards' SwiGLU and GeGLU (the plain SiLU of UNARY: when used)
+def _swiglu() -> None:  # a feed-forward's gate (the plain SiLU of UNARY: when used)
     x = _x(2)
-    out = np.empty_like(x)
-    nn.swiglu(x, x, out)
-    nn.geglu(x, x, out)
+    nn.swiglu(x, x, np.empty_like(x))
+
+
+def _geglu() -> None:
+    x = _x(2)
+    nn.geglu(x, x, np.empty_like(x))
 
 
 def _top_k() -> None:  # the sampler's (and TOP_K's)
@@ -115,8 +118,9 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 
 # what every model runs, and roughly how many seconds each part takes to compile on the 2-core
 # machine the project is developed on (to share the parts out between the processes)
-LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 6.5), "activations": (_activations, 2.5),
-          "gates": (_gates, 2.5), "top_k": (_top_k, 1.5)}
+LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 7.0), "activations": (_activations, 2.0),
+          "top_k": (_top_k, 1.3)}
+GATES = {"swiglu": (_swiglu, 2.0), "geglu": (_geglu, 1.5)}  # a model's feed-forwards use one (FFN_ACT)
 OTHERS = {"softmax": (_softmax, 1.2)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
     "product": (Fmt, _product, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),  # a K-quant block is larger IR
@@ -126,8 +130,8 @@ BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
 
 def part(name: str) -> tuple[Callable[[], None], float]:
     """The function compiling part ``name``, and its rough cost in seconds."""
-    if name in LAYERS or name in OTHERS:
-        return {**LAYERS, **OTHERS}[name]
+    if name in LAYERS or name in GATES or name in OTHERS:
+        return {**LAYERS, **GATES, **OTHERS}[name]
     what, _, kind = name.partition(":")
     if what not in BY_KIND or kind not in BY_KIND[what][0].__members__:
         raise ValueError(f"no kernel part {name!r}")
@@ -136,11 +140,14 @@ def part(name: str) -> tuple[Callable[[], None], float]:
     return (lambda: fn(member)), cost(member)
 
 
-def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]]) -> list[str]:
-    """The parts a model of these tensors (name, type, ne) runs: the layers' kernels, each weight
-    format's product (the experts' own product and their routers' softmax for stacked experts),
-    the embedding's decoder."""
-    parts = dict.fromkeys(LAYERS)
+def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate: str | None = None) -> list[str]:
+    """The parts a model of these tensors (name, type, ne) runs: the layers' kernels, its
+    feed-forward's ``gate`` (a GATES name; both when not known), each weight format's product
+    (the experts' own product and their routers' softmax for stacked experts), the embedding's
+    decoder."""
+    if gate is not None and gate not in GATES:
+        raise ValueError(f"no kernel part for the gate {gate!r}")
+    parts = dict.fromkeys([*LAYERS, *([gate] if gate else GATES)])
     for name, qtype, ne in tensors:
         if len(ne) == 3:
             parts["softmax"] = None
@@ -156,23 +163,23 @@ def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]]) -> l
     return list(parts)
 
 
-def parts_for_file(path: str | os.PathLike) -> list[str]:
+def parts_for_file(path: str | os.PathLike, gate: str | None = None) -> list[str]:
     """parts_for_tensors of a GGUF file's tensors (its header only is read)."""
     from ..gguf import GGUFFile
     f = GGUFFile(path)
-    return parts_for_tensors((t.name, t.type, t.ne) for t in f.tensors.values())
+    return parts_for_tensors(((t.name, t.type, t.ne) for t in f.tensors.values()), gate)
 
 
 def every_part() -> list[str]:
     """Every part: what a server that does not know its models' weights compiles."""
-    return [*LAYERS, *OTHERS, *(f"product:{f.name}" for f in Fmt if f <= Fmt.Q4_K_X8),
+    return [*LAYERS, *GATES, *OTHERS, *(f"product:{f.name}" for f in Fmt if f <= Fmt.Q4_K_X8),
             *(f"decoder:{d.name}" for d in Dec),
             *(f"fused:{DECODER[t].name}" for t in VEC_DOT if t not in EXACT)]  # the weights decoded and dotted
 
 
 def warm_up(parts: Iterable[str] | None = None) -> None:
     """Compile (or load from the cache) ``parts`` in this process: by default, the layers'."""
-    for name in (LAYERS if parts is None else parts):
+    for name in ([*LAYERS, *GATES] if parts is None else parts):
         part(name)[0]()
 
 
@@ -232,12 +239,12 @@ def compile_in_parallel(parts: Iterable[str], timeout: float = 600.0) -> None:
     start_compiling(parts, timeout).wait()
 
 
-def compile_for_model(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], say: Callable[[str], None] | None
-                      ) -> Compiling | None:
-    """Start compiling what a model of these tensors needs and this machine has not compiled yet
-    (saying so in one line through ``say``), or None when there is nothing to compile.  The
-    caller loads the model meanwhile and waits before its first step."""
-    todo = missing(parts_for_tensors(tensors))
+def compile_for_model(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], say: Callable[[str], None] | None,
+                      gate: str | None = None) -> Compiling | None:
+    """Start compiling what a model of these tensors (and feed-forward ``gate``) needs and this
+    machine has not compiled yet (saying so in one line through ``say``), or None when there is
+    nothing to compile.  The caller loads the model meanwhile and waits before its first step."""
+    todo = missing(parts_for_tensors(tensors, gate))
     if not todo:
         return None
     if say is not None:
