@@ -401,8 +401,10 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     return step
 
 
-def _row_ids(t: Tensor, n_rows: int, what: str) -> Callable[[], np.ndarray]:
-    """The row ids in t as int64, checked at every step to lie in [0, n_rows)."""
+def _row_ids(t: Tensor, n_rows: int, what: str, shared: dict) -> Callable[[], np.ndarray]:
+    """The row ids in t as int64, checked at every step to lie in [0, n_rows); converted and
+    checked once per step for all the nodes that read t (a decode step's cache writes: two
+    SET_ROWS per layer, all at the step's cells)."""
     view = tensor_view(t)
 
     def ids() -> np.ndarray:
@@ -410,12 +412,12 @@ def _row_ids(t: Tensor, n_rows: int, what: str) -> Callable[[], np.ndarray]:
         if v.size and (v.min() < 0 or v.max() >= n_rows):
             raise IndexError(f"{what}: index out of range [0, {n_rows}) in {t.name or 'indices'}")
         return v
-    return ids
+    return _shared_value(shared, ("row ids", id(t), n_rows), ids)
 
 
 def bind_get_rows(node: Tensor, shared: dict) -> Step:
     a, idx = node.src[0], node.src[1]
-    index = _row_ids(idx, a.ne[1], "GET_ROWS")  # [1, i2, i1, n]
+    index = _row_ids(idx, a.ne[1], "GET_ROWS", shared)  # [1, i2, i1, n]
     out = tensor_view(node)    # [i2, i1, n, ne0]
     src = (lambda rows=tensor_rows(a): rows) if a.type.is_quantized else reader(a)
     decode = (lambda picked: dequantize_rows(picked, a.type, a.ne[0])) if quant_supported(a.type) \
@@ -433,7 +435,7 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
 
 def bind_set_rows(node: Tensor, shared: dict) -> Step:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
-    index = _row_ids(idx, dst.ne[1], "SET_ROWS")  # [1, i2, i1, n]
+    index = _row_ids(idx, dst.ne[1], "SET_ROWS", shared)  # [1, i2, i1, n]
     x = reader(src)            # [s3, s2, n, ne0]
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
     quantized = node.type.is_quantized
