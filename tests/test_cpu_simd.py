@@ -184,6 +184,29 @@ def test_silu_rows_in_and_out_of_exps_branch_free_range_are_ggml_v_silu():
         assert same_bits(out[:, full:], tail / (f32(1.0) + exp) * g[:n_rows, full:])
 
 
+def test_gelu_rows_read_ggmls_table_at_the_nearest_half():
+    """GELU and GeGLU read the table of halves at F16(x), nearest with ties to even (x86's
+    F16C conversion, as ggml's GGML_CPU_FP32_TO_FP16), for -10 < x < 10 - subnormal halves and
+    ties included - 0 at or below -10, x at or above 10 or NaN; one row and several."""
+    rng = np.random.default_rng(7)
+    special = np.array([np.nan, np.inf, -np.inf, 10, -10, np.nextafter(f32(10), f32(0)),
+                        np.nextafter(f32(-10), f32(0)), 1e-8, -1e-8, 6e-5, 2 ** -24, 2 ** -25, 3 * 2 ** -26,
+                        1 + 2 ** -11, 1 + 3 * 2 ** -11, 65504, 1e30, -1e30, 0.0, -0.0], dtype=f32)
+    x = np.concatenate([rng.standard_normal(4090).astype(f32) * 4, special[:6]])
+    x = np.stack([x, np.roll(x, 7), rng.permutation(np.resize(special, x.size))]).astype(f32)
+    table = nn.gelu_table()
+    with np.errstate(over="ignore"):
+        halves = x.astype(np.float16).view(np.uint16)
+    want = np.where(x <= -10, f32(0), np.where((x >= 10) | np.isnan(x), x, table[halves])).astype(f32)
+    g = rng.standard_normal(x.shape).astype(f32)
+    for n_rows in (1, 3):  # one row without the threads, several with
+        out = np.empty_like(x[:n_rows])
+        nn.gelu(x[:n_rows], out)
+        assert same_bits(out, want[:n_rows])
+        nn.geglu(x[:n_rows], g[:n_rows], out)
+        assert same_bits(out, want[:n_rows] * g[:n_rows])
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal bit for bit, any NaN equal to any NaN."""
     nan = np.isnan(a)

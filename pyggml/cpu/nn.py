@@ -176,36 +176,29 @@ def _gelu_table(x):
 
 
 @_jit
-def _half_index(v, bits):
-    """The bits of F16(v), rounded to nearest even, from v and its float32 bits.  Only for
-    finite |v| < 65504: a NaN or an infinity would give an index past the 65536 halves."""
-    sign = (bits >> 16) & 0x8000
-    magnitude = bits & 0x7FFFFFFF
-    if magnitude < 0x38800000:  # below 2**-14: a subnormal half, a multiple of 2**-24
-        return sign | np.int64(np.rint(abs(np.float64(v)) * 16777216.0))
-    rounded = magnitude + 0xFFF + ((magnitude >> 13) & 1)
-    return sign | ((rounded - 0x38000000) >> 13)
+def _gelu_row(a, g, out, r, table, gated):
+    """Row r of _gelu_rows: no branch per value - the table read at F16(x) for every x (any
+    float's half bits index one of its 65536 entries), then the bounds chosen over it - so
+    that the loop vectorizes (the table read as a gather)."""
+    for i in range(a.shape[1]):
+        v = a[r, i]
+        y = table[f16_bits(v)]
+        y = f32(0.0) if v <= f32(-10.0) else y
+        y = v if v >= f32(10.0) or v != v else y
+        out[r, i] = y * g[r, i] if gated else y
 
 
 @njit(cache=True, parallel=True, boundscheck=False)
 def _gelu_rows(a, g, out, table, gated):
-    """GGML_GELU_FP16: GELU(x) read from the table at F16(x); 0 below -10 and x above 10.
-
-    The table is indexed only for -10 < x < 10, where F16(x) is one of its 65536 entries.  A NaN
-    passes neither bound; ggml reads its table at the half NaN, whose entry is NaN: so is ours."""
+    """GGML_GELU_FP16: GELU(x) read from the table at F16(x) (nearest, ties to even); 0 at or
+    below -10 and x at or above 10.  A NaN passes neither bound; ggml reads its table at the
+    half NaN, whose entry is NaN: ours is x itself, NaN as well.  A single row without the
+    threads."""
+    if a.shape[0] == 1:
+        _gelu_row(a, g, out, 0, table, gated)
+        return
     for r in prange(a.shape[0]):
-        bits = a[r].view(np.uint32) if a[r].flags.c_contiguous else a[r].copy().view(np.uint32)
-        for i in range(a.shape[1]):
-            v = a[r, i]
-            if v <= f32(-10.0):
-                y = f32(0.0)
-            elif v >= f32(10.0):
-                y = v
-            elif v != v:
-                y = v
-            else:
-                y = table[_half_index(v, np.int64(bits[i]))]
-            out[r, i] = y * g[r, i] if gated else y
+        _gelu_row(a, g, out, r, table, gated)
 
 
 def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
