@@ -95,3 +95,24 @@ def test_top_k_indices_is_the_head_of_the_full_order(k):
         row = (np.round(rng.standard_normal(1000) * 3) / 3).astype(np.float32)
         order = np.lexsort((np.arange(row.size), -row))
         assert np.array_equal(top_k_indices(row, k), order[:k])
+
+
+@pytest.mark.parametrize("k", [1, 40, 256])
+def test_the_heap_pass_skips_groups_of_16_only_when_none_enters(k):
+    """The heap pass looks at a group of 16 values only when one beats the heap's worst: rows
+    of any length (a tail of fewer than 16), ascending (every value enters), equal values
+    straddling groups, NaN (below every number) - the first k of the full order every time."""
+    from pyggml.cpu import nn
+    rng = np.random.default_rng(100 + k)
+    rows = [np.sort(rng.standard_normal(1037)), np.round(rng.standard_normal(4099) * 2) / 2,
+            rng.standard_normal(k + 15), rng.standard_normal(262144)]
+    with_nan = rng.standard_normal(2000)
+    with_nan[rng.integers(0, 2000, 300)] = np.nan
+    rows.append(with_nan)
+    for row in rows:
+        row = row.astype(np.float32)
+        out = np.empty((1, k), dtype=np.int64)
+        nn.top_k_rows(row.reshape(1, -1), k, out)
+        key = np.where(np.isnan(row), -np.inf, row)
+        order = np.lexsort((np.arange(row.size), np.isnan(row), -key))
+        assert np.array_equal(out[0], order[:k])

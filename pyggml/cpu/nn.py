@@ -581,6 +581,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
 # -- selection ---------------------------------------------------------------------------------------
 
 @_jit
+def _any_above(x, i, t):
+    """Whether one of x[i:i + 16] is above t (a NaN is not)."""
+    above = False
+    for j in range(16):
+        above |= x[i + j] > t
+    return above
+
+
+@_jit
 def _worse(va, ia, vb, ib):
     """Whether (value va, index ia) ranks below (vb, ib): smaller value, or equal and later."""
     return va < vb or (va == vb and ia > ib)
@@ -606,7 +615,11 @@ def _sift_down(hv, hi, k, at):
 def top_k_rows(x, k, out):
     """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
     first, equal values lowest index first; NaN ranks below every number.  One pass per row
-    against a heap of the k best so far: a value enters only when it beats the heap's worst."""
+    against a heap of the k best so far: a value enters only when it beats the heap's worst.
+    A single row (a decoding step's logits) without the threads."""
+    if x.shape[0] == 1:
+        _top_k_row(x[0], k, out[0])
+        return
     for r in prange(x.shape[0]):
         _top_k_row(x[r], k, out[r])
 
@@ -622,11 +635,20 @@ def _top_k_row(x, k, out):
         hv[i], hi[i] = (v if v == v else f32(-np.inf)), i
     for at in range(k // 2 - 1, -1, -1):
         _sift_down(hv, hi, k, at)
-    for i in range(k, n):
-        v = x[i]
-        if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
-            hv[0], hi[0] = v, i
-            _sift_down(hv, hi, k, 0)
+    i = k
+    while i < n:
+        # most values beat no entry once the heap is warm: a group of 16 is looked at one by
+        # one only when one of them does (the test over the group vectorizes)
+        end = min(i + 16, n)
+        if end - i == 16 and not _any_above(x, i, hv[0]):
+            i = end
+            continue
+        for j in range(i, end):
+            v = x[j]
+            if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
+                hv[0], hi[0] = v, j
+                _sift_down(hv, hi, k, 0)
+        i = end
     for i in range(1, k):  # best first: insertion sort of the k (few) entries
         v, j = hv[i], hi[i]
         at = i

@@ -316,6 +316,9 @@ def _decoder_kernels(kind: int):
             _fused_chunk(kind, w, x, out, f16, c * per, min(m_rows, (c + 1) * per))
 
     def rows(w, out, f16):
+        if w.shape[0] == 1:  # a decoding step's embedding: less than starting the threads
+            decode_row(kind, w[0], out[0], f16)
+            return
         for m in prange(w.shape[0]):
             decode_row(kind, w[m], out[m], f16)
     name = Dec(kind).name
