@@ -147,6 +147,21 @@ def test_parts_compile_in_other_processes_into_the_cache_and_are_marked(tmp_path
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_each_part_is_compiled_by_the_first_process_to_claim_it(tmp_path, monkeypatch):
+    """start_compiling's processes all go through every part and each compiles those it claims
+    first (a file in the call's folder), so that a process with cheap parts goes on to the next
+    while another still compiles a costly one; none compiles a part twice."""
+    from pyggml.cpu import warmup
+    done = []
+    monkeypatch.setattr(warmup, "part", lambda name: ((lambda: done.append(name)), 1.0))
+    monkeypatch.setattr(warmup, "mark_compiled", lambda names: None)
+    assert warmup._claim(str(tmp_path), "product:Q4_1")  # another process took it first
+    warmup._compile_and_mark(["norms", "product:Q4_1", "top_k"], str(tmp_path))
+    assert done == ["norms", "top_k"]
+    warmup._compile_and_mark(["attention", "norms", "product:Q4_1", "top_k"], str(tmp_path))
+    assert done == ["norms", "top_k", "attention"]
+
+
 KERNELS_AFTER_WARM_UP = """
 import gc, json, sys
 from numba.core.registry import CPUDispatcher

@@ -16,8 +16,10 @@ starts compiling what its file needs before it loads, and waits for it before it
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -117,7 +119,7 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 
 
 # what every model runs, and roughly how many seconds each part takes to compile on the 2-core
-# machine the project is developed on (to share the parts out between the processes)
+# machine the project is developed on (the processes take the costliest first)
 LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 7.0), "activations": (_activations, 2.0),
           "top_k": (_top_k, 1.3)}
 GATES = {"swiglu": (_swiglu, 2.0), "geglu": (_geglu, 1.5)}  # a model's feed-forwards use one (FFN_ACT)
@@ -200,10 +202,11 @@ def mark_compiled(names: Iterable[str]) -> None:
 
 
 class Compiling:
-    """Processes compiling parts into the cache (start_compiling's)."""
+    """Processes compiling parts into the cache (start_compiling's), and the folder where they
+    claim them."""
 
-    def __init__(self, procs: list[subprocess.Popen], timeout: float) -> None:
-        self.procs, self.deadline = procs, time.monotonic() + timeout
+    def __init__(self, procs: list[subprocess.Popen], claims: str, timeout: float) -> None:
+        self.procs, self.claims, self.deadline = procs, claims, time.monotonic() + timeout
 
     def wait(self) -> None:
         """Until every process is done (past the timeout, they are stopped: what they did not
@@ -214,24 +217,22 @@ class Compiling:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.claims, ignore_errors=True)
 
 
 def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
-    """Compile ``parts`` in one process per core this process may run on (the costliest first,
-    each to the process with the least work so far), each writing numba's cache and marking its
-    parts; this process loads them from the cache as it uses them."""
+    """Compile ``parts`` in one process per core this process may run on, each writing numba's
+    cache and marking its parts; this process loads them from the cache as it uses them.  Every
+    process goes through the parts costliest first and takes the next one no other process has
+    claimed (a file in a folder of this call's), so that none waits idle while another still has
+    parts to compile, whatever the parts really cost on this machine."""
     parts = sorted(parts, key=lambda p: -part(p)[1])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, min(len(parts), cores))
-    shares: list[list[str]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for p in parts:
-        i = loads.index(min(loads))
-        shares[i].append(p)
-        loads[i] += part(p)[1]
-    return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", *share],
+    claims = tempfile.mkdtemp(prefix="pyggml-compiling-")
+    return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", "--claims", claims, *parts],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for share in shares if share], timeout)
+                      for _ in range(n)], claims, timeout)
 
 
 def compile_in_parallel(parts: Iterable[str], timeout: float = 600.0) -> None:
@@ -267,11 +268,25 @@ def _mark_name(name: str) -> str:
     return name.replace(":", "-")
 
 
-def _compile_and_mark(names: list[str]) -> None:
+def _claim(folder: str, name: str) -> bool:
+    """Whether this process is the first to claim part ``name`` in ``folder``."""
+    try:
+        os.close(os.open(os.path.join(folder, _mark_name(name)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _compile_and_mark(names: list[str], claims: str | None = None) -> None:
     for name in names:
-        part(name)[0]()
-        mark_compiled([name])
+        if claims is None or _claim(claims, name):
+            part(name)[0]()
+            mark_compiled([name])
 
 
 if __name__ == "__main__":
-    _compile_and_mark(sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["--claims"]:
+        _compile_and_mark(args[2:], args[1])
+    else:
+        _compile_and_mark(args)
