@@ -83,13 +83,17 @@ def quantize_q8_serial(x, kind, yq, yd, ys):
 SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread
 
 
+def activation_arrays(n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays ``quantize_q8`` fills for n rows of k values (uninitialized)."""
+    return (np.empty((n, k), dtype=np.float32),
+            np.empty((n, k // 256 if kind == Act.Q8_K else k // 32), dtype=np.float32),
+            np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32))
+
+
 def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``quantize_q8`` with its outputs allocated: (integers, scales, sums)."""
-    n, k = x.shape
-    yq = np.empty((n, k), dtype=np.float32)
-    yd = np.empty((n, k // 256 if kind == Act.Q8_K else k // 32), dtype=np.float32)
-    ys = np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32)
-    (quantize_q8 if n > SERIAL_ROWS else quantize_q8_serial)(x, kind, yq, yd, ys)
+    yq, yd, ys = activation_arrays(*x.shape, kind)
+    (quantize_q8 if x.shape[0] > SERIAL_ROWS else quantize_q8_serial)(x, kind, yq, yd, ys)
     return yq, yd, ys
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..types import Type
 from . import kernel_cache, nn
-from .activations import quantize
+from .activations import activation_arrays, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
 from .qdot import exact_quant_matmul, exact_quant_matmul_id
@@ -52,15 +52,24 @@ def _type_of(fmt: Fmt) -> Type:
     return Type.Q4_K if fmt == Fmt.Q4_K_X8 else Type[fmt.name]
 
 
+def _zero_activations(qtype: Type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two columns of activations as a product of qtype takes them - zeros, not quantized: a
+    product's part compiles the product only (the quantizer is the activations' part)."""
+    arrays = activation_arrays(2, K, int(VEC_DOT[qtype]))
+    for a in arrays:
+        a.fill(0.0)
+    return arrays
+
+
 def _product(fmt: Fmt) -> None:
     qtype = _type_of(fmt)
-    yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
+    yq, yd, ys = _zero_activations(qtype)
     exact_quant_matmul(fmt, _weights(qtype, 8), yq, yd, ys, np.empty((2, 8), dtype=f32), whole(2))
 
 
 def _experts(fmt: Fmt) -> None:
     qtype = _type_of(fmt)
-    yq, yd, ys = quantize(_x(2), int(VEC_DOT[qtype]))
+    yq, yd, ys = _zero_activations(qtype)
     exact_quant_matmul_id(fmt, _weights(qtype, 8, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
                           np.array([0, 2], dtype=np.int64), np.empty((2, 8), dtype=f32))
 
