@@ -90,6 +90,16 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=f32).reshape(-1, x.shape[-1])
 
 
+def _row_view(t: Tensor) -> np.ndarray | None:
+    """t's values as float32 rows [rows, ne0], the tensor's own bytes, when it is a contiguous
+    F32 tensor (a binder then hands a row kernel the same arrays at every step, with nothing to
+    convert or check); None otherwise."""
+    if t.type != Type.F32:
+        return None
+    view = tensor_view(t)
+    return view.reshape(-1, t.ne[0]) if view.flags.c_contiguous else None
+
+
 def _by_rows(kernel: Callable, *inputs: np.ndarray, params: tuple = (), out: np.ndarray | None = None) -> np.ndarray:
     """A numba row kernel of nn.py (``kernel(*rows, *params, out)``) over arrays of any shape;
     straight into ``out`` when it is a contiguous float32 array of the inputs' shape."""
@@ -167,8 +177,18 @@ def bind_unary(node: Tensor, shared: dict) -> Step:
     return step
 
 
+# the GLUs whose numba kernels take rows (GLU's forms for arrays of any shape call them by rows)
+ROW_GLU: dict[int, Callable[..., None]] = {GluOp.SWIGLU: nn.swiglu, GluOp.GEGLU: nn.geglu}
+
+
 def bind_glu(node: Tensor, shared: dict) -> Step:
     p = GluParams.of(node)
+    rows = [_row_view(t) for t in (node.src[0], node.src[1], node)] if node.src[1] is not None else [None]
+    if p.op in ROW_GLU and all(r is not None for r in rows):  # a feed-forward's gate and up
+        kernel, (a, b, out_rows) = ROW_GLU[p.op], rows
+        if p.swapped:
+            a, b = b, a
+        return lambda: kernel(a, b, out_rows)
     fn, out = GLU[p.op], tensor_view(node)
     first = reader(node.src[0])
     if node.src[1] is None:  # gate and value side by side in one tensor
@@ -193,6 +213,9 @@ def bind_glu(node: Tensor, shared: dict) -> Step:
 
 def bind_rms_norm(node: Tensor, shared: dict) -> Step:
     x, out, eps = reader(node.src[0]), tensor_view(node), NormParams.of(node).eps
+    x_rows, out_rows = _row_view(node.src[0]), _row_view(node)
+    if x_rows is not None and out_rows is not None:
+        return lambda: nn.rms_norm(x_rows, eps, out_rows)
     return lambda: _by_rows(nn.rms_norm, x(), params=(eps,), out=out)
 
 
@@ -440,13 +463,18 @@ def bind_set_rows(node: Tensor, shared: dict) -> Step:
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
     quantized = node.type.is_quantized
     out = tensor_rows(node) if quantized else tensor_view(node)
-    # the KV cache's writes (F32 rows into F16 ones, both contiguous): one numba loop
-    halves = out.view(np.uint16) if node.type == Type.F16 and src.type == Type.F32 else None
-    if halves is not None:
-        rows_in = tensor_view(src)
-        if not all(halves[i3, i2].flags.c_contiguous and rows_in[i3, i2].flags.c_contiguous
-                   for i3 in range(src.ne[3]) for i2 in range(src.ne[2])):
-            halves = None
+    # the KV cache's writes (F32 rows into F16 ones, both contiguous): one numba loop per
+    # matrix, its arrays made here
+    if node.type == Type.F16 and src.type == Type.F32:
+        halves, rows_in = out.view(np.uint16), tensor_view(src)
+        matrices = [(rows_in[i3, i2], halves[i3, i2], i3 // r3, i2 // r2)
+                    for i3 in range(src.ne[3]) for i2 in range(src.ne[2])]
+        if all(a.flags.c_contiguous and b.flags.c_contiguous for a, b, _, _ in matrices):
+            def write_halves() -> None:
+                ids = index()  # int64, C-contiguous: each [0, j3, j2] a contiguous row
+                for rows, cache_rows, j3, j2 in matrices:
+                    nn.set_rows_f16(rows, ids[0, j3, j2], cache_rows)
+            return write_halves
 
     def step() -> None:
         ids = index()
@@ -454,10 +482,7 @@ def bind_set_rows(node: Tensor, shared: dict) -> Step:
         for i3 in range(src.ne[3]):
             for i2 in range(src.ne[2]):
                 rows, at = xv[i3, i2], ids[0, i3 // r3, i2 // r2]
-                if halves is not None:
-                    nn.set_rows_f16(rows, np.ascontiguousarray(at), halves[i3, i2])
-                else:
-                    out[i3, i2][at] = quants.quantize(rows, node.type) if quantized else rows
+                out[i3, i2][at] = quants.quantize(rows, node.type) if quantized else rows
     return step
 
 
