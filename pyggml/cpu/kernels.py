@@ -24,6 +24,7 @@ from ..opdefs import (ArgsortParams, ClampParams, ConcatParams, FlashAttnParams,
 from ..tensor import Tensor
 from ..types import Type
 from . import nn
+from .activations import activation_arrays
 from .buffer import tensor_rows, tensor_view
 from .qdecode import F16_TABLE, f16_values
 from .qdot import exact_quant_matmul_id
@@ -311,8 +312,10 @@ def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read)
     """The activations of b for ``product``, converted once per step for every product of the
     plan that reads b in the same form."""
     width = b.ne[0]
+    # quantized into the same arrays at every step (a plan's shapes are fixed)
+    arrays = activation_arrays(b.nelements() // width, width, product.kind) if product.exact else None
     return _shared_value(shared, ("activations", id(b), product.activation_key),
-                         lambda: product.activations(x().reshape(-1, width)))
+                         lambda: product.activations(x().reshape(-1, width), arrays))
 
 
 def column_runs(node: Tensor, t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:
@@ -342,9 +345,10 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
             acts = _shared_activations(shared, b, product, x)
             if out.flags.c_contiguous:
                 flat = out.reshape(-1, a.ne[1])
+                call = product.bound(flat) or (lambda acts, runs=None: product(acts, flat, runs))
                 if runs is not None:
-                    return lambda: product(acts(), flat, runs())
-                return lambda: product(acts(), flat)
+                    return lambda: call(acts(), runs())
+                return lambda: call(acts())
 
             def step_copy() -> None:
                 res = np.empty((out.size // a.ne[1], a.ne[1]), dtype=f32)

@@ -15,6 +15,7 @@ gate and up of a feed-forward) converts the activation once and hands it to each
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -84,11 +85,21 @@ class QuantProduct:
         """Products whose keys are equal take the same activations."""
         return self.kind, self.exact
 
-    def activations(self, x: np.ndarray):
+    def activations(self, x: np.ndarray, out: tuple | None = None):
         """x in the form this product multiplies (ggml's vec_dot_type): quantized blocks for the
-        exact types, the float values ggml would hold for the others."""
+        exact types (into ``out``, activation_arrays' for x's shape, when given), the float
+        values ggml would hold for the others."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
+        return quantize(x, self.kind, out) if self.exact else activation_values(x, self.kind)
+
+    def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
+        """``self(acts, out, runs)`` for this ``out`` as one kernel call, its arguments found
+        now (a plan's step, made once and run at every step); None where __call__ has more to
+        do than call the kernel."""
+        if not self.exact or self.m_rows == 0 or out.shape[0] == 0 or not out.flags.c_contiguous:
+            return None
+        kernel, w, every = self.kernel, self.w, whole(out.shape[0])
+        return lambda acts, runs=None: kernel(w, *acts, out, every if runs is None else frozen(runs), THREADS)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``
