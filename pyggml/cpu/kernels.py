@@ -409,16 +409,20 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     n_tokens, n_kv, n_head_kv = q.ne[1], k.ne[1], k.ne[2]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
     qv, keys, values = reader(q), _cells_by_cell(k), _cells_by_cell(v)
-    masked = reader(mask) if mask is not None else None
-    no_mask = np.zeros((n_tokens, n_kv), dtype=f32) if mask is None else None
     direct = out.flags.c_contiguous
+    if mask is not None:
+        masked = reader(mask)
+
+        def cut_mask() -> np.ndarray:  # the cells some row sees, once per step for every layer
+            m = masked()[0, 0, :n_tokens]
+            return np.ascontiguousarray(m[:, :nn.seen_cells(m)])
+        mask_rows = _shared_value(shared, ("attention mask", id(mask), n_tokens), cut_mask)
+    else:
+        no_mask = np.zeros((n_tokens, n_kv), dtype=f32)
+        mask_rows = lambda: no_mask  # noqa: E731
 
     def step() -> None:
-        if masked is not None:
-            m = masked()[0, 0, :n_tokens]
-            m = np.ascontiguousarray(m[:, :nn.seen_cells(m)])
-        else:
-            m = no_mask
+        m = mask_rows()
         qa, ka, va = qv(), keys(), values()
         for i3 in range(q.ne[3]):
             res = out[i3] if direct else np.empty(out.shape[1:], dtype=f32)
