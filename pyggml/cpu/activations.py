@@ -90,11 +90,9 @@ def activation_arrays(n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray
             np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32))
 
 
-def quantize(x: np.ndarray, kind: int, out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``quantize_q8`` into ``out`` (activation_arrays' for x's shape; allocated when not
-    given): (integers, scales, sums)."""
-    yq, yd, ys = activation_arrays(*x.shape, kind) if out is None else out
+def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quantize_q8`` with its outputs allocated: (integers, scales, sums)."""
+    yq, yd, ys = activation_arrays(*x.shape, kind)
     (quantize_q8 if x.shape[0] > SERIAL_ROWS else quantize_q8_serial)(x, kind, yq, yd, ys)
     return yq, yd, ys
 

@@ -24,7 +24,6 @@ from ..opdefs import (ArgsortParams, ClampParams, ConcatParams, FlashAttnParams,
 from ..tensor import Tensor
 from ..types import Type
 from . import nn
-from .activations import activation_arrays
 from .buffer import tensor_rows, tensor_view
 from .qdecode import F16_TABLE, f16_values
 from .qdot import exact_quant_matmul_id
@@ -312,10 +311,8 @@ def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read)
     """The activations of b for ``product``, converted once per step for every product of the
     plan that reads b in the same form."""
     width = b.ne[0]
-    # quantized into the same arrays at every step (a plan's shapes are fixed)
-    arrays = activation_arrays(b.nelements() // width, width, product.kind) if product.exact else None
     return _shared_value(shared, ("activations", id(b), product.activation_key),
-                         lambda: product.activations(x().reshape(-1, width), arrays))
+                         lambda: product.activations(x().reshape(-1, width)))
 
 
 def column_runs(node: Tensor, t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:

@@ -85,12 +85,11 @@ class QuantProduct:
         """Products whose keys are equal take the same activations."""
         return self.kind, self.exact
 
-    def activations(self, x: np.ndarray, out: tuple | None = None):
+    def activations(self, x: np.ndarray):
         """x in the form this product multiplies (ggml's vec_dot_type): quantized blocks for the
-        exact types (into ``out``, activation_arrays' for x's shape, when given), the float
-        values ggml would hold for the others."""
+        exact types, the float values ggml would hold for the others."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return quantize(x, self.kind, out) if self.exact else activation_values(x, self.kind)
+        return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
 
     def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
         """``self(acts, out, runs)`` for this ``out`` as one kernel call, its arguments found
