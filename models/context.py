@@ -152,7 +152,6 @@ def layer_servers(model: LoadedModel) -> int:
 # the one before; but into no group of fewer than MIN_GROUP_TOKENS tokens: every group reads
 # every weight again and pays each op's fixed cost again, which a few columns do not win back
 # (bench/rpc.py --pipeline shows what the cut gains at 8 and 32 sequences).
-GROUPS_PER_SERVER = 1
 MIN_GROUP_TOKENS = 4
 
 
@@ -195,7 +194,7 @@ class Context:
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
-        self.n_groups = GROUPS_PER_SERVER * layer_servers(model) if self.n_micro else 0
+        self.n_groups = layer_servers(model) if self.n_micro else 0  # one group per server
 
     @property
     def n_past(self) -> int:
@@ -331,9 +330,11 @@ class Context:
                 tensor_set(b.inputs.hist_ids, np.ascontiguousarray(hist[row:row + wanted], dtype=np.int32))
             self.sched.graph_compute(b.graph)
             if wanted:
-                t = b.top
-                out = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else []) if top \
-                    else [b.graph.output()]
+                if top:
+                    t = b.top
+                    out = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else [])
+                else:
+                    out = [b.graph.output()]
                 # asked for now, read once every piece is on its way: a server that holds the
                 # head answers between this piece's graph and the next, while the servers
                 # before it already work on the next piece (pipelining)

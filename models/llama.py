@@ -12,7 +12,7 @@ from pyggml.opdefs import RopeMode
 
 from .blocks import GraphBuilder
 
-FFN_ACT = ops.swiglu  # the feed-forward's gate (and the experts'); warmup compiles its kernel only
+FFN_ACT = ops.swiglu  # the feed-forward's gate (experts use SwiGLU too); warmup compiles its kernel only
 
 
 def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:

@@ -183,12 +183,13 @@ ROW_GLU: dict[int, Callable[..., None]] = {GluOp.SWIGLU: nn.swiglu, GluOp.GEGLU:
 
 def bind_glu(node: Tensor, shared: dict) -> Step:
     p = GluParams.of(node)
-    rows = [_row_view(t) for t in (node.src[0], node.src[1], node)] if node.src[1] is not None else [None]
-    if p.op in ROW_GLU and all(r is not None for r in rows):  # a feed-forward's gate and up
-        kernel, (a, b, out_rows) = ROW_GLU[p.op], rows
-        if p.swapped:
-            a, b = b, a
-        return lambda: kernel(a, b, out_rows)
+    if p.op in ROW_GLU and node.src[1] is not None:  # a feed-forward's gate and up, apart
+        a, b, out_rows = (_row_view(t) for t in (node.src[0], node.src[1], node))
+        if a is not None and b is not None and out_rows is not None:
+            kernel = ROW_GLU[p.op]
+            if p.swapped:
+                a, b = b, a
+            return lambda: kernel(a, b, out_rows)
     fn, out = GLU[p.op], tensor_view(node)
     first = reader(node.src[0])
     if node.src[1] is None:  # gate and value side by side in one tensor

@@ -92,12 +92,13 @@ class QuantProduct:
         return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
 
     def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
-        """``self(acts, out, runs)`` for this ``out`` as one kernel call, its arguments found
-        now (a plan's step, made once and run at every step); None where __call__ has more to
-        do than call the kernel."""
-        if not self.exact or self.m_rows == 0 or out.shape[0] == 0 or not out.flags.c_contiguous:
+        """``self(acts, out, runs)`` for this ``out`` (C-contiguous) as one kernel call, its
+        arguments found now (a plan's step, made once and run at every step); None where
+        __call__ has more to do than call the kernel."""
+        if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
         kernel, w, every = self.kernel, self.w, whole(out.shape[0])
+        # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
         return lambda acts, runs=None: kernel(w, *acts, out, every if runs is None else frozen(runs), THREADS)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
@@ -107,12 +108,10 @@ class QuantProduct:
         if self.m_rows == 0 or out.shape[0] == 0:
             out[...] = 0.0
             return
-        w = self.w
         if self.exact:
-            yq, yd, ys = acts
-            # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-            self.kernel(w, yq, yd, ys, out, frozen(runs) if runs is not None else whole(out.shape[0]), THREADS)
+            self.bound(out)(acts, runs)
             return
+        w = self.w
         if runs is not None and runs.size > 2:
             for r0, r1 in zip(runs[:-1], runs[1:]):
                 if r1 > r0:
