@@ -76,9 +76,40 @@ def _pair_sums(builder, v):
 class Format(NamedTuple):
     block_bytes: int
     init: list            # the accumulators' starting values (ir.Constant), per row
-    shared: Callable      # (builder, b, yb, yd, ys) -> dict of the column's values for block b
+    shared: Callable      # (builder, b, nb, yb, yd, ys) -> dict of the column's values for block b
     block: Callable       # (builder, base, col, accs) -> the accumulators' next values
     finish: Callable      # (builder, accs) -> the float32 result
+
+
+class PairFormat(NamedTuple):
+    """A format whose two rows' chains share vectors twice as wide: row 0's in the low half of
+    each, row 1's in the high half.  Every lane computes what it would alone (the same float
+    steps, lane by lane), so the results are Format's bits with half the instructions."""
+    block_bytes: int
+    init: list            # the accumulators' starting values, for both rows
+    shared: Callable      # (builder, b, nb, yb, yd, ys) -> dict of the column's values for block b
+    rows: Callable        # (builder, base0, base1) -> dict of the two rows' values for a block
+    block: Callable       # (builder, rows, col, accs) -> the accumulators' next values
+    finish: Callable      # (builder, accs) -> (row 0's result, row 1's result)
+
+
+def _concat(builder, a, b):
+    """IR: vectors a and b (of one type) end to end."""
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
+
+
+def _half(builder, v, which: int):
+    """IR: the low (0) or high (1) half of a vector."""
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(which * n, (which + 1) * n))))
+
+
+def _two_halves(builder, a, b, lanes: int):
+    """IR: a vector of 2 x lanes floats, a in the low half, b in the high half."""
+    two = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(F32, 2), ir.Undefined), a,
+                                                        ir.Constant(I32, 0)), b, ir.Constant(I32, 1))
+    return builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 2 * lanes), [0] * lanes + [1] * lanes))
 
 
 # -- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: ggml's vec_dot over 32-element blocks (qdot._chain32) --------
@@ -92,58 +123,79 @@ class Legacy(NamedTuple):
     bytes8: bool    # Q8_0: the values are signed bytes as stored
 
 
-def _legacy(blk: Legacy) -> Format:
+def lane_sums_at(builder, nb):
+    """IR: where, in an activation row of nb 32-value blocks as bytes (qdot._activation_bytes),
+    the blocks' lane sums begin: after the values, padded to whole 64 bytes."""
+    return builder.shl(builder.ashr(builder.add(nb, ir.Constant(I64, 1)), ir.Constant(I64, 1)), ir.Constant(I64, 6))
+
+
+def _legacy(blk: Legacy) -> PairFormat:
     """8 lanes, ``acc = fma(d_w * d_y, lanes, acc)`` per block, hsum8; with a minimum, its term
-    ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last.
+    ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last.  Two rows' 8 lanes
+    side by side in 16 (PairFormat): one dot, one conversion and one fused multiply-add for both.
 
     Signed weights (q - offset; Q8_0's bytes, q - 128 for q = byte + 128) are dotted, with VNNI,
     as ``vpdpbusd(q, y)`` started at ``-offset x`` the lane's sum of y: the same integers as the
     sign trick, with one instruction per row and column where the trick takes five; y's lane
-    sums are a column's, computed once for every row of a tile."""
+    sums are a column's, computed once for every product when its activations become bytes
+    (LANE_SUMS)."""
     offset = 128 if blk.bytes8 else blk.offset
     by_offset = VNNI and offset > 0
 
-    def shared(builder, b, yb, yd, ys):
+    def shared(builder, b, nb, yb, yd, ys):
         y = load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B)
-        col = {"y": y, "d": builder.load(builder.gep(yd, [b])),
-               "s": builder.load(builder.gep(ys, [b])) if blk.has_min else None}
-        if by_offset:
-            col["offset"] = builder.mul(dot4(builder, _splat(V32B, 1), y, False, True), _splat(V8I, -offset))
+        col = {"y": _concat(builder, y, y), "d": splat(builder, builder.load(builder.gep(yd, [b])), 16),
+               "s": splat(builder, builder.load(builder.gep(ys, [b])), 2) if blk.has_min else None}
+        if by_offset:  # -offset x the lane sums, stored after the values (LANE_SUMS)
+            at = builder.add(lane_sums_at(builder, nb), builder.mul(b, ir.Constant(I64, 32)))
+            col["offset"] = _concat(builder, *(load_at(builder, yb, at, V8I),) * 2)
         return col
 
-    def block(builder, base, col, accs):
+    def row_values(builder, base):
+        """One row's 32 values as bytes, and whether they are signed."""
         if blk.bytes8:
-            q, signed = load_at(builder, base, blk.qs, V32B), True
-            if by_offset:
-                q = builder.xor(q, _splat(V32B, -128))  # the byte + 128, unsigned
-        else:
-            q, signed = _nibbles(builder, load_at(builder, base, blk.qs, ir.VectorType(I8, 16))), False
-            if blk.five:  # bit j of qh is element j's fifth bit
-                bits = builder.bitcast(load_at(builder, base, blk.qs - 4, I32), ir.VectorType(ir.IntType(1), 32))
-                q = builder.or_(q, builder.shl(builder.zext(bits, V32B), _splat(V32B, 4)))
-            if blk.offset and not by_offset:
-                q, signed = builder.sub(q, _splat(V32B, blk.offset)), True
-        if by_offset:
-            sums = dot4(builder, q, col["y"], False, True, acc=col["offset"])
-        else:
-            sums = dot4(builder, q, col["y"], signed, VNNI)
-        lanes = builder.sitofp(sums, V8F)
-        nxt = [_fma(builder, splat(builder, builder.fmul(half_at(builder, base, 0), col["d"])), lanes, accs[0])]
+            q = load_at(builder, base, blk.qs, V32B)
+            return (builder.xor(q, _splat(V32B, -128)), False) if by_offset else (q, True)
+        q = _nibbles(builder, load_at(builder, base, blk.qs, ir.VectorType(I8, 16)))
+        if blk.five:  # bit j of qh is element j's fifth bit
+            bits = builder.bitcast(load_at(builder, base, blk.qs - 4, I32), ir.VectorType(ir.IntType(1), 32))
+            q = builder.or_(q, builder.shl(builder.zext(bits, V32B), _splat(V32B, 4)))
+        if blk.offset and not by_offset:
+            return builder.sub(q, _splat(V32B, blk.offset)), True
+        return q, False
+
+    def rows(builder, base0, base1):
+        (q0, signed), (q1, _) = row_values(builder, base0), row_values(builder, base1)
+        two = {"q": _concat(builder, q0, q1), "signed": signed,
+               "d": _two_halves(builder, half_at(builder, base0, 0), half_at(builder, base1, 0), 8)}
         if blk.has_min:
-            nxt.append(_fma(builder, half_at(builder, base, 2), col["s"], accs[1]))
+            two["m"] = _two_halves(builder, half_at(builder, base0, 2), half_at(builder, base1, 2), 1)
+        return two
+
+    def block(builder, two, col, accs):
+        if by_offset:
+            sums = dot4(builder, two["q"], col["y"], False, True, acc=col["offset"])
+        else:
+            sums = dot4(builder, two["q"], col["y"], two["signed"], VNNI)
+        lanes = builder.sitofp(sums, ir.VectorType(F32, 16))
+        nxt = [_fma(builder, builder.fmul(two["d"], col["d"]), lanes, accs[0])]
+        if blk.has_min:
+            nxt.append(_fma(builder, two["m"], col["s"], accs[1]))
         return nxt
 
     def finish(builder, accs):
-        total = hsum8_ir(builder, accs[0])
-        return builder.fadd(total, accs[1]) if blk.has_min else total
+        totals = [hsum8_ir(builder, _half(builder, accs[0], r)) for r in range(2)]
+        if blk.has_min:
+            totals = [builder.fadd(t, builder.extract_element(accs[1], ir.Constant(I32, r))) for r, t in enumerate(totals)]
+        return tuple(totals)
 
-    init = [_splat(V8F, 0.0)] + ([ir.Constant(F32, 0.0)] if blk.has_min else [])
-    return Format(blk.size, init, shared, block, finish)
+    init = [_splat(ir.VectorType(F32, 16), 0.0)] + ([_splat(ir.VectorType(F32, 2), 0.0)] if blk.has_min else [])
+    return PairFormat(blk.size, init, shared, rows, block, finish)
 
 
 # -- K-quants: 256-element blocks, Q8_K activations (yd per block, ys: 16 sums of 16 values) ----
 
-def _k_shared(builder, b, yb, yd, ys):
+def _k_shared(builder, b, nb, yb, yd, ys):
     at = builder.mul(b, ir.Constant(I64, 256))
     sums = load_at(builder, builder.bitcast(ys, I8.as_pointer()), builder.mul(b, ir.Constant(I64, 64)),
                    ir.VectorType(F32, 16))
@@ -200,9 +252,13 @@ def _scaled_sums(builder, base, col, five: bool = False):
 
 def _lane_sums8(builder, vecs):
     """IR: an i32 x 8 whose element i is the sum of the 8 elements of vecs[i] (exact): three
-    rounds of adding the even and the odd elements of two vectors' concatenation."""
-    even = ir.Constant(ir.VectorType(I32, 8), list(range(0, 16, 2)))
-    odd = ir.Constant(ir.VectorType(I32, 8), list(range(1, 16, 2)))
+    rounds of adding the even and the odd elements of two vectors' concatenation.  Of any
+    power-of-two count of vectors of n elements, the same rounds give a vector of n elements
+    where each vector's sums stay in its own stretch, in order (vecs[i]'s n / count sums of
+    neighbouring elements at i * n / count)."""
+    n = vecs[0].type.count
+    even = ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2)))
+    odd = ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2)))
     while len(vecs) > 1:
         vecs = [builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
                 for a, b in zip(vecs[::2], vecs[1::2])]
@@ -242,32 +298,58 @@ def _q45_k(five: bool) -> Format:
     return Format(176 if five else 144, init, _k_shared, block, finish)
 
 
-def _q4_k_x8(per_pair: bool) -> Format:
-    """llama.cpp's repacked Q4_K: integer sums of the scales' and the mins' terms, each
-    converted and fused into an accumulator of its own, the mins' subtracted at the end;
-    converted once per block for single columns (ggml_gemv_q4_K_8x8_q8_K), once per pair of
-    sub-blocks for columns in fours (ggml_gemm_q4_K_8x8_q8_K)."""
-    def block(builder, base, col, accs):
-        sums, min_terms = _scaled_sums(builder, base, col)
-        d = builder.fmul(half_at(builder, base, 0), col["d"])
-        dmin = builder.fmul(half_at(builder, base, 2), col["d"])
+def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
+    """_q4_k_x8's float steps, two rows' chains side by side (PairFormat).  Its integers from
+    dots of 64 bytes: a row's 32 packed bytes hold sub-blocks 2p (low nibbles) and 2p + 1 (high)
+    and the activations of both lie one after the other, so one dot gives a pair's 16 lanes;
+    both rows' 8 such dots are summed to their 16 sub-block sums in three rounds."""
+    v64b, v2f = ir.VectorType(I8, 64), ir.VectorType(F32, 2)
+
+    def shared(builder, b, nb, yb, yd, ys):
+        at = builder.mul(b, ir.Constant(I64, 256))
+        sums = load_at(builder, builder.bitcast(ys, I8.as_pointer()), builder.mul(b, ir.Constant(I64, 64)),
+                       ir.VectorType(F32, 16))
+        per_sub = _pair_sums(builder, builder.fptosi(sums, V16I))  # exact integers held as float32
+        return {"y": [load_at(builder, yb, builder.add(at, ir.Constant(I64, 64 * p)), v64b) for p in range(4)],
+                "d": splat(builder, builder.load(builder.gep(yd, [b])), 2),
+                "bsums": _concat(builder, per_sub, per_sub)}
+
+    def rows(builder, base0, base1):
+        qs, scales, mins = [], [], []
+        for base in (base0, base1):
+            sc, mn = _q4_k_scales(builder, base)
+            scales.append(sc)
+            mins.append(mn)
+            for pair in range(4):  # the low nibbles are sub-block 2 pair, the high 2 pair + 1
+                packed = load_at(builder, base, 16 + 32 * pair, V32B)
+                qs.append(_concat(builder, builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4))))
+        halves = [[half_at(builder, base, at) for base in (base0, base1)] for at in (0, 2)]
+        return {"q": qs, "scales": _concat(builder, *scales), "mins": _concat(builder, *mins),
+                "d": _two_halves(builder, *halves[0], 1), "dmin": _two_halves(builder, *halves[1], 1)}
+
+    def block(builder, two, col, accs):
+        dots = [dot4(builder, q, col["y"][i % 4], False, VNNI) for i, q in enumerate(two["q"])]
+        sums = builder.mul(_lane_sums8(builder, dots), two["scales"])  # row 0's 8 sub-blocks, then row 1's
+        totals, mins = _pair_sums(builder, sums), _pair_sums(builder, builder.mul(col["bsums"], two["mins"]))
+        if not per_pair:
+            totals, mins = _pair_sums(builder, _pair_sums(builder, totals)), _pair_sums(builder, _pair_sums(builder, mins))
+        d, dmin = builder.fmul(two["d"], col["d"]), builder.fmul(two["dmin"], col["d"])
+        totals, mins = builder.sitofp(totals, ir.VectorType(F32, totals.type.count)), \
+            builder.sitofp(mins, ir.VectorType(F32, mins.type.count))
+        n = totals.type.count // 2  # parts per row: row 0's, then row 1's
         acc, acc_min = accs
-        if per_pair:
-            totals, mins = _pair_sums(builder, sums), _pair_sums(builder, min_terms)
-            parts = [(builder.extract_element(totals, ir.Constant(I32, p)), builder.extract_element(mins, ir.Constant(I32, p)))
-                     for p in range(4)]
-        else:
-            parts = [(_hsum_int(builder, sums), _hsum_int(builder, min_terms))]
-        for total, mins_part in parts:
-            acc = _fma(builder, builder.sitofp(total, F32), d, acc)
-            acc_min = _fma(builder, builder.sitofp(mins_part, F32), dmin, acc_min)
+        for part in range(n):
+            pick = ir.Constant(ir.VectorType(I32, 2), [part, n + part])
+            acc = _fma(builder, builder.shuffle_vector(totals, totals, pick), d, acc)
+            acc_min = _fma(builder, builder.shuffle_vector(mins, mins, pick), dmin, acc_min)
         return [acc, acc_min]
 
     def finish(builder, accs):
-        return builder.fsub(accs[0], accs[1])
+        diff = builder.fsub(accs[0], accs[1])
+        return tuple(builder.extract_element(diff, ir.Constant(I32, r)) for r in range(2))
 
-    zero = ir.Constant(F32, 0.0)
-    return Format(144, [zero, zero], _k_shared, block, finish)
+    zero = _splat(v2f, 0.0)
+    return PairFormat(144, [zero, zero], shared, rows, block, finish)
 
 
 def _q45_k_tiled(five: bool) -> Format:
@@ -318,15 +400,54 @@ def _q6_k() -> Format:
     return Format(210, [_splat(V8F, 0.0)], _k_shared, block, finish)
 
 
-def _q6_k_tiled() -> Format:
+def _q6_k_tiled() -> PairFormat:
     """Q6_K from 8 columns, llama.cpp's tiled matmul: per block
-    ``r = float(integer sum) * d_w``, ``acc = fma(r, d_y, acc)``."""
-    def block(builder, base, col, accs):
-        r = builder.fmul(builder.sitofp(_hsum_int(builder, _q6_k_lanes(builder, base, col)), F32),
-                         half_at(builder, base, 208))
+    ``r = float(integer sum) * d_w``, ``acc = fma(r, d_y, acc)``; two rows side by side
+    (PairFormat).  Only the block's integer counts, so it is summed as cheaply as it comes:
+    dots of two 32-value chunks at once, summed to the 16 sums of 16 values in two rounds,
+    less 32 x the activations' sums, times the 16 scales, summed."""
+    v64b, v2f = ir.VectorType(I8, 64), ir.VectorType(F32, 2)
+
+    def shared(builder, b, nb, yb, yd, ys):
+        at = builder.mul(b, ir.Constant(I64, 256))
+        sums = load_at(builder, builder.bitcast(ys, I8.as_pointer()), builder.mul(b, ir.Constant(I64, 64)),
+                       ir.VectorType(F32, 16))
+        return {"y": [load_at(builder, yb, builder.add(at, ir.Constant(I64, 64 * c)), v64b) for c in range(4)],
+                "d": splat(builder, builder.load(builder.gep(yd, [b])), 2),
+                "offsets": builder.shl(builder.fptosi(sums, V16I), _splat(V16I, 5))}  # 32 x sum per 16 values
+
+    def chunk(builder, base, c):
+        """Chunk c's 32 values (0..63): the values 32c .. 32c + 31 of the block."""
+        half, plane = divmod(c, 4)
+        ql = load_at(builder, base, 64 * half + 32 * (plane % 2), V32B)
+        lo = builder.and_(ql, _splat(V32B, 15)) if plane < 2 else builder.lshr(ql, _splat(V32B, 4))
+        qh = load_at(builder, base, 128 + 32 * half, V32B)
+        hi = builder.and_(builder.lshr(qh, _splat(V32B, 2 * plane)), _splat(V32B, 3))
+        return builder.or_(lo, builder.shl(hi, _splat(V32B, 4)))
+
+    def rows(builder, base0, base1):
+        qs = [_concat(builder, chunk(builder, base, 2 * k), chunk(builder, base, 2 * k + 1))
+              for base in (base0, base1) for k in range(4)]
+        scales = [builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I) for base in (base0, base1)]
+        return {"q": qs, "scales": scales,
+                "d": _two_halves(builder, half_at(builder, base0, 208), half_at(builder, base1, 208), 1)}
+
+    def block(builder, two, col, accs):
+        totals = []
+        for r in range(2):
+            dots = [dot4(builder, q, col["y"][k], False, VNNI) for k, q in enumerate(two["q"][4 * r:4 * r + 4])]
+            per16 = builder.sub(_lane_sums8(builder, dots), col["offsets"])  # the 16 sums of 16 values
+            totals.append(builder.mul(per16, two["scales"][r]))
+        total = _lane_sums8(builder, totals)  # row 0's 8 pair sums, then row 1's
+        while total.type.count > 2:
+            total = _pair_sums(builder, total)
+        r = builder.fmul(builder.sitofp(total, v2f), two["d"])
         return [_fma(builder, r, col["d"], accs[0])]
 
-    return Format(210, [ir.Constant(F32, 0.0)], _k_shared, block, lambda builder, accs: accs[0])
+    def finish(builder, accs):
+        return tuple(builder.extract_element(accs[0], ir.Constant(I32, r)) for r in range(2))
+
+    return PairFormat(210, [_splat(v2f, 0.0)], shared, rows, block, finish)
 
 
 # how far ahead of the last row's block the kernels ask for weight bytes: a decode step reads
@@ -353,6 +474,8 @@ def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
     for that pair alone.  The rows' unpacking is written once per column but computed once: the
     same loads and arithmetic in one basic block, which LLVM's common-subexpression pass merges
     (so C columns cost C dots, not C unpackings)."""
+    if isinstance(fmt, PairFormat):
+        return _pair_tile_ir(builder, fmt, rows, cols, nb)
     n_acc = len(fmt.init)
     pairs = [(r, c) for r in range(len(rows)) for c in range(len(cols))]
     inits = fmt.init * len(pairs)
@@ -360,7 +483,7 @@ def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
     accs = [builder.phi(c.type) for c in inits]  # pair i's at i * n_acc
     for phi, c in zip(accs, inits):
         phi.add_incoming(c, pre)
-    shared = [fmt.shared(builder, b, *col) for col in cols]
+    shared = [fmt.shared(builder, b, nb, *col) for col in cols]
     bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
     _prefetch(builder, bases[-1], fmt.block_bytes)
     nexts = []
@@ -377,6 +500,36 @@ def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
         finals.append(phi)
     results = [fmt.finish(builder, finals[i * n_acc:(i + 1) * n_acc]) for i in range(len(pairs))]
     return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
+
+
+def _pair_tile_ir(builder, fmt: PairFormat, rows: list, cols: list, nb) -> list[list]:
+    """_tile_ir for a PairFormat: the two rows' values for a block made once, then one chain of
+    double-width vectors per column."""
+    assert len(rows) == 2
+    n_acc = len(fmt.init)
+    inits = fmt.init * len(cols)
+    b, pre, loop, done = loop_begin(builder, nb, "blocks")
+    accs = [builder.phi(c.type) for c in inits]  # column c's at c * n_acc
+    for phi, c in zip(accs, inits):
+        phi.add_incoming(c, pre)
+    shared = [fmt.shared(builder, b, nb, *col) for col in cols]
+    bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
+    _prefetch(builder, bases[-1], fmt.block_bytes)
+    two = fmt.rows(builder, *bases)
+    nexts = []
+    for c in range(len(cols)):
+        nexts += fmt.block(builder, two, shared[c], accs[c * n_acc:(c + 1) * n_acc])
+    for phi, nxt in zip(accs, nexts):
+        phi.add_incoming(nxt, loop)
+    loop_end(builder, b, nb, loop, done)
+    finals = []
+    for nxt, c in zip(nexts, inits):
+        phi = builder.phi(c.type)
+        phi.add_incoming(c, pre)
+        phi.add_incoming(nxt, loop)
+        finals.append(phi)
+    by_col = [fmt.finish(builder, finals[c * n_acc:(c + 1) * n_acc]) for c in range(len(cols))]
+    return [[by_col[c][r] for c in range(len(cols))] for r in range(2)]
 
 
 def _row_pair_kernel(fmt: Format):
@@ -440,9 +593,12 @@ def _tile_kernel(fmt: Format, n_cols: int):
 LEGACY = {Fmt.Q4_0: Legacy(18, 2, False, False, 8, False), Fmt.Q4_1: Legacy(20, 4, True, False, 0, False),
           Fmt.Q5_0: Legacy(22, 6, False, True, 16, False), Fmt.Q5_1: Legacy(24, 8, True, True, 0, False),
           Fmt.Q8_0: Legacy(34, 2, False, False, 0, True)}
+# the formats whose products read each activation block's lane sums times -offset (int32 x 8)
+# after the values, by their offset: the signed legacy formats, with VNNI (their dots start there)
+LANE_SUMS = {f: 128 if blk.bytes8 else blk.offset for f, blk in LEGACY.items() if VNNI and (blk.offset or blk.bytes8)}
 FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
-           Fmt.Q4_K_X8: _q4_k_x8(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8(per_pair=True),
+           Fmt.Q4_K_X8: _q4_k_x8_paired(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8_paired(per_pair=True),
            Fmt.Q6_K_TILED: _q6_k_tiled(), Fmt.Q4_K_TILED: _q45_k_tiled(five=False),
            Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
 assert list(FORMATS) == list(Fmt)
