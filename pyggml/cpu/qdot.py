@@ -98,29 +98,21 @@ def _chunks(m_rows, n_chunks):
     return (m_rows + per - 1) // per, per
 
 
-@_jit
-def _to_bytes(yq, yb, offset):
-    k = yq.size
-    for i in range(k):
-        yb[i] = np.int8(yq[i])
-    if offset:  # each block's 8 lane sums of 4 values times -offset, as int32 (blockdot.LANE_SUMS)
-        sums = yb[(k + 63) // 64 * 64:].view(np.int32)
-        for j in range(k // 4):
-            sums[j] = -offset * np.int32(yq[4 * j] + yq[4 * j + 1] + yq[4 * j + 2] + yq[4 * j + 3])
-
-
-@njit(parallel=True, cache=True, boundscheck=False)
-def _activation_bytes(yq, parallel, offset):
+@njit(cache=True, boundscheck=False)
+def _activation_bytes(yq, offset):
     """The quantized activations as int8 rows zero-padded to whole 64s; with an ``offset`` (not
-    0), each row then holds its 32-value blocks' lane sums times -offset (blockdot.LANE_SUMS)."""
+    0), each row then holds its 32-value blocks' lane sums times -offset, as int32
+    (blockdot.LANE_SUMS).  In the calling thread: a pass over the activations, a small part of a
+    product's time, and a parallel loop here took a second more to compile than all of this."""
     n_cols, k = yq.shape
     yb = np.zeros((n_cols, (k + 63) // 64 * 64 + (k if offset else 0)), dtype=np.int8)
-    if parallel:
-        for n in prange(n_cols):
-            _to_bytes(yq[n], yb[n], offset)
-    else:  # a few hundred values: less than starting the threads
-        for n in range(n_cols):
-            _to_bytes(yq[n], yb[n], offset)
+    for n in range(n_cols):
+        for i in range(k):
+            yb[n, i] = np.int8(yq[n, i])
+        if offset:
+            sums = yb[n, (k + 63) // 64 * 64:].view(np.int32)
+            for j in range(k // 4):
+                sums[j] = -offset * np.int32(yq[n, 4 * j] + yq[n, 4 * j + 1] + yq[n, 4 * j + 2] + yq[n, 4 * j + 3])
     return yb
 
 
@@ -161,7 +153,7 @@ def _products_of(kind: int):
 
     def product(w, yq, yd, ys, out, runs, threads):
         m_rows, n_cols = w.shape[0], yq.shape[0]
-        yb = _activation_bytes(yq, n_cols >= 4, offset)
+        yb = _activation_bytes(yq, offset)
         # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
         # each chunk is a call); more: chunks whose rows stay in cache from column to column
         n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
@@ -170,7 +162,7 @@ def _products_of(kind: int):
 
     def product_id(w, yq, yd, ys, experts, starts, out):
         m_rows, n_groups = w.shape[1], experts.size
-        yb = _activation_bytes(yq, True, offset)
+        yb = _activation_bytes(yq, offset)
         n_chunks, per = _chunks(m_rows, 64)  # the groups' chunks in one range: many, for a fair share
         whole = _group_runs(starts)
         for j in prange(n_groups * n_chunks):
