@@ -604,8 +604,8 @@ FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
 assert list(FORMATS) == list(Fmt)
 PAIR_KERNELS = {f: _row_pair_kernel(fmt) for f, fmt in FORMATS.items()}
 # the columns a tile kernel takes at once (fewer take row_pair_dots)
-TILE_WIDE, TILE_NARROW = 4, 2
-TILE_KERNELS = {(f, n): _tile_kernel(fmt, n) for f, fmt in FORMATS.items() for n in (TILE_WIDE, TILE_NARROW)}
+TILE_WIDE, TILE_MID, TILE_NARROW = 8, 4, 2
+TILE_KERNELS = {(f, n): _tile_kernel(fmt, n) for f, fmt in FORMATS.items() for n in (TILE_WIDE, TILE_MID, TILE_NARROW)}
 
 # the format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
 # (column_format says which columns)
@@ -655,7 +655,7 @@ def _row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
 
 
 def tile_dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
-    """row_pair_dots for n_cols (TILE_WIDE or TILE_NARROW, a constant) columns from n0 at once, all in
+    """row_pair_dots for n_cols (TILE_WIDE, TILE_MID or TILE_NARROW, a constant) columns from n0 at once, all in
     format ``fmt``, into out[n, m0] and out[n, m1]: each block of the two rows unpacked once
     for all of them."""
     raise TypeError("tile_dots is called from numba kernels only")

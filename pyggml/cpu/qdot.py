@@ -29,7 +29,7 @@ import numpy as np
 import numba
 from numba import njit, prange
 
-from .blockdot import FORMATS, LANE_SUMS, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
+from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
 
 
@@ -43,8 +43,8 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 @njit(cache=True, boundscheck=False)
 def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
     """Rows start..end of weight w times every column of yb - one thread's part of a product -
-    two rows at a time (blockdot.py), and TILE_WIDE (or TILE_NARROW) columns at a time where
-    that many consecutive columns share a format (each block then unpacked once for all of
+    two rows at a time (blockdot.py), and TILE_WIDE (or TILE_MID, TILE_NARROW) columns at a time
+    where that many consecutive columns share a format (each block then unpacked once for all of
     them); an odd last row goes with itself.  A column's format is the one a product of its
     run's columns alone would give it (runs: the runs' first columns, then the number of
     columns) - a tile may span runs: its columns' sums are apart.
@@ -60,14 +60,13 @@ def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
     while n < n_cols:  # a column's rows taken once for the chunk's rows (in cache)
         fmt = fmts[n]
         if _same_format(fmts, n, TILE_WIDE):
-            for m in range(start, end, 2):
-                m1 = min(m + 1, end - 1)
-                tile_dots(kind, fmt, TILE_WIDE, w[m], w[m1], yb, yd, ys, n, out, m, m1)
+            _tile_rows(kind, fmt, TILE_WIDE, w, start, end, yb, yd, ys, n, out)
             n += TILE_WIDE
+        elif _same_format(fmts, n, TILE_MID):
+            _tile_rows(kind, fmt, TILE_MID, w, start, end, yb, yd, ys, n, out)
+            n += TILE_MID
         elif _same_format(fmts, n, TILE_NARROW):
-            for m in range(start, end, 2):
-                m1 = min(m + 1, end - 1)
-                tile_dots(kind, fmt, TILE_NARROW, w[m], w[m1], yb, yd, ys, n, out, m, m1)
+            _tile_rows(kind, fmt, TILE_NARROW, w, start, end, yb, yd, ys, n, out)
             n += TILE_NARROW
         else:
             y, d, s = yb[n], yd[n], ys[n]
@@ -75,6 +74,14 @@ def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
                 m1 = min(m + 1, end - 1)
                 out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
             n += 1
+
+
+@_jit
+def _tile_rows(kind, fmt, n_cols, w, start, end, yb, yd, ys, n, out):
+    """Rows start..end, two at a time, times columns n .. n + n_cols - 1 (n_cols a constant)."""
+    for m in range(start, end, 2):
+        m1 = min(m + 1, end - 1)
+        tile_dots(kind, fmt, n_cols, w[m], w[m1], yb, yd, ys, n, out, m, m1)
 
 
 @_jit
