@@ -467,28 +467,14 @@ def _prefetch(builder, base, block_bytes: int) -> None:
         builder.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
-    """IR: the products of weight rows ``rows`` (pointers to their GGUF blocks) with activation
-    columns ``cols`` ((yb, yd, ys) pointers), one chain per (row, column) in one loop over the
-    blocks; returns the results by row, then column.  Each chain's float steps are the format's
-    for that pair alone.  The rows' unpacking is written once per column but computed once: the
-    same loads and arithmetic in one basic block, which LLVM's common-subexpression pass merges
-    (so C columns cost C dots, not C unpackings)."""
-    if isinstance(fmt, PairFormat):
-        return _pair_tile_ir(builder, fmt, rows, cols, nb)
-    n_acc = len(fmt.init)
-    pairs = [(r, c) for r in range(len(rows)) for c in range(len(cols))]
-    inits = fmt.init * len(pairs)
+def _block_loop(builder, inits: list, nb, body: Callable) -> list:
+    """IR: ``for b in range(nb): accs = body(b, accs)`` from ``inits``, one basic block; returns
+    the accumulators' final values (their starting values when nb <= 0)."""
     b, pre, loop, done = loop_begin(builder, nb, "blocks")
-    accs = [builder.phi(c.type) for c in inits]  # pair i's at i * n_acc
+    accs = [builder.phi(c.type) for c in inits]
     for phi, c in zip(accs, inits):
         phi.add_incoming(c, pre)
-    shared = [fmt.shared(builder, b, nb, *col) for col in cols]
-    bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
-    _prefetch(builder, bases[-1], fmt.block_bytes)
-    nexts = []
-    for i, (r, c) in enumerate(pairs):
-        nexts += fmt.block(builder, bases[r], shared[c], accs[i * n_acc:(i + 1) * n_acc])
+    nexts = body(b, accs)
     for phi, nxt in zip(accs, nexts):
         phi.add_incoming(nxt, loop)
     loop_end(builder, b, nb, loop, done)
@@ -498,38 +484,38 @@ def _tile_ir(builder, fmt: Format, rows: list, cols: list, nb) -> list[list]:
         phi.add_incoming(c, pre)
         phi.add_incoming(nxt, loop)
         finals.append(phi)
-    results = [fmt.finish(builder, finals[i * n_acc:(i + 1) * n_acc]) for i in range(len(pairs))]
-    return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
+    return finals
 
 
-def _pair_tile_ir(builder, fmt: PairFormat, rows: list, cols: list, nb) -> list[list]:
-    """_tile_ir for a PairFormat: the two rows' values for a block made once, then one chain of
-    double-width vectors per column."""
-    assert len(rows) == 2
+def _tile_ir(builder, fmt: Format | PairFormat, rows: list, cols: list, nb) -> list[list]:
+    """IR: the products of weight rows ``rows`` (pointers to their GGUF blocks) with activation
+    columns ``cols`` ((yb, yd, ys) pointers), one chain per (row, column) in one loop over the
+    blocks; returns the results by row, then column.  Each chain's float steps are the format's
+    for that pair alone.  The rows' unpacking is written once per column but computed once: the
+    same loads and arithmetic in one basic block, which LLVM's common-subexpression pass merges
+    (so C columns cost C dots, not C unpackings).  A PairFormat's two rows are unpacked once
+    and go on in one chain of double-width vectors per column."""
     n_acc = len(fmt.init)
-    inits = fmt.init * len(cols)
-    b, pre, loop, done = loop_begin(builder, nb, "blocks")
-    accs = [builder.phi(c.type) for c in inits]  # column c's at c * n_acc
-    for phi, c in zip(accs, inits):
-        phi.add_incoming(c, pre)
-    shared = [fmt.shared(builder, b, nb, *col) for col in cols]
-    bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
-    _prefetch(builder, bases[-1], fmt.block_bytes)
-    two = fmt.rows(builder, *bases)
-    nexts = []
-    for c in range(len(cols)):
-        nexts += fmt.block(builder, two, shared[c], accs[c * n_acc:(c + 1) * n_acc])
-    for phi, nxt in zip(accs, nexts):
-        phi.add_incoming(nxt, loop)
-    loop_end(builder, b, nb, loop, done)
-    finals = []
-    for nxt, c in zip(nexts, inits):
-        phi = builder.phi(c.type)
-        phi.add_incoming(c, pre)
-        phi.add_incoming(nxt, loop)
-        finals.append(phi)
-    by_col = [fmt.finish(builder, finals[c * n_acc:(c + 1) * n_acc]) for c in range(len(cols))]
-    return [[by_col[c][r] for c in range(len(cols))] for r in range(2)]
+    paired = isinstance(fmt, PairFormat)
+    if paired:
+        assert len(rows) == 2
+    chains = [(0, c) for c in range(len(cols))] if paired else [(r, c) for r in range(len(rows)) for c in range(len(cols))]
+
+    def body(b, accs):  # chain i's accumulators at i * n_acc
+        shared = [fmt.shared(builder, b, nb, *col) for col in cols]
+        bases = [builder.gep(row, [builder.mul(b, ir.Constant(I64, fmt.block_bytes))]) for row in rows]
+        _prefetch(builder, bases[-1], fmt.block_bytes)
+        two = fmt.rows(builder, *bases) if paired else None
+        nexts = []
+        for i, (r, c) in enumerate(chains):
+            nexts += fmt.block(builder, two if paired else bases[r], shared[c], accs[i * n_acc:(i + 1) * n_acc])
+        return nexts
+
+    finals = _block_loop(builder, fmt.init * len(chains), nb, body)
+    results = [fmt.finish(builder, finals[i * n_acc:(i + 1) * n_acc]) for i in range(len(chains))]
+    if paired:  # a (row 0, row 1) pair per column
+        return [[results[c][r] for c in range(len(cols))] for r in range(2)]
+    return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
 
 
 def _row_pair_kernel(fmt: Format):
