@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from .kinds import Fmt, literal_kind
 from .simd import dot4, fold_halves, hsum8_ir, loop_begin, loop_end, splat, target_has_vnni
@@ -518,25 +518,56 @@ def _tile_ir(builder, fmt: Format | PairFormat, rows: list, cols: list, nb) -> l
     return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
 
 
-def _row_pair_kernel(fmt: Format):
-    """An intrinsic ``(row0, row1, yb, yd, ys, nb) -> (float32, float32)``: two weight rows'
-    products (uint8, the GGUF blocks) with one activation column quantized to bytes (yb, int8),
-    its block scales yd and block sums ys; the two rows' chains side by side (each chain of
-    fused multiply-adds then hides the other's latency).
+def _by_format(builder, kind: Fmt, fmt, emit: Callable) -> list:
+    """IR: ``emit(format)`` for the format ``fmt`` (a runtime kinds.Fmt number, column_format's)
+    says - weight kind ``kind``'s own, or its batch format where it has one; returns emit's
+    values, merged from both branches."""
+    batch = BATCH_FORMAT.get(kind)
+    if batch is None:
+        return emit(FORMATS[kind])
+    is_batch = builder.icmp_signed("==", fmt, ir.Constant(fmt.type, int(batch)))
+    merged = []
+    with builder.if_else(is_batch) as (then, otherwise):
+        with then:
+            batch_values, batch_end = emit(FORMATS[batch]), builder.basic_block
+        with otherwise:
+            own_values, own_end = emit(FORMATS[kind]), builder.basic_block
+    for a, b in zip(batch_values, own_values):
+        phi = builder.phi(a.type)
+        phi.add_incoming(a, batch_end)
+        phi.add_incoming(b, own_end)
+        merged.append(phi)
+    return merged
 
-    Raw pointers, no bounds checks: it reads nb * block_bytes bytes of each row and nb blocks
-    of yb/yd/ys.  row_pair_dots passes nb = yd.size, the activation's blocks; the rows are
-    tensor_rows() views of row_size(K) = nb * block_bytes bytes (numpy checked them against
-    the buffer), and the activation has the same K (MUL_MAT's shape check, which the RPC
-    server re-runs)."""
-    def typer(typingctx, row0, row1, yb, yd, ys, nb):
-        return types.UniTuple(types.float32, 2)(row0, row1, yb, yd, ys, types.intp), codegen
+
+def _shape(context, builder, ty, value, axis: int):
+    arr = context.make_array(ty)(context, builder, value)
+    return cgutils.unpack_tuple(builder, arr.shape, ty.ndim)[axis]
+
+
+@intrinsic(prefer_literal=True)
+def row_pair_dots(typingctx, kind, fmt, row0, row1, yb, yd, ys):
+    """``(kind, fmt, row0, row1, yb, yd, ys) -> (float32, float32)``: two weight rows of weight
+    kind ``kind`` (a kinds.Fmt, a constant of the kernel) in format ``fmt`` (column_format's:
+    the kind's own or its batch format) times one activation column quantized to bytes (yb,
+    int8), its block scales yd and block sums ys; the two rows' chains side by side.  Only the
+    kind's own formats are compiled into a kernel; the format is chosen in the kernel's code
+    (an intrinsic, not an overload: numba would compile each overload as a function of its own
+    first, seconds per kernel).
+
+    Raw pointers, no bounds checks: it reads nb = yd.size blocks of yb/yd/ys and nb *
+    block_bytes bytes of each row; the rows are tensor_rows() views of row_size(K) = nb *
+    block_bytes bytes (numpy checked them against the buffer), and the activation has the same
+    K (MUL_MAT's shape check, which the RPC server re-runs)."""
+    k = Fmt(literal_kind(kind, "row_pair_dots"))
 
     def codegen(context, builder, signature, args):
-        ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:-1], args[:-1])]
-        (r0,), (r1,) = _tile_ir(builder, fmt, ptrs[:2], [ptrs[2:]], args[-1])
+        tys, vals = signature.args[2:], args[2:]
+        ptrs = [context.make_array(t)(context, builder, a).data for t, a in zip(tys, vals)]
+        nb = _shape(context, builder, tys[3], vals[3], 0)
+        r0, r1 = _by_format(builder, k, args[1], lambda f: [v[0] for v in _tile_ir(builder, f, ptrs[:2], [ptrs[2:]], nb)])
         return context.make_tuple(builder, signature.return_type, [r0, r1])
-    return intrinsic(typer)
+    return types.UniTuple(types.float32, 2)(kind, fmt, row0, row1, yb, yd, ys), codegen
 
 
 def _row_at(context, builder, ty, value, n):
@@ -547,32 +578,37 @@ def _row_at(context, builder, ty, value, n):
     return builder.bitcast(at, arr.data.type), arr
 
 
-def _tile_kernel(fmt: Format, n_cols: int):
-    """An intrinsic ``(row0, row1, yb, yd, ys, n0, out, m0, m1, nb)``: weight rows row0 and row1
-    times activation columns n0 .. n0 + n_cols - 1 (yb int8 [N, k], yd and ys float32 [N, ...]),
-    each product written to out[n, m0] / out[n, m1] (float32 [N, M]): _tile_ir's 2 x n_cols
-    chains, so that a batch's columns share each block's unpacking and its load from memory.
+@intrinsic(prefer_literal=True)
+def tile_dots(typingctx, kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
+    """``(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1)``: row_pair_dots for
+    n_cols (a constant: TILE_WIDE, TILE_MID or TILE_NARROW) columns from n0 at once, all in
+    format ``fmt`` (yb int8 [N, k], yd and ys float32 [N, ...]), each product written to
+    out[n, m0] / out[n, m1] (float32 [N, M]): _tile_ir's chains, so that a batch's columns
+    share each block's unpacking and its load from memory.
 
-    Raw pointers, no bounds checks: qdot.py passes nb = K's blocks, n0 + n_cols <= N columns
-    and m0, m1 < M, with the arrays of one product (MUL_MAT's shape checks)."""
-    def typer(typingctx, row0, row1, yb, yd, ys, n0, out, m0, m1, nb):
-        return types.void(row0, row1, yb, yd, ys, types.intp, out, types.intp, types.intp, types.intp), codegen
+    Raw pointers, no bounds checks: qdot.py passes n0 + n_cols <= N columns and m0, m1 < M,
+    with the arrays of one product (MUL_MAT's shape checks); nb = yd.shape[1] blocks."""
+    k, width = Fmt(literal_kind(kind, "tile_dots")), literal_kind(n_cols, "tile_dots")
 
     def codegen(context, builder, signature, args):
-        tys = signature.args
-        row0, row1 = (context.make_array(t)(context, builder, a).data for t, a in zip(tys[:2], args[:2]))
-        n0, m0, m1, nb = args[5], args[7], args[8], args[9]
-        cols = []
-        for c in range(n_cols):
-            n = builder.add(n0, ir.Constant(I64, c))
-            cols.append([_row_at(context, builder, tys[i], args[i], n)[0] for i in (2, 3, 4)])
-        results = _tile_ir(builder, fmt, [row0, row1], cols, nb)
-        for c in range(n_cols):
-            dst = _row_at(context, builder, tys[6], args[6], builder.add(n0, ir.Constant(I64, c)))[0]
+        tys = signature.args[3:]
+        row0, row1, yb, yd, ys, n0, out, m0, m1 = args[3:]
+        rows = [context.make_array(t)(context, builder, a).data for t, a in zip(tys[:2], (row0, row1))]
+        nb = _shape(context, builder, tys[3], yd, 1)
+        cols = [[_row_at(context, builder, tys[i], args[3 + i], builder.add(n0, ir.Constant(I64, c)))[0] for i in (2, 3, 4)]
+                for c in range(width)]
+
+        def emit(f):
+            results = _tile_ir(builder, f, rows, cols, nb)
+            return [results[r][c] for r in range(2) for c in range(width)]
+
+        results = _by_format(builder, k, args[1], emit)
+        for c in range(width):
+            dst = _row_at(context, builder, tys[6], out, builder.add(n0, ir.Constant(I64, c)))[0]
             for r, m in enumerate((m0, m1)):
-                builder.store(results[r][c], builder.gep(dst, [m]))
+                builder.store(results[r * width + c], builder.gep(dst, [m]))
         return context.get_dummy_value()
-    return intrinsic(typer)
+    return types.void(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1), codegen
 
 
 # by kinds.Fmt, in its order
@@ -588,10 +624,9 @@ FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q6_K_TILED: _q6_k_tiled(), Fmt.Q4_K_TILED: _q45_k_tiled(five=False),
            Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
 assert list(FORMATS) == list(Fmt)
-PAIR_KERNELS = {f: _row_pair_kernel(fmt) for f, fmt in FORMATS.items()}
-# the columns a tile kernel takes at once (fewer take row_pair_dots)
+
+# the columns a tile takes at once (fewer take row_pair_dots)
 TILE_WIDE, TILE_MID, TILE_NARROW = 8, 4, 2
-TILE_KERNELS = {(f, n): _tile_kernel(fmt, n) for f, fmt in FORMATS.items() for n in (TILE_WIDE, TILE_MID, TILE_NARROW)}
 
 # the format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
 # (column_format says which columns)
@@ -615,50 +650,3 @@ def column_format(kind, n, n_cols, tiled_min_cols):
         if kind == Fmt.Q6_K:
             return Fmt.Q6_K_TILED
     return kind
-
-
-def row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
-    """Two weight rows of weight kind ``kind`` (a kinds.Fmt, known when the kernel is compiled)
-    in format ``fmt`` (column_format's: the kind's own or its batch format) times one activation
-    column (yb: its integers as int8, yd/ys: per block), their chains interleaved.  Only the
-    kind's own formats are compiled into a kernel."""
-    raise TypeError("row_pair_dots is called from numba kernels only")
-
-
-@overload(row_pair_dots, prefer_literal=True, inline="always")
-def _row_pair_dots(kind, fmt, row0, row1, yb, yd, ys):
-    k = literal_kind(kind, "row_pair_dots")
-    own, batch_fmt = PAIR_KERNELS[Fmt(k)], BATCH_FORMAT.get(Fmt(k))
-    if batch_fmt is None:
-        return lambda kind, fmt, row0, row1, yb, yd, ys: own(row0, row1, yb, yd, ys, yd.size)
-    batch, batch_num = PAIR_KERNELS[batch_fmt], int(batch_fmt)
-
-    def pair_dots(kind, fmt, row0, row1, yb, yd, ys):
-        if fmt == batch_num:
-            return batch(row0, row1, yb, yd, ys, yd.size)
-        return own(row0, row1, yb, yd, ys, yd.size)
-    return pair_dots
-
-
-def tile_dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
-    """row_pair_dots for n_cols (TILE_WIDE, TILE_MID or TILE_NARROW, a constant) columns from n0 at once, all in
-    format ``fmt``, into out[n, m0] and out[n, m1]: each block of the two rows unpacked once
-    for all of them."""
-    raise TypeError("tile_dots is called from numba kernels only")
-
-
-@overload(tile_dots, prefer_literal=True, inline="always")
-def _tile_dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
-    k, n = literal_kind(kind, "tile_dots"), literal_kind(n_cols, "tile_dots")
-    own, batch_fmt = TILE_KERNELS[Fmt(k), n], BATCH_FORMAT.get(Fmt(k))
-    if batch_fmt is None:
-        return lambda kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1: \
-            own(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
-    batch, batch_num = TILE_KERNELS[batch_fmt, n], int(batch_fmt)
-
-    def dots(kind, fmt, n_cols, row0, row1, yb, yd, ys, n0, out, m0, m1):
-        if fmt == batch_num:
-            batch(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
-        else:
-            own(row0, row1, yb, yd, ys, n0, out, m0, m1, yd.shape[1])
-    return dots
