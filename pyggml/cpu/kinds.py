@@ -96,6 +96,8 @@ def kernel_of_kind(fn, kind_name: str, **options):
     name of its own: numba names a function's cache index after it, and the kernels of two kinds
     compiled at once in two processes would otherwise write the one index, each dropping the
     other's entry."""
-    from numba import njit
+    from numba import cfunc, njit
     fn.__qualname__ = f"{fn.__qualname__.replace('.<locals>.', '_')}_{kind_name}"
+    if "cfunc" in options:  # a C function of this signature (its address is called)
+        return cfunc(options.pop("cfunc"), **options)(fn)
     return njit(**options)(fn)

@@ -24,13 +24,15 @@ Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import numpy as np
 import numba
-from numba import njit, prange
+from numba import carray, njit, prange, types
 
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
+from .simd import address, call_address, pointer
 
 
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
@@ -40,7 +42,7 @@ assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
 _jit = njit(cache=True, inline="always", boundscheck=False)
 
 
-@njit(cache=True, boundscheck=False)
+@_jit
 def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
     """Rows start..end of weight w times every column of yb - one thread's part of a product -
     two rows at a time (blockdot.py), and TILE_WIDE (or TILE_MID, TILE_NARROW) columns at a time
@@ -129,7 +131,8 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     K] integers, yd/ys per block); each run of columns (runs: int64 [first column of each
     run..., N], checked by the caller) computed as a product of its columns alone would be -
     [0, N]: the whole batch."""
-    product_kernel(int(kind))(w, yq, yd, ys, out, runs, THREADS)
+    kernels = product_kernel(int(kind))
+    kernels.product(w, yq, yd, ys, out, runs, THREADS, kernels.rows_at)
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -138,47 +141,84 @@ def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> Non
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    _products_of(int(kind))[1](w, yq, yd, ys, experts, starts, out)
+    kernels = product_kernel(int(kind))
+    kernels.product_id(w, yq, yd, ys, experts, starts, out, kernels.rows_at)
 
 
 # the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
 THREADS = numba.config.NUMBA_NUM_THREADS
 
 
-def product_kernel(kind: int):
-    """The numba kernel of exact_quant_matmul for weights of format ``kind``: the same arguments
-    but the kind, and THREADS last (a caller that multiplies again and again holds it)."""
-    return _products_of(kind)[0]
+class ProductKernels(NamedTuple):
+    """The kernels of one weight format's products, and the address of its rows' C function."""
+    product: Callable      # exact_quant_matmul's arguments but the kind, then THREADS and rows_at
+    product_id: Callable   # exact_quant_matmul_id's arguments but the kind, then rows_at
+    rows_at: int
+
+
+def product_kernel(kind: int) -> ProductKernels:
+    """The product kernels of one weight format (kinds.Fmt)."""
+    return _kernels_of(int(kind))  # an int: numba types an IntEnum constant as no literal
 
 
 @functools.cache
-def _products_of(kind: int):
-    """The two product kernels of one weight format.  ``kind`` is a constant of the kernels, so
-    that each compiles the code of its format only (rows_chunk and the functions it calls choose
-    theirs when compiled): a model compiles the formats it has, not all thirteen."""
+def _kernels_of(kind: int) -> ProductKernels:
+    """The product kernels of one weight format (a caller that multiplies again and again holds
+    them).  ``kind`` is a constant of the kernels, so that each compiles the code of its format
+    only (_rows_chunk and the functions it calls choose theirs when compiled): a model compiles
+    the formats it has, not all thirteen.
+
+    The rows' code is a C function (numba.cfunc) that the parallel loops call by its address,
+    given at every call (a compiled kernel is cached on disk; an address is this process's):
+    numba would copy a called function's code into each kernel that calls it, and optimize and
+    compile it again there - twice for a parallel loop, seconds per format."""
     offset = LANE_SUMS.get(Fmt(kind), 0)
 
-    def product(w, yq, yd, ys, out, runs, threads):
+    def rows_chunk(w_at, m_rows, row_bytes, start, end, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width,
+                   out_at, m_out, runs_at, n_runs):
+        _rows_chunk(kind, carray(pointer(w_at, np.uint8), (m_rows, row_bytes)), start, end,
+                    carray(pointer(yb_at, np.int8), (n_cols, yb_width)),
+                    carray(pointer(yd_at, np.float32), (n_cols, yd_width)),
+                    carray(pointer(ys_at, np.float32), (n_cols, ys_width)),
+                    carray(pointer(out_at, np.float32), (n_cols, m_out)), carray(pointer(runs_at, np.int64), (n_runs,)))
+
+    rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), cache=True, boundscheck=False)
+
+    def product(w, yq, yd, ys, out, runs, threads, rows_at):
         m_rows, n_cols = w.shape[0], yq.shape[0]
         yb = _activation_bytes(yq, offset)
+        _check_contiguous(w, yd, ys, out, runs)
         # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
         # each chunk is a call); more: chunks whose rows stay in cache from column to column
         n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
         for c in prange(n_chunks):
-            _rows_chunk(kind, w, c * per, min(m_rows, (c + 1) * per), yb, yd, ys, out, runs)
+            call_address(rows_at, (address(w), m_rows, w.shape[1], c * per, min(m_rows, (c + 1) * per), address(yb), n_cols,
+                                    yb.shape[1], address(yd), yd.shape[1], address(ys), ys.shape[1], address(out), out.shape[1],
+                                    address(runs), runs.size))
 
-    def product_id(w, yq, yd, ys, experts, starts, out):
+    def product_id(w, yq, yd, ys, experts, starts, out, rows_at):
         m_rows, n_groups = w.shape[1], experts.size
         yb = _activation_bytes(yq, offset)
+        _check_contiguous(w, yd, ys, out, starts)
         n_chunks, per = _chunks(m_rows, 64)  # the groups' chunks in one range: many, for a fair share
         whole = _group_runs(starts)
         for j in prange(n_groups * n_chunks):
             g, c = j // n_chunks, j % n_chunks
             s0, s1 = starts[g], starts[g + 1]
-            _rows_chunk(kind, w[experts[g]], c * per, min(m_rows, (c + 1) * per), yb[s0:s1], yd[s0:s1], ys[s0:s1],
-                        out[s0:s1], whole[g])
-    return tuple(kernel_of_kind(fn, Fmt(kind).name, parallel=True, cache=True, boundscheck=False)
-                 for fn in (product, product_id))
+            call_address(rows_at, (address(w[experts[g]]), m_rows, w.shape[2], c * per, min(m_rows, (c + 1) * per),
+                                    address(yb[s0:s1]), s1 - s0, yb.shape[1], address(yd[s0:s1]), yd.shape[1],
+                                    address(ys[s0:s1]), ys.shape[1], address(out[s0:s1]), out.shape[1],
+                                    address(whole[g]), 2))
+    return ProductKernels(*(kernel_of_kind(fn, Fmt(kind).name, parallel=True, cache=True, boundscheck=False)
+                            for fn in (product, product_id)), rows.address)
+
+
+@_jit
+def _check_contiguous(w, yd, ys, out, ints):
+    """The C function reads the arrays as C-contiguous (numba.carray)."""
+    if not (w.flags.c_contiguous and yd.flags.c_contiguous and ys.flags.c_contiguous and out.flags.c_contiguous
+            and ints.flags.c_contiguous):
+        raise ValueError("a product's arrays must be C-contiguous")
 
 
 @njit(cache=True)

@@ -76,7 +76,7 @@ class QuantProduct:
         self.exact = qtype in EXACT
         if self.exact:
             self.fmt = int(product_format(qtype, self.m_rows))
-            self.kernel = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
+            self.kernels = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
         else:
             self.dec = int(DECODER[qtype])
 
@@ -97,9 +97,9 @@ class QuantProduct:
         __call__ has more to do than call the kernel."""
         if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
-        kernel, w, every = self.kernel, self.w, whole(out.shape[0])
+        kernel, rows_at, w, every = self.kernels.product, self.kernels.rows_at, self.w, whole(out.shape[0])
         # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: kernel(w, *acts, out, every if runs is None else frozen(runs), THREADS)
+        return lambda acts, runs=None: kernel(w, *acts, out, every if runs is None else frozen(runs), THREADS, rows_at)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``

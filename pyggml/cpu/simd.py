@@ -364,3 +364,39 @@ def expf_in_range(x):
 def silu_v(x):
     """ggml_v_silu: x / (1 + e**-x) with ggml_v_expf."""
     return x / (f32(1.0) + expf_v(f32(0.0) - x))
+
+
+# -- calling a compiled C function by its address: no copy of its code in the caller --------------
+# numba links a callee's code into every library that calls it and optimizes and compiles it
+# again there (a parallel loop's body: twice); a cfunc called through its address is compiled once.
+
+@intrinsic
+def address(typingctx, arr):
+    """The address of an array's first element, as intp."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+    return types.intp(arr), codegen
+
+
+@intrinsic
+def pointer(typingctx, at, dtype):
+    """An address (intp) as a pointer to ``dtype`` (a numpy scalar type), for numba.carray."""
+    target = dtype.instance_type
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(target).as_pointer())
+    return types.CPointer(target)(at, dtype), codegen
+
+
+@intrinsic
+def call_address(typingctx, at, args):
+    """Call the C function ``void f(intp, ...)`` at address ``at`` with the integers ``args`` (a tuple)."""
+    def codegen(context, builder, signature, values):
+        i64 = ir.IntType(64)
+        ints = [context.cast(builder, v, t, types.intp) for v, t in
+                zip(cgutils.unpack_tuple(builder, values[1], len(signature.args[1])), signature.args[1])]
+        fnty = ir.FunctionType(ir.VoidType(), [i64] * len(ints))
+        builder.call(builder.inttoptr(values[0], fnty.as_pointer()), ints)
+        return context.get_dummy_value()
+    return types.void(at, args), codegen
