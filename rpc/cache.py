@@ -133,5 +133,8 @@ class TensorCache:
             Path(tmp).unlink(missing_ok=True)
             return key, False
         self._entries[key] = len(view)
+        # its time of use from the clock _touch uses: the file system stamps a new file from a
+        # coarser clock, which may lag an earlier _touch's time and invert the order on a restart
+        self._touch(key)
         self.stores += 1
         return key, True
