@@ -478,13 +478,18 @@ def _block_loop(builder, inits: list, nb, body: Callable) -> list:
     for phi, nxt in zip(accs, nexts):
         phi.add_incoming(nxt, loop)
     loop_end(builder, b, nb, loop, done)
-    finals = []  # the exit block's phis, before any other instruction
-    for nxt, c in zip(nexts, inits):
-        phi = builder.phi(c.type)
-        phi.add_incoming(c, pre)
-        phi.add_incoming(nxt, loop)
-        finals.append(phi)
-    return finals
+    return _merge(builder, inits, pre, nexts, loop)  # the exit block's phis, before any other instruction
+
+
+def _merge(builder, a: list, a_block, b: list, b_block) -> list:
+    """IR: phis of values a (coming from block a_block) and b (from b_block), pair by pair."""
+    merged = []
+    for x, y in zip(a, b):
+        phi = builder.phi(x.type)
+        phi.add_incoming(x, a_block)
+        phi.add_incoming(y, b_block)
+        merged.append(phi)
+    return merged
 
 
 def _tile_ir(builder, fmt: Format | PairFormat, rows: list, cols: list, nb) -> list[list]:
@@ -526,18 +531,12 @@ def _by_format(builder, kind: Fmt, fmt, emit: Callable) -> list:
     if batch is None:
         return emit(FORMATS[kind])
     is_batch = builder.icmp_signed("==", fmt, ir.Constant(fmt.type, int(batch)))
-    merged = []
     with builder.if_else(is_batch) as (then, otherwise):
         with then:
             batch_values, batch_end = emit(FORMATS[batch]), builder.basic_block
         with otherwise:
             own_values, own_end = emit(FORMATS[kind]), builder.basic_block
-    for a, b in zip(batch_values, own_values):
-        phi = builder.phi(a.type)
-        phi.add_incoming(a, batch_end)
-        phi.add_incoming(b, own_end)
-        merged.append(phi)
-    return merged
+    return _merge(builder, batch_values, batch_end, own_values, own_end)
 
 
 def _shape(context, builder, ty, value, axis: int):

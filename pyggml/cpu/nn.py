@@ -21,11 +21,11 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from numba import carray, cfunc, njit, prange, types
 from numba.extending import overload
 
-from .simd import (EXP_RANGE, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32,
-                   half_to_float, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
+from .simd import (EXP_RANGE, address, call_address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32,
+                   half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
 f32 = np.float32
 _jit = njit(cache=True, inline="always", boundscheck=False)
@@ -474,8 +474,8 @@ def seen_cells(mask):
     return n_kv if last < 0 else min(n_kv, (last // 64 + 1) * 64)
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
+def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, scale,
+                    softcap, out: np.ndarray) -> None:
     """q [n_head, n_tokens, d] (F32, rounded to F16 here); k [cells, n_head_kv * d] and v [cells,
     n_head_kv * dv], a cell's heads side by side as the cache holds them: F16 bits (uint16) or
     float32 values; mask [n_tokens, n_kv] (the first n_kv cells are read) -> out [n_tokens,
@@ -489,13 +489,48 @@ def attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out):
     other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as
     padded with zeros to a multiple of 64 cells (llama.cpp pads it to 256).  Cells the mask
     hides are skipped: their probability is exactly 0."""
+    _attention_cells(q, k, v, n_head_kv, mask, f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
+    """attention_cells' parallel loop over chunks of rows, each a call of the C function at
+    ``rows_at`` (_attention_rows_at)."""
+    if not (q.flags.c_contiguous and mask.flags.c_contiguous and out.flags.c_contiguous
+            and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize):
+        raise ValueError("attention: q, mask and out must be C-contiguous, a cell's K and V values side by side")
     n_rows = q.shape[0] * q.shape[1]  # (head, token) pairs
     alone, n_seen, seen = _row_cells(mask)
     n_chunks = min(n_rows, 64)
     per = (n_rows + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        _attention_rows(c * per, min(n_rows, (c + 1) * per), q, k, v, n_head_kv, mask, scale, softcap, out,
-                        alone, n_seen, seen)
+        call_address(rows_at, (c * per, min(n_rows, (c + 1) * per), address(q), q.shape[0], q.shape[1], q.shape[2],
+                               address(k), k.shape[0], k.strides[0] // k.itemsize, k.shape[1],
+                               address(v), v.shape[0], v.strides[0] // v.itemsize, v.shape[1], n_head_kv,
+                               address(mask), mask.shape[1], scale, softcap, address(out),
+                               address(alone), address(n_seen), address(seen)))
+
+
+@functools.cache
+def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
+    """The address of _attention_rows as a C function for caches of these element types: the
+    parallel loop calls it by its address, so that its code is compiled once - numba would copy
+    a called function into the parallel kernel and optimize and compile it twice more there."""
+    kt, vt = k_dtype.type, v_dtype.type
+
+    def attention_rows(start, end, q_at, n_head, n_tok, d, k_at, k_cells, k_stride, k_width, v_at, v_cells,
+                       v_stride, v_width, n_head_kv, mask_at, n_kv, scale, softcap, out_at, alone_at, n_seen_at, seen_at):
+        _attention_rows(start, end, carray(pointer(q_at, np.float32), (n_head, n_tok, d)),
+                        carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width],
+                        carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width], n_head_kv,
+                        carray(pointer(mask_at, np.float32), (n_tok, n_kv)), scale, softcap,
+                        carray(pointer(out_at, np.float32), (n_tok, n_head, v_width // n_head_kv)),
+                        carray(pointer(alone_at, np.bool_), (n_tok,)), carray(pointer(n_seen_at, np.int64), (n_tok,)),
+                        carray(pointer(seen_at, np.int32), (n_tok, n_kv)))
+
+    attention_rows.__qualname__ = f"attention_rows_{k_dtype.name}_{v_dtype.name}"  # one cache entry each
+    sig = types.void(*[types.intp] * 17, types.float32, types.float32, *[types.intp] * 4)
+    return cfunc(sig, cache=True, boundscheck=False)(attention_rows).address
 
 
 @_jit

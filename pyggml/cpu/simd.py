@@ -385,18 +385,19 @@ def pointer(typingctx, at, dtype):
     target = dtype.instance_type
 
     def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(target).as_pointer())
+        return builder.inttoptr(args[0], context.get_data_type(target).as_pointer())
     return types.CPointer(target)(at, dtype), codegen
 
 
 @intrinsic
 def call_address(typingctx, at, args):
-    """Call the C function ``void f(intp, ...)`` at address ``at`` with the integers ``args`` (a tuple)."""
+    """Call the C function ``void f(...)`` at address ``at`` with ``args`` (a tuple): integers
+    as intp, floats as they are."""
     def codegen(context, builder, signature, values):
-        i64 = ir.IntType(64)
-        ints = [context.cast(builder, v, t, types.intp) for v, t in
-                zip(cgutils.unpack_tuple(builder, values[1], len(signature.args[1])), signature.args[1])]
-        fnty = ir.FunctionType(ir.VoidType(), [i64] * len(ints))
-        builder.call(builder.inttoptr(values[0], fnty.as_pointer()), ints)
+        tys = signature.args[1]
+        vals = [context.cast(builder, v, t, types.intp) if isinstance(t, types.Integer) else v
+                for v, t in zip(cgutils.unpack_tuple(builder, values[1], len(tys)), tys)]
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in vals])
+        builder.call(builder.inttoptr(values[0], fnty.as_pointer()), vals)
         return context.get_dummy_value()
     return types.void(at, args), codegen
