@@ -9,9 +9,10 @@ exact in any order; only the float steps are ggml's.
 
 Each format is three pieces of IR: the per-column values of a block (``shared``), one row's
 block (``block``: the next values of its accumulators) and the result from the accumulators
-(``finish``).  ``_tile_ir`` makes the loop around them for two rows and one, two or four
-columns: a chain per (row, column) - independent chains hide each other's fused multiply-add
-latency, and the columns share each block's load and unpacking.
+(``finish``); a PairFormat has a fourth, both rows' values of a block (``rows``), and its
+chains carry the two rows side by side.  ``_tile_ir`` makes the loop around them for two rows
+and one, two, four or eight columns: a chain per (row, column) - independent chains hide each
+other's fused multiply-add latency, and the columns share each block's load and unpacking.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ dot products (``simd.dot4``, ``vpdpbusd`` where there is AVX-512 VNNI); only the
 keep ggml's order.
 
 blockdot.py reads the GGUF blocks in registers: two rows with one column (a decode step), or
-with two or four columns at once where a batch has them (each block unpacked once for all).
+with eight, four or two columns at once where a batch has them (each block unpacked once for all).
 
 ``kinds.EXACT`` lists the weight types done this way; qmatmul.py routes the others (F16, IQ4,
 Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
@@ -131,7 +131,7 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     K] integers, yd/ys per block); each run of columns (runs: int64 [first column of each
     run..., N], checked by the caller) computed as a product of its columns alone would be -
     [0, N]: the whole batch."""
-    kernels = product_kernel(int(kind))
+    kernels = product_kernel(kind)
     kernels.product(w, yq, yd, ys, out, runs, THREADS, kernels.rows_at)
 
 
@@ -141,7 +141,7 @@ def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> Non
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    kernels = product_kernel(int(kind))
+    kernels = product_kernel(kind)
     kernels.product_id(w, yq, yd, ys, experts, starts, out, kernels.rows_at)
 
 
