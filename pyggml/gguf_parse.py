@@ -82,17 +82,28 @@ class _Cursor:
         return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> StringArray:
-        """``count`` length-prefixed strings, kept as one block of bytes (the lengths dropped)."""
-        offsets = np.empty(count + 1, dtype=np.int64)
-        pieces = []
-        total = 0
+        """``count`` length-prefixed strings, kept as one block of bytes (the lengths dropped).
+        The walk from length to length is the only Python per string (a vocabulary holds
+        hundreds of thousands); the bytes are gathered at once."""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        if count > (size - pos) // 8:  # each takes 8 bytes at least: no list of a size the file cannot hold
+            raise ValueError(f"truncated or corrupt file: {count} strings at offset {pos}, the file has {size} bytes")
+        unpack_from = struct.unpack_from
+        starts, lengths = [0] * count, [0] * count
         for i in range(count):
-            n = self.unpack("<Q")
-            offsets[i] = total
-            pieces.append(self.take(n))
-            total += n
-        offsets[count] = total
-        return StringArray(b"".join(pieces), offsets)
+            n = unpack_from("<Q", buf, pos)[0] if pos + 8 <= size else -1
+            if not 0 <= n <= size - pos - 8:
+                raise ValueError(f"truncated or corrupt file: string {i} of {count} at offset {pos} "
+                                 f"runs past the end ({size} bytes)")
+            starts[i], lengths[i] = pos + 8, n
+            pos += 8 + n
+        self.pos = pos
+        lengths_np = np.array(lengths, dtype=np.int64)
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths_np, out=offsets[1:])
+        # byte j of string i sits at starts[i] + (j - offsets[i])
+        at = np.repeat(np.array(starts, dtype=np.int64) - offsets[:-1], lengths_np) + np.arange(offsets[-1])
+        return StringArray(np.frombuffer(buf, dtype=np.uint8)[at].tobytes(), offsets)
 
     def value(self, vtype: int) -> Any:
         if vtype == V.STRING:

@@ -141,3 +141,35 @@ def test_host_weights_stay_in_the_files_memory_map(smollm2_path):
     assert np.shares_memory(buf.data, f.map)
     t = tensors["blk.0.attn_q.weight"]
     assert t.offset == f.tensors["blk.0.attn_q.weight"].offset
+
+
+def _strings_gguf(path, pieces):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", pieces)
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("a.weight", np.arange(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_string_arrays_and_their_corrupt_counts_and_lengths(tmp_path):
+    """A vocabulary's strings read back as written (empty, multi-byte), and a count or a length
+    the file cannot hold is an error saying so - never a list sized by the file's word."""
+    pieces = ["<s>", "", "héllo", "▁the", "日本", "x" * 300]
+    good = _strings_gguf(tmp_path / "ok.gguf", pieces).read_bytes()
+    f = GGUFFile(tmp_path / "ok.gguf")
+    assert list(f.get("tokenizer.ggml.tokens")) == pieces and f.get("llama.block_count") == 1
+    count_at = good.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4  # value type, element type
+    assert int.from_bytes(good[count_at:count_at + 8], "little") == len(pieces)
+    first_at = count_at + 8  # the first string's length
+    for name, at, value in [("count", count_at, 1 << 62), ("length", first_at, 1 << 40),
+                            ("wrapping length", first_at, (1 << 64) - 4)]:
+        bad = bytearray(good)
+        bad[at:at + 8] = value.to_bytes(8, "little")
+        p = tmp_path / f"bad {name}.gguf"
+        p.write_bytes(bytes(bad))
+        with pytest.raises(GGUFError, match="truncated or corrupt"):
+            GGUFFile(p)

@@ -24,7 +24,7 @@ Q2_K, Q3_K) through decode-and-dot, exact up to summation order.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numba
@@ -131,8 +131,8 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     K] integers, yd/ys per block); each run of columns (runs: int64 [first column of each
     run..., N], checked by the caller) computed as a product of its columns alone would be -
     [0, N]: the whole batch."""
-    kernels = product_kernel(kind)
-    kernels.product(w, yq, yd, ys, out, runs, THREADS, kernels.rows_at)
+    rows_at, lane_sums = product_kernel(kind)
+    quant_product(w, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -141,39 +141,38 @@ def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> Non
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    kernels = product_kernel(kind)
-    kernels.product_id(w, yq, yd, ys, experts, starts, out, kernels.rows_at)
+    rows_at, lane_sums = product_kernel(kind)
+    quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums)
 
 
 # the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
 THREADS = numba.config.NUMBA_NUM_THREADS
 
 
-class ProductKernels(NamedTuple):
-    """The kernels of one weight format's products, and the address of its rows' C function."""
-    product: Callable      # exact_quant_matmul's arguments but the kind, then THREADS and rows_at
-    product_id: Callable   # exact_quant_matmul_id's arguments but the kind, then rows_at
+class ProductKernel(NamedTuple):
+    """What the products of one weight format call: the address of its rows' C function, and
+    the offset whose lane sums its activation bytes carry (blockdot.LANE_SUMS; 0: none)."""
     rows_at: int
+    lane_sums: int
 
 
-def product_kernel(kind: int) -> ProductKernels:
-    """The product kernels of one weight format (kinds.Fmt)."""
-    return _kernels_of(int(kind))  # an int: numba types an IntEnum constant as no literal
+def product_kernel(kind: int) -> ProductKernel:
+    """The product kernel of one weight format (kinds.Fmt)."""
+    return _kernel_of(int(kind))  # an int: numba types an IntEnum constant as no literal
 
 
 @functools.cache
-def _kernels_of(kind: int) -> ProductKernels:
-    """The product kernels of one weight format (a caller that multiplies again and again holds
-    them).  ``kind`` is a constant of the kernels, so that each compiles the code of its format
-    only (_rows_chunk and the functions it calls choose theirs when compiled): a model compiles
-    the formats it has, not all thirteen.
+def _kernel_of(kind: int) -> ProductKernel:
+    """The rows of one weight format's products as a C function (numba.cfunc), compiled for that
+    format only: ``kind`` is a constant of it (_rows_chunk and the functions it calls choose
+    their code when compiled), so a model compiles the formats it has, not all thirteen.
 
-    The rows' code is a C function (numba.cfunc) that the parallel loops call by its address,
-    given at every call (a compiled kernel is cached on disk; an address is this process's):
-    numba would copy a called function's code into each kernel that calls it, and optimize and
-    compile it again there - twice for a parallel loop, seconds per format."""
-    offset = LANE_SUMS.get(Fmt(kind), 0)
-
+    The parallel loops around it (quant_product, quant_product_id) are one kernel for every
+    format, which calls it by its address, given at every call (a compiled kernel is cached on
+    disk; an address is this process's): numba would copy a called function's code into each
+    kernel that calls it, and optimize and compile it again there - twice for a parallel loop,
+    seconds per format - and a loop of each format's own was a second of compile more per
+    format for the same machine code."""
     def rows_chunk(w_at, m_rows, row_bytes, start, end, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width,
                    out_at, m_out, runs_at, n_runs):
         _rows_chunk(kind, carray(pointer(w_at, np.uint8), (m_rows, row_bytes)), start, end,
@@ -183,34 +182,40 @@ def _kernels_of(kind: int) -> ProductKernels:
                     carray(pointer(out_at, np.float32), (n_cols, m_out)), carray(pointer(runs_at, np.int64), (n_runs,)))
 
     rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), cache=True, boundscheck=False)
+    return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
 
-    def product(w, yq, yd, ys, out, runs, threads, rows_at):
-        m_rows, n_cols = w.shape[0], yq.shape[0]
-        yb = _activation_bytes(yq, offset)
-        _check_contiguous(w, yd, ys, out, runs)
-        # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
-        # each chunk is a call); more: chunks whose rows stay in cache from column to column
-        n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
-        for c in prange(n_chunks):
-            call_address(rows_at, (address(w), m_rows, w.shape[1], c * per, min(m_rows, (c + 1) * per), address(yb), n_cols,
-                                    yb.shape[1], address(yd), yd.shape[1], address(ys), ys.shape[1], address(out), out.shape[1],
-                                    address(runs), runs.size))
 
-    def product_id(w, yq, yd, ys, experts, starts, out, rows_at):
-        m_rows, n_groups = w.shape[1], experts.size
-        yb = _activation_bytes(yq, offset)
-        _check_contiguous(w, yd, ys, out, starts)
-        n_chunks, per = _chunks(m_rows, 64)  # the groups' chunks in one range: many, for a fair share
-        whole = _group_runs(starts)
-        for j in prange(n_groups * n_chunks):
-            g, c = j // n_chunks, j % n_chunks
-            s0, s1 = starts[g], starts[g + 1]
-            call_address(rows_at, (address(w[experts[g]]), m_rows, w.shape[2], c * per, min(m_rows, (c + 1) * per),
-                                    address(yb[s0:s1]), s1 - s0, yb.shape[1], address(yd[s0:s1]), yd.shape[1],
-                                    address(ys[s0:s1]), ys.shape[1], address(out[s0:s1]), out.shape[1],
-                                    address(whole[g]), 2))
-    return ProductKernels(*(kernel_of_kind(fn, Fmt(kind).name, parallel=True, cache=True, boundscheck=False)
-                            for fn in (product, product_id)), rows.address)
+@njit(cache=True, parallel=True, boundscheck=False)
+def quant_product(w, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
+    """exact_quant_matmul's parallel loop over chunks of rows, each a call of the C function at
+    ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column."""
+    m_rows, n_cols = w.shape[0], yq.shape[0]
+    yb = _activation_bytes(yq, lane_sums)
+    _check_contiguous(w, yd, ys, out, runs)
+    # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
+    # each chunk is a call); more: chunks whose rows stay in cache from column to column
+    n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
+    for c in prange(n_chunks):
+        call_address(rows_at, (address(w), m_rows, w.shape[1], c * per, min(m_rows, (c + 1) * per), address(yb), n_cols,
+                               yb.shape[1], address(yd), yd.shape[1], address(ys), ys.shape[1], address(out), out.shape[1],
+                               address(runs), runs.size))
+
+
+@njit(cache=True, parallel=True, boundscheck=False)
+def quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums):
+    """exact_quant_matmul_id's parallel loop: every group's chunks of rows in one range."""
+    m_rows, n_groups = w.shape[1], experts.size
+    yb = _activation_bytes(yq, lane_sums)
+    _check_contiguous(w, yd, ys, out, starts)
+    n_chunks, per = _chunks(m_rows, 64)  # many, for a fair share
+    whole = _group_runs(starts)
+    for j in prange(n_groups * n_chunks):
+        g, c = j // n_chunks, j % n_chunks
+        s0, s1 = starts[g], starts[g + 1]
+        call_address(rows_at, (address(w[experts[g]]), m_rows, w.shape[2], c * per, min(m_rows, (c + 1) * per),
+                               address(yb[s0:s1]), s1 - s0, yb.shape[1], address(yd[s0:s1]), yd.shape[1],
+                               address(ys[s0:s1]), ys.shape[1], address(out[s0:s1]), out.shape[1],
+                               address(whole[g]), 2))
 
 
 @_jit

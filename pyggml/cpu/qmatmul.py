@@ -23,7 +23,7 @@ from ..types import Type
 from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import THREADS, product_kernel
+from .qdot import THREADS, product_kernel, quant_product
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -76,7 +76,7 @@ class QuantProduct:
         self.exact = qtype in EXACT
         if self.exact:
             self.fmt = int(product_format(qtype, self.m_rows))
-            self.kernels = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
+            self.kernel = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
         else:
             self.dec = int(DECODER[qtype])
 
@@ -97,9 +97,10 @@ class QuantProduct:
         __call__ has more to do than call the kernel."""
         if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
-        kernel, rows_at, w, every = self.kernels.product, self.kernels.rows_at, self.w, whole(out.shape[0])
+        (rows_at, lane_sums), w, every = self.kernel, self.w, whole(out.shape[0])
         # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: kernel(w, *acts, out, every if runs is None else frozen(runs), THREADS, rows_at)
+        return lambda acts, runs=None: quant_product(w, *acts, out, every if runs is None else frozen(runs), THREADS,
+                                                     rows_at, lane_sums)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``

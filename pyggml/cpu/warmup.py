@@ -229,6 +229,13 @@ class Compiling:
         shutil.rmtree(self.claims, ignore_errors=True)
 
 
+# LLVM's optimization level in the compiling processes (numba's default is 3), unless NUMBA_OPT
+# says otherwise: the kernels' vector code is IR of our own (simd.py, blockdot.py), and -O3 took
+# 1.4x as long to compile them for no measurable speed (bench/generate.py --profile: the same
+# time per op kind).  Any level gives the same bits: numba allows LLVM no fast-math.
+COMPILE_OPT = 1
+
+
 def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     """Compile ``parts`` in one process per core this process may run on, each writing numba's
     cache and marking its parts; this process loads them from the cache as it uses them.  Every
@@ -239,8 +246,9 @@ def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, min(len(parts), cores))
     claims = tempfile.mkdtemp(prefix="pyggml-compiling-")
+    env = {**os.environ, "NUMBA_OPT": os.environ.get("NUMBA_OPT", str(COMPILE_OPT))}
     return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", "--claims", claims, *parts],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
                       for _ in range(n)], claims, timeout)
 
 
