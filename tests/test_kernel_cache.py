@@ -99,7 +99,7 @@ def test_a_model_compiles_the_formats_it_has_and_no_other():
     other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
              ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
     assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "product:Q4_K", "softmax", "experts:Q6_K",
-                                        "fused:F16", "decoder:F16"]
+                                        "f16", "fused:F16", "decoder:F16"]
 
 
 LOADS_WITHOUT_COMPILING = """

@@ -70,7 +70,7 @@ def quantize_q8(x, kind, yq, yd, ys):
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
     [N, K/16]."""
     for r in prange(x.shape[0]):
-        _quantize_row(x, r, kind, yq, yd, ys)
+        _quantize_row(x, np.int64(r), kind, yq, yd, ys)  # as quantize_q8_serial's: one compile (prange's r is unsigned)
 
 
 @njit(cache=True)

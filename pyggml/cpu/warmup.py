@@ -96,8 +96,11 @@ def _norms() -> None:
     cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
     q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
     nn.rope_rotate(q, np.empty_like(q), cos, sin, 16, True)
-    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
     nn.set_rows_f16(x, np.arange(2, dtype=np.int64), np.zeros((4, x.shape[1]), dtype=np.uint16))  # KV cache writes
+
+
+def _f16() -> None:  # F16 tensors read as floats (kernels.reader): not the KV cache, which attention reads itself
+    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
 
 
 def _attention() -> None:
@@ -132,7 +135,7 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 7.0), "activations": (_activations, 2.0),
           "top_k": (_top_k, 1.3)}
 GATES = {"swiglu": (_swiglu, 2.0), "geglu": (_geglu, 1.5)}  # a model's feed-forwards use one (FFN_ACT)
-OTHERS = {"softmax": (_softmax, 1.2)}
+OTHERS = {"softmax": (_softmax, 1.2), "f16": (_f16, 0.5)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
     "product": (Fmt, _product, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),  # a K-quant block is larger IR
     "experts": (Fmt, _experts, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),
@@ -155,13 +158,15 @@ def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate
     """The parts a model of these tensors (name, type, ne) runs: the layers' kernels, its
     feed-forward's ``gate`` (a GATES name; both when not known), each weight format's product
     (the experts' own product and their routers' softmax for stacked experts), the embedding's
-    decoder."""
+    decoder, F16 values read as floats where there are F16 tensors."""
     if gate is not None and gate not in GATES:
         raise ValueError(f"no kernel part for the gate {gate!r}")
     parts = dict.fromkeys([*LAYERS, *([gate] if gate else GATES)])
     for name, qtype, ne in tensors:
         if len(ne) == 3:
             parts["softmax"] = None
+        if qtype == Type.F16:
+            parts["f16"] = None
         if name.startswith("token_embd") and qtype in DECODER:  # GET_ROWS decodes the rows it picks
             parts[f"decoder:{DECODER[qtype].name}"] = None
         if len(ne) < 2 or qtype not in DECODER:
