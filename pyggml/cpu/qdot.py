@@ -43,42 +43,6 @@ _jit = njit(cache=True, inline="always", boundscheck=False)
 
 
 @_jit
-def _rows_chunk(kind, w, start, end, yb, yd, ys, out, runs):
-    """Rows start..end of weight w times every column of yb - one thread's part of a product -
-    two rows at a time (blockdot.py), and TILE_WIDE (or TILE_MID, TILE_NARROW) columns at a time
-    where that many consecutive columns share a format (each block then unpacked once for all of
-    them); an odd last row goes with itself.  A column's format is the one a product of its
-    run's columns alone would give it (runs: the runs' first columns, then the number of
-    columns) - a tile may span runs: its columns' sums are apart.
-    A function of its own, not the parallel loop's body: numba's parallel passes then take
-    seconds less to compile, and the block kernels are IR of our own, vectorized as written."""
-    n_cols = yb.shape[0]
-    fmts = np.empty(n_cols, dtype=np.int64)
-    for r in range(runs.size - 1):
-        r0, r1 = runs[r], runs[r + 1]
-        for n in range(r0, r1):
-            fmts[n] = column_format(kind, n - r0, r1 - r0, TILED_MIN_COLS)
-    n = 0
-    while n < n_cols:  # a column's rows taken once for the chunk's rows (in cache)
-        fmt = fmts[n]
-        if _same_format(fmts, n, TILE_WIDE):
-            _tile_rows(kind, fmt, TILE_WIDE, w, start, end, yb, yd, ys, n, out)
-            n += TILE_WIDE
-        elif _same_format(fmts, n, TILE_MID):
-            _tile_rows(kind, fmt, TILE_MID, w, start, end, yb, yd, ys, n, out)
-            n += TILE_MID
-        elif _same_format(fmts, n, TILE_NARROW):
-            _tile_rows(kind, fmt, TILE_NARROW, w, start, end, yb, yd, ys, n, out)
-            n += TILE_NARROW
-        else:
-            y, d, s = yb[n], yd[n], ys[n]
-            for m in range(start, end, 2):
-                m1 = min(m + 1, end - 1)
-                out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
-            n += 1
-
-
-@_jit
 def _tile_rows(kind, fmt, n_cols, w, start, end, yb, yd, ys, n, out):
     """Rows start..end, two at a time, times columns n .. n + n_cols - 1 (n_cols a constant)."""
     for m in range(start, end, 2):
@@ -164,7 +128,7 @@ def product_kernel(kind: int) -> ProductKernel:
 @functools.cache
 def _kernel_of(kind: int) -> ProductKernel:
     """The rows of one weight format's products as a C function (numba.cfunc), compiled for that
-    format only: ``kind`` is a constant of it (_rows_chunk and the functions it calls choose
+    format only: ``kind`` is a constant of it (the rows' code and the functions it calls choose
     their code when compiled), so a model compiles the formats it has, not all thirteen.
 
     The parallel loops around it (quant_product, quant_product_id) are one kernel for every
@@ -175,11 +139,43 @@ def _kernel_of(kind: int) -> ProductKernel:
     format for the same machine code."""
     def rows_chunk(w_at, m_rows, row_bytes, start, end, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width,
                    out_at, m_out, runs_at, n_runs):
-        _rows_chunk(kind, carray(pointer(w_at, np.uint8), (m_rows, row_bytes)), start, end,
-                    carray(pointer(yb_at, np.int8), (n_cols, yb_width)),
-                    carray(pointer(yd_at, np.float32), (n_cols, yd_width)),
-                    carray(pointer(ys_at, np.float32), (n_cols, ys_width)),
-                    carray(pointer(out_at, np.float32), (n_cols, m_out)), carray(pointer(runs_at, np.int64), (n_runs,)))
+        """Rows start..end of weight w times every column of yb - one thread's part of a product -
+        two rows at a time (blockdot.py), and TILE_WIDE (or TILE_MID, TILE_NARROW) columns at a
+        time where that many consecutive columns share a format (each block then unpacked once
+        for all of them); an odd last row goes with itself.  A column's format is the one a
+        product of its run's columns alone would give it (runs: the runs' first columns, then
+        the number of columns) - a tile may span runs: its columns' sums are apart.  The C
+        function's own code, not a function it inlines: numba would copy that one's code (and
+        run its passes again) for every format."""
+        w = carray(pointer(w_at, np.uint8), (m_rows, row_bytes))
+        yb = carray(pointer(yb_at, np.int8), (n_cols, yb_width))
+        yd = carray(pointer(yd_at, np.float32), (n_cols, yd_width))
+        ys = carray(pointer(ys_at, np.float32), (n_cols, ys_width))
+        out = carray(pointer(out_at, np.float32), (n_cols, m_out))
+        runs = carray(pointer(runs_at, np.int64), (n_runs,))
+        fmts = np.empty(n_cols, dtype=np.int64)
+        for r in range(n_runs - 1):
+            r0, r1 = runs[r], runs[r + 1]
+            for n in range(r0, r1):
+                fmts[n] = column_format(kind, n - r0, r1 - r0, TILED_MIN_COLS)
+        n = 0
+        while n < n_cols:  # a column's rows taken once for the chunk's rows (in cache)
+            fmt = fmts[n]
+            if _same_format(fmts, n, TILE_WIDE):
+                _tile_rows(kind, fmt, TILE_WIDE, w, start, end, yb, yd, ys, n, out)
+                n += TILE_WIDE
+            elif _same_format(fmts, n, TILE_MID):
+                _tile_rows(kind, fmt, TILE_MID, w, start, end, yb, yd, ys, n, out)
+                n += TILE_MID
+            elif _same_format(fmts, n, TILE_NARROW):
+                _tile_rows(kind, fmt, TILE_NARROW, w, start, end, yb, yd, ys, n, out)
+                n += TILE_NARROW
+            else:
+                y, d, s = yb[n], yd[n], ys[n]
+                for m in range(start, end, 2):
+                    m1 = min(m + 1, end - 1)
+                    out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
+                n += 1
 
     rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), cache=True, boundscheck=False)
     return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
