@@ -51,14 +51,16 @@ def _tile_rows(kind, fmt, n_cols, w, start, end, yb, yd, ys, n, out):
 
 
 @_jit
-def _same_format(fmts, n, n_cols):
-    """Whether columns n .. n + n_cols - 1 exist and share a format."""
-    if n + n_cols > fmts.size:
-        return False
-    for c in range(1, n_cols):
-        if fmts[n + c] != fmts[n]:
-            return False
-    return True
+def _tile_width(fmts, n):
+    """How many columns from n a tile takes: the widest of TILE_WIDE, TILE_MID and TILE_NARROW
+    whose columns exist and share a format, else 1."""
+    for width in (TILE_WIDE, TILE_MID, TILE_NARROW):
+        same = n + width <= fmts.size
+        for c in range(1, width if same else 1):
+            same = same and fmts[n + c] == fmts[n]
+        if same:
+            return width
+    return 1
 
 
 @_jit
@@ -160,22 +162,19 @@ def _kernel_of(kind: int) -> ProductKernel:
                 fmts[n] = column_format(kind, n - r0, r1 - r0, TILED_MIN_COLS)
         n = 0
         while n < n_cols:  # a column's rows taken once for the chunk's rows (in cache)
-            fmt = fmts[n]
-            if _same_format(fmts, n, TILE_WIDE):
+            fmt, width = fmts[n], _tile_width(fmts, n)
+            if width == TILE_WIDE:  # (each width a constant of the tile's code)
                 _tile_rows(kind, fmt, TILE_WIDE, w, start, end, yb, yd, ys, n, out)
-                n += TILE_WIDE
-            elif _same_format(fmts, n, TILE_MID):
+            elif width == TILE_MID:
                 _tile_rows(kind, fmt, TILE_MID, w, start, end, yb, yd, ys, n, out)
-                n += TILE_MID
-            elif _same_format(fmts, n, TILE_NARROW):
+            elif width == TILE_NARROW:
                 _tile_rows(kind, fmt, TILE_NARROW, w, start, end, yb, yd, ys, n, out)
-                n += TILE_NARROW
             else:
                 y, d, s = yb[n], yd[n], ys[n]
                 for m in range(start, end, 2):
                     m1 = min(m + 1, end - 1)
                     out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
-                n += 1
+            n += width
 
     rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), cache=True, boundscheck=False)
     return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
