@@ -39,9 +39,11 @@ def _hidden16(w, o):
     return True
 
 
-@_jit
-def _softmax_row(w, n):
-    """In place over w[:n] (already scaled and masked)."""
+@njit(cache=True, boundscheck=False)
+def _softmax_row(w):
+    """In place over the row w (already scaled and masked).  A function of its own, not a
+    parallel loop's body (numba compiles those slowly) nor inlined (numba would copy its code)."""
+    n = w.shape[0]
     mx = f32(-np.inf)
     for i in range(n):
         mx = max(mx, w[i])
@@ -68,13 +70,7 @@ def _softmax_row(w, n):
 def softmax_rows(x):
     """Rows of x [rows, n] (scaled and masked) in place."""
     for r in prange(x.shape[0]):
-        _softmax_whole_row(x[r])
-
-
-@njit(cache=True, boundscheck=False)
-def _softmax_whole_row(w):
-    """softmax_rows' loop body as a function: numba compiles a parallel loop's body slowly."""
-    _softmax_row(w, w.shape[0])
+        _softmax_row(x[r])
 
 
 @_jit
@@ -584,7 +580,7 @@ def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, 
     else:  # a row that sees no cell: NaN, as over -inf everywhere
         for c in range(n_kv):
             s[c] = -np.inf
-        _softmax_whole_row(s)  # (s holds n_kv cells)
+        _softmax_row(s)  # (s holds n_kv cells)
     for i in range(m if m else n_kv):
         c = cells[i] if m else i
         p = round_f16(s[c])
