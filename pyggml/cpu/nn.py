@@ -509,43 +509,37 @@ def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
 
 @functools.cache
 def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
-    """The address of _attention_rows as a C function for caches of these element types: the
+    """The address of attention's rows as a C function for caches of these element types: the
     parallel loop calls it by its address, so that its code is compiled once - numba would copy
     a called function into the parallel kernel and optimize and compile it twice more there."""
     kt, vt = k_dtype.type, v_dtype.type
 
     def attention_rows(start, end, q_at, n_head, n_tok, d, k_at, k_cells, k_stride, k_width, v_at, v_cells,
                        v_stride, v_width, n_head_kv, mask_at, n_kv, scale, softcap, out_at, alone_at, n_seen_at, seen_at):
-        _attention_rows(start, end, carray(pointer(q_at, np.float32), (n_head, n_tok, d)),
-                        carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width],
-                        carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width], n_head_kv,
-                        carray(pointer(mask_at, np.float32), (n_tok, n_kv)), scale, softcap,
-                        carray(pointer(out_at, np.float32), (n_tok, n_head, v_width // n_head_kv)),
-                        carray(pointer(alone_at, np.bool_), (n_tok,)), carray(pointer(n_seen_at, np.int64), (n_tok,)),
-                        carray(pointer(seen_at, np.int32), (n_tok, n_kv)))
+        """attention_cells' rows start..end (head h, token t at h * n_tokens + t), with one set
+        of scratch arrays for all of them: the C function's own code, not a function it inlines
+        (numba would copy that one's code).  No array expressions in it: numba makes each a
+        parallel loop of its own."""
+        q = carray(pointer(q_at, np.float32), (n_head, n_tok, d))
+        k = carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width]
+        v = carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width]
+        mask = carray(pointer(mask_at, np.float32), (n_tok, n_kv))
+        out = carray(pointer(out_at, np.float32), (n_tok, n_head, v_width // n_head_kv))
+        alone = carray(pointer(alone_at, np.bool_), (n_tok,))
+        n_seen = carray(pointer(n_seen_at, np.int64), (n_tok,))
+        seen = carray(pointer(seen_at, np.int32), (n_tok, n_kv))
+        q16 = np.empty(d, dtype=np.float32)
+        s = np.empty(n_kv, dtype=np.float32)
+        lanes = np.empty(64, dtype=np.float32)
+        acc = np.zeros((64, v_width // n_head_kv), dtype=np.float32)  # _sum_lanes leaves it zeroed
+        for r in range(start, end):
+            t = r % n_tok
+            _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale, softcap, out, alone[t], n_seen[t], seen[t],
+                           q16, s, lanes, acc)
 
     attention_rows.__qualname__ = f"attention_rows_{k_dtype.name}_{v_dtype.name}"  # one cache entry each
     sig = types.void(*[types.intp] * 17, types.float32, types.float32, *[types.intp] * 4)
     return cfunc(sig, cache=True, boundscheck=False)(attention_rows).address
-
-
-@_jit
-def _attention_rows(start, end, q, k, v, n_head_kv, mask, scale, softcap, out, alone, n_seen, seen):
-    """attention_cells' rows start..end (head h, token t at h * n_tokens + t), with one set of
-    scratch arrays for all of them.  The parallel loop's body, inlined there: that gave numba's
-    own inner loops the no-alias they needed to vectorize.  Those loops (the F16 dots, the V
-    sums, the lanes' fold) are now IR of our own (simd.py), and a body of its own measured the
-    same in speed and compile time; either is fine.  No array expressions in it: numba makes
-    each a parallel loop of its own."""
-    n_tok, d = q.shape[1], q.shape[2]
-    q16 = np.empty(d, dtype=np.float32)
-    s = np.empty(mask.shape[1], dtype=np.float32)
-    lanes = np.empty(64, dtype=np.float32)
-    acc = np.zeros((64, v.shape[1] // n_head_kv), dtype=np.float32)  # _sum_lanes leaves it zeroed
-    for r in range(start, end):
-        t = r % n_tok
-        _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale, softcap, out, alone[t], n_seen[t], seen[t],
-                       q16, s, lanes, acc)
 
 
 @_jit
