@@ -220,3 +220,22 @@ def test_q8_k_bsums_are_sums_of_16():
     assert ys.shape == (2, 32)
     assert np.array_equal(ys, yq.reshape(2, 32, 16).sum(-1))
     assert np.all(np.abs(yq) <= 127) and np.array_equal(yq, np.rint(yq))
+
+
+def test_attention_refuses_shapes_that_do_not_agree():
+    """Attention's rows are a C function that takes the shapes it is given: an output, mask or
+    cache that does not hold every row and cell it would touch is an error, not a stray write."""
+    n_head, n_tok, d, cells = 4, 3, 64, 64
+    q = np.ones((n_head, n_tok, d), dtype=np.float32)
+    k = np.zeros((cells, 2 * d), dtype=np.uint16)  # 2 KV heads, F16 bits
+    mask = np.zeros((n_tok, cells), dtype=np.float32)
+    out = np.empty((n_tok, n_head, d), dtype=np.float32)
+    nn.attention_cells(q, k, k, 2, mask, 0.125, 0.0, out)
+    assert np.isfinite(out).all()
+    for bad in [dict(out=np.empty((n_tok, n_head - 1, d), dtype=np.float32)),
+                dict(mask=np.zeros((n_tok, cells + 64), dtype=np.float32)),  # cells the cache lacks
+                dict(mask=np.zeros((n_tok - 1, cells), dtype=np.float32)),
+                dict(v=np.zeros((cells, d), dtype=np.uint16))]:
+        args = dict(q=q, k=k, v=k, n_head_kv=2, mask=mask, scale=0.125, softcap=0.0, out=out) | bad
+        with pytest.raises(ValueError, match="do not agree"):
+            nn.attention_cells(**args)

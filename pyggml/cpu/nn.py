@@ -495,7 +495,13 @@ def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
     if not (q.flags.c_contiguous and mask.flags.c_contiguous and out.flags.c_contiguous
             and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize):
         raise ValueError("attention: q, mask and out must be C-contiguous, a cell's K and V values side by side")
-    n_rows = q.shape[0] * q.shape[1]  # (head, token) pairs
+    # the C function takes these shapes as given: every cell and row it reads or writes must be there
+    n_head, n_tok, d = q.shape
+    if not (mask.shape[0] >= n_tok and mask.shape[1] <= min(k.shape[0], v.shape[0])
+            and k.shape[1] == n_head_kv * d and n_head % n_head_kv == 0 and v.shape[1] % n_head_kv == 0
+            and out.shape[0] == n_tok and out.shape[1] == n_head and out.shape[2] * n_head_kv == v.shape[1]):
+        raise ValueError("attention: the shapes of q, k, v, mask and out do not agree")
+    n_rows = n_head * n_tok  # (head, token) pairs
     alone, n_seen, seen = _row_cells(mask)
     n_chunks = min(n_rows, 64)
     per = (n_rows + n_chunks - 1) // n_chunks
