@@ -239,3 +239,23 @@ def test_attention_refuses_shapes_that_do_not_agree():
         args = dict(q=q, k=k, v=k, n_head_kv=2, mask=mask, scale=0.125, softcap=0.0, out=out) | bad
         with pytest.raises(ValueError, match="do not agree"):
             nn.attention_cells(**args)
+
+
+def test_the_integer_dots_are_capped_by_pyggml_dots(monkeypatch):
+    """PYGGML_DOTS caps the integer dot instructions the products compile to (the tests of the
+    lesser paths use it); a name it does not know is an error, not a silent default."""
+    import llvmlite.binding as llvm
+
+    from pyggml.cpu.simd import DOT_LEVELS, integer_dots
+    monkeypatch.delenv("PYGGML_DOTS", raising=False)
+    own = integer_dots()
+    if llvm.get_host_cpu_features().get("avx2"):
+        assert own in ("vnni", "avx2")
+    monkeypatch.setenv("PYGGML_DOTS", "plain")
+    assert integer_dots() == "plain"
+    monkeypatch.setenv("PYGGML_DOTS", "avx2")
+    assert integer_dots() == ("avx2" if own != "plain" else "plain")
+    monkeypatch.setenv("PYGGML_DOTS", "sse")
+    with pytest.raises(ValueError, match="PYGGML_DOTS"):
+        integer_dots()
+    assert DOT_LEVELS[0] == "vnni"

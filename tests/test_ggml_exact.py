@@ -156,26 +156,33 @@ def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
     return np.concatenate([x] * 3) if batch else x[:1]
 
 
-def test_portable_integer_dots_equal_vnni(tmp_path):
-    """The plain-IR integer dots (CPUs without AVX-512 VNNI, where signed weights take the sign
-    trick instead of VNNI's offset) give the same bits, for batches (blockdot's tiles) and
-    single columns: run in a process of its own with PYGGML_NO_VNNI=1 and its own numba cache."""
+@pytest.mark.parametrize("level", ["avx2", "plain"])
+def test_every_level_of_integer_dots_gives_the_same_bits(tmp_path, level):
+    """The integer dots of a CPU with fewer instructions (simd.DOT_LEVELS: AVX2's vpmaddubsw
+    where there is no VNNI, plain vector IR where there is no AVX2; signed weights by their lane
+    sums or the sign trick) give the same bits as this CPU's, for batches (blockdot's tiles) and
+    single columns: run in a process of its own with PYGGML_DOTS=level and its own numba cache."""
     import os
     import subprocess
     import sys
+
+    from pyggml.cpu.simd import DOT_LEVELS, integer_dots
+    if DOT_LEVELS.index(level) <= DOT_LEVELS.index(integer_dots()):
+        pytest.skip(f"this CPU's own integer dots are {integer_dots()!r}: the tests of its own path check them")
     code = ("import numpy as np, sys; import pyggml as pg; from pyggml.cpu.qmatmul import quant_matmul;"
+            "from pyggml.cpu.blockdot import DOTS; assert DOTS == sys.argv[3], DOTS;"
             "d = np.load(sys.argv[1]); out = {}\n"
             "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q5_0', 'Q4_K', 'Q6_K'):\n"
             "    for batch in (True, False):\n"
             "        x = np.concatenate([d[n + '_x']] * 3) if batch else d[n + '_x'][:1]\n"
             "        out[f'{n}_{batch}'] = quant_matmul(d[n + '_w'], pg.Type[n], x)\n"
             "np.savez(sys.argv[2], **out)")
-    env = dict(os.environ, PYGGML_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env = dict(os.environ, PYGGML_DOTS=level, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent / "data" / "ggml_vec_dot.npz"),
-                    str(tmp_path / "out.npz")], check=True, env=env, timeout=600)
-    portable = np.load(tmp_path / "out.npz")
-    assert len(portable.files) == 12
-    for key in portable.files:
+                    str(tmp_path / "out.npz"), level], check=True, env=env, timeout=600)
+    other = np.load(tmp_path / "out.npz")
+    assert len(other.files) == 12
+    for key in other.files:
         n, batch = key.split("_")[0] + "_" + key.split("_")[1], key.endswith("True")
         here = quant_matmul(DATA[n + "_w"], pg.Type[n], _columns(DATA[n + "_x"], batch))
-        assert np.array_equal(portable[key], here), key
+        assert np.array_equal(other[key], here), key

@@ -17,7 +17,7 @@ def test_the_sources_include_the_files_the_products_inline():
 
 
 def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("PYGGML_NO_VNNI", raising=False)
+    monkeypatch.delenv("PYGGML_DOTS", raising=False)
     copies = []
     for i, p in enumerate(kernel_sources()):  # two of them are __init__.py
         (tmp_path / str(i)).mkdir()
@@ -29,11 +29,11 @@ def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_p
     changed = kernel_digest(copies)
     assert changed != before
     monkeypatch.delenv("NUMBA_BOUNDSCHECK", raising=False)
-    monkeypatch.setenv("PYGGML_NO_VNNI", "1")
-    no_vnni = kernel_digest(copies)
-    assert no_vnni not in (before, changed)
+    monkeypatch.setenv("PYGGML_DOTS", "plain")
+    plain = kernel_digest(copies)
+    assert plain not in (before, changed)
     monkeypatch.setenv("NUMBA_BOUNDSCHECK", "1")  # the checked build: a folder of its own
-    assert kernel_digest(copies) not in (before, changed, no_vnni)
+    assert kernel_digest(copies) not in (before, changed, plain)
 
 
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")

@@ -24,11 +24,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kinds import Fmt, literal_kind
-from .simd import dot4, fold_halves, hsum8_ir, loop_begin, loop_end, splat, target_has_vnni
+from .simd import dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, splat
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
-VNNI = target_has_vnni()
+DOTS = integer_dots()  # the CPU's integer dot instructions (simd.DOT_LEVELS)
 
 
 def load_at(builder, base, offset, ty):
@@ -130,18 +130,26 @@ def lane_sums_at(builder, nb):
     return builder.shl(builder.ashr(builder.add(nb, ir.Constant(I64, 1)), ir.Constant(I64, 1)), ir.Constant(I64, 6))
 
 
+def _lane_sums_offset(blk: Legacy) -> int:
+    """The offset whose lane sums a legacy format's dots start at (_legacy), 0 for none."""
+    if blk.bytes8:
+        return 128 if DOTS == "vnni" else 0
+    return blk.offset
+
+
 def _legacy(blk: Legacy) -> PairFormat:
     """8 lanes, ``acc = fma(d_w * d_y, lanes, acc)`` per block, hsum8; with a minimum, its term
     ``summs = fma(m_w, s_y, summs)`` in a scalar of its own, added last.  Two rows' 8 lanes
     side by side in 16 (PairFormat): one dot, one conversion and one fused multiply-add for both.
 
-    Signed weights (q - offset; Q8_0's bytes, q - 128 for q = byte + 128) are dotted, with VNNI,
-    as ``vpdpbusd(q, y)`` started at ``-offset x`` the lane's sum of y: the same integers as the
-    sign trick, with one instruction per row and column where the trick takes five; y's lane
-    sums are a column's, computed once for every product when its activations become bytes
-    (LANE_SUMS)."""
-    offset = 128 if blk.bytes8 else blk.offset
-    by_offset = VNNI and offset > 0
+    Signed weights (q - offset; Q8_0's bytes, q - 128 for q = byte + 128) are dotted as
+    ``dot4(q, y)`` started at ``-offset x`` the lane's sum of y: the same integers as the sign
+    trick, with one instruction per row and column where the trick takes five; y's lane sums
+    are a column's, computed once for every product when its activations become bytes
+    (LANE_SUMS).  Not Q8_0's without VNNI: AVX2's 16-bit pair sums of q up to 255 could
+    overflow (simd.dot4), so those take the sign trick."""
+    offset = _lane_sums_offset(blk)
+    by_offset = offset > 0
 
     def shared(builder, b, nb, yb, yd, ys):
         y = load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B)
@@ -175,9 +183,9 @@ def _legacy(blk: Legacy) -> PairFormat:
 
     def block(builder, two, col, accs):
         if by_offset:
-            sums = dot4(builder, two["q"], col["y"], False, True, acc=col["offset"])
+            sums = dot4(builder, two["q"], col["y"], False, DOTS, acc=col["offset"])
         else:
-            sums = dot4(builder, two["q"], col["y"], two["signed"], VNNI)
+            sums = dot4(builder, two["q"], col["y"], two["signed"], DOTS)
         lanes = builder.sitofp(sums, ir.VectorType(F32, 16))
         nxt = [_fma(builder, builder.fmul(two["d"], col["d"]), lanes, accs[0])]
         if blk.has_min:
@@ -231,7 +239,7 @@ def _q4_k_dots(builder, base, col, five: bool = False):
             if five:
                 fifth = builder.and_(builder.lshr(qh, _splat(V32B, s)), _splat(V32B, 1))
                 q = builder.or_(q, builder.shl(fifth, _splat(V32B, 4)))
-            dots.append(dot4(builder, q, col["y"][s], False, VNNI))
+            dots.append(dot4(builder, q, col["y"][s], False, DOTS))
     return dots, scales, builder.mul(_pair_sums(builder, col["bsums"]), mins)
 
 
@@ -329,7 +337,7 @@ def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
                 "d": _two_halves(builder, *halves[0], 1), "dmin": _two_halves(builder, *halves[1], 1)}
 
     def block(builder, two, col, accs):
-        dots = [dot4(builder, q, col["y"][i % 4], False, VNNI) for i, q in enumerate(two["q"])]
+        dots = [dot4(builder, q, col["y"][i % 4], False, DOTS) for i, q in enumerate(two["q"])]
         sums = builder.mul(_lane_sums8(builder, dots), two["scales"])  # row 0's 8 sub-blocks, then row 1's
         totals, mins = _pair_sums(builder, sums), _pair_sums(builder, builder.mul(col["bsums"], two["mins"]))
         if not per_pair:
@@ -382,7 +390,7 @@ def _q6_k_lanes(builder, base, col):
             two = builder.sext(load_at(builder, base, 192 + 8 * half + 2 * plane, ir.VectorType(I8, 2)),
                                ir.VectorType(I32, 2))
             sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
-            lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, VNNI), sc))
+            lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, DOTS), sc))
     scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
     offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
     return builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
@@ -436,7 +444,7 @@ def _q6_k_tiled() -> PairFormat:
     def block(builder, two, col, accs):
         totals = []
         for r in range(2):
-            dots = [dot4(builder, q, col["y"][k], False, VNNI) for k, q in enumerate(two["q"][4 * r:4 * r + 4])]
+            dots = [dot4(builder, q, col["y"][k], False, DOTS) for k, q in enumerate(two["q"][4 * r:4 * r + 4])]
             per16 = builder.sub(_lane_sums8(builder, dots), col["offsets"])  # the 16 sums of 16 values
             totals.append(builder.mul(per16, two["scales"][r]))
         total = _lane_sums8(builder, totals)  # row 0's 8 pair sums, then row 1's
@@ -616,8 +624,8 @@ LEGACY = {Fmt.Q4_0: Legacy(18, 2, False, False, 8, False), Fmt.Q4_1: Legacy(20, 
           Fmt.Q5_0: Legacy(22, 6, False, True, 16, False), Fmt.Q5_1: Legacy(24, 8, True, True, 0, False),
           Fmt.Q8_0: Legacy(34, 2, False, False, 0, True)}
 # the formats whose products read each activation block's lane sums times -offset (int32 x 8)
-# after the values, by their offset: the signed legacy formats, with VNNI (their dots start there)
-LANE_SUMS = {f: 128 if blk.bytes8 else blk.offset for f, blk in LEGACY.items() if VNNI and (blk.offset or blk.bytes8)}
+# after the values, by their offset: the signed legacy formats (their dots start there; _legacy)
+LANE_SUMS = {f: _lane_sums_offset(blk) for f, blk in LEGACY.items() if _lane_sums_offset(blk)}
 FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
            Fmt.Q4_K_X8: _q4_k_x8_paired(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8_paired(per_pair=True),

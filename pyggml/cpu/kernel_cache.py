@@ -5,7 +5,7 @@ file alone.  Our kernels are built from several files - qdot.py's products inlin
 qdecode.py and LLVM IR written by simd.py and blockdot.py - so a change to one of those alone
 (an upgrade, a ``git pull``) would leave the old machine code in use: wrong results and no
 error.  Naming the cache folder after a hash of every source the kernels are built from, and
-of the settings that change the code generated (``PYGGML_NO_VNNI``, ``NUMBA_BOUNDSCHECK``), makes each version compile
+of the settings that change the code generated (``PYGGML_DOTS``, ``NUMBA_BOUNDSCHECK``), makes each version compile
 its own.  ``NUMBA_CACHE_DIR``, when set, is left as the user's choice.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def kernel_digest(sources: list[Path]) -> str:
     h = hashlib.sha256()
     for path in sources:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for setting in ("PYGGML_NO_VNNI", "NUMBA_BOUNDSCHECK"):  # each compiles other machine code
+    for setting in ("PYGGML_DOTS", "NUMBA_BOUNDSCHECK"):  # each compiles other machine code
         h.update(f"{setting}={os.environ.get(setting, '')}".encode())
     return h.hexdigest()[:16]
 

@@ -9,8 +9,9 @@ does the same operations in the same order, and its results equal llama.cpp's bi
 
 These helpers are numba functions inlined into the kernels that use them, and pieces of LLVM
 IR for the quantized products (blockdot.py), because numba does not vectorize their shape by
-itself.  Integer products are exact however they are computed, so ``dot4`` may use
-``vpdpbusd``; every float step keeps ggml's order.
+itself.  Integer products are exact however they are computed, so ``dot4`` uses the CPU's
+integer dot instructions (``vpdpbusd``, or AVX2's ``vpmaddubsw``); every float step keeps ggml's
+order.
 """
 from __future__ import annotations
 
@@ -251,49 +252,75 @@ f16_dot64 = _f16_dot(4)
 f16_dot16 = _f16_dot(1)
 
 
-def target_has_vnni() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 VNNI (vpdpbusd, on 512- and 256-bit vectors:
-    with AVX-512 VL, which every VNNI CPU has); PYGGML_NO_VNNI=1 says no
-    (tests use it to check the portable path, with a numba cache of their own)."""
+# the integer dot instructions the products may use, from most to least capable: AVX-512 VNNI's
+# vpdpbusd, AVX2's vpmaddubsw + vpmaddwd (ggml's x86 code without VNNI), or plain vector IR
+# that LLVM lowers on any CPU (the same integers, several times the instructions)
+DOT_LEVELS = ("vnni", "avx2", "plain")
+
+
+def integer_dots() -> str:
+    """The integer dot instructions (a DOT_LEVELS name) of the CPU numba compiles for, at most
+    the level ``PYGGML_DOTS`` names (tests use it to check the other paths' bits on one
+    machine, each with a numba cache of its own)."""
     import os
 
     import llvmlite.binding as llvm
     from numba.core import config
-    if os.environ.get("PYGGML_NO_VNNI") == "1":
-        return False
+    cap = os.environ.get("PYGGML_DOTS", "vnni")
+    if cap not in DOT_LEVELS:
+        raise ValueError(f"PYGGML_DOTS={cap!r}: one of {', '.join(DOT_LEVELS)}")
     if config.CPU_NAME and config.CPU_NAME != "host":
-        return all(f"+{f}" in (config.CPU_FEATURES or "") for f in ("avx512vnni", "avx512vl"))
-    features = llvm.get_host_cpu_features()
-    return all(features.get(f) for f in ("avx512vnni", "avx512f", "avx512vl"))
+        features = {f[1:] for f in (config.CPU_FEATURES or "").split(",") if f.startswith("+")}
+    else:
+        features = {f for f, on in llvm.get_host_cpu_features().items() if on}
+    has = {"vnni": {"avx512vnni", "avx512f", "avx512vl"} <= features, "avx2": "avx2" in features, "plain": True}
+    return next(level for level in DOT_LEVELS[DOT_LEVELS.index(cap):] if has[level])
 
 
-def dot4(builder, wb, yb, signed_weights: bool, vnni: bool, acc=None):
+def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
     """IR: the sums of 4 consecutive products ``w[i] * y[i]`` of two byte vectors of 32 or 64
     elements (weights unsigned, or signed; activations signed), as an i32 vector of a quarter
-    the length, plus ``acc`` (an i32 vector of that length, VNNI only) if given; exact.  One
-    ``vpdpbusd`` with AVX-512 VNNI (the instruction ggml's own kernels use), with ggml's sign
-    trick for signed weights (|w| x sign(w) y); plain vector IR that LLVM lowers anywhere else."""
-    i8, i32 = ir.IntType(8), ir.IntType(32)
+    the length, plus ``acc`` (an i32 vector of that length) if given; exact.  By ``level``
+    (integer_dots'): one ``vpdpbusd`` with AVX-512 VNNI, the instruction ggml's own kernels use;
+    with AVX2, ggml's ``vpmaddubsw`` (pairs of products summed to 16 bits) and ``vpmaddwd`` (to
+    32) per 32 bytes - exact while no pair passes 32767, as with weights of at most 128 (every
+    format's, and |w| of signed ones) times activations of at most 127 in magnitude (our
+    quantizers'); plain vector IR elsewhere.  Signed weights take ggml's sign trick,
+    ``|w| x sign(w) y``, for the unsigned-times-signed instructions."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     n = wb.type.count
     vsum = ir.VectorType(i32, n // 4)
-    if vnni:
-        zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
-        if signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
-            negative = builder.icmp_signed("<", wb, zero8)
-            yb = builder.select(negative, builder.sub(zero8, yb), yb)
-            yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
-            wb = builder.select(negative, builder.sub(zero8, wb), wb)
+    zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
+    if level != "plain" and signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
+        negative = builder.icmp_signed("<", wb, zero8)
+        yb = builder.select(negative, builder.sub(zero8, yb), yb)
+        yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
+        wb = builder.select(negative, builder.sub(zero8, wb), wb)
+    if level == "vnni":
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vsum, [vsum] * 3),
                                             f"llvm.x86.avx512.vpdpbusd.{n * 8}")
         start = ir.Constant(vsum, [0] * (n // 4)) if acc is None else acc
         return builder.call(fn, [start, builder.bitcast(wb, vsum), builder.bitcast(yb, vsum)])
-    assert acc is None, "dot4's accumulator is for VNNI"
+    if level == "avx2":
+        v32b, v16s, v8i = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+        pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16s, [v32b] * 2),
+                                               "llvm.x86.avx2.pmadd.ub.sw")
+        quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
+        ones = ir.Constant(v16s, [1] * 16)
+        sums = []
+        for h in range(n // 32):
+            part = ir.Constant(ir.VectorType(i32, 32), list(range(32 * h, 32 * h + 32)))
+            w32, y32 = (v if n == 32 else builder.shuffle_vector(v, v, part) for v in (wb, yb))
+            sums.append(builder.call(quads, [builder.call(pairs, [w32, y32]), ones]))
+        total = sums[0] if n == 32 else builder.shuffle_vector(sums[0], sums[1], ir.Constant(vsum, list(range(16))))
+        return total if acc is None else builder.add(total, acc)
     vwide = ir.VectorType(i32, n)
     cv = builder.sext(wb, vwide) if signed_weights else builder.zext(wb, vwide)
     prod = builder.mul(cv, builder.sext(yb, vwide))
     parts = [builder.shuffle_vector(prod, ir.Constant(vwide, ir.Undefined), ir.Constant(vsum, list(range(k, n, 4))))
              for k in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    total = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    return total if acc is None else builder.add(total, acc)
 
 
 _jit = njit(cache=True, inline="always")
