@@ -291,7 +291,7 @@ def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
     n = wb.type.count
     vsum = ir.VectorType(i32, n // 4)
     zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
-    if level != "plain" and signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
+    if level == "vnni" and signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
         negative = builder.icmp_signed("<", wb, zero8)
         yb = builder.select(negative, builder.sub(zero8, yb), yb)
         yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
@@ -306,11 +306,16 @@ def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
         pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16s, [v32b] * 2),
                                                "llvm.x86.avx2.pmadd.ub.sw")
         quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
+        sign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b] * 2), "llvm.x86.avx2.psign.b")
+        absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b, ir.IntType(1)]),
+                                                  "llvm.abs.v32i8")
         ones = ir.Constant(v16s, [1] * 16)
         sums = []
         for h in range(n // 32):
             part = ir.Constant(ir.VectorType(i32, 32), list(range(32 * h, 32 * h + 32)))
             w32, y32 = (v if n == 32 else builder.shuffle_vector(v, v, part) for v in (wb, yb))
+            if signed_weights:  # ggml's vpsignb and vpabsb (|-128| = 128 as unsigned)
+                w32, y32 = builder.call(absolute, [w32, ir.Constant(ir.IntType(1), 0)]), builder.call(sign, [y32, w32])
             sums.append(builder.call(quads, [builder.call(pairs, [w32, y32]), ones]))
         total = sums[0] if n == 32 else builder.shuffle_vector(sums[0], sums[1], ir.Constant(vsum, list(range(16))))
         return total if acc is None else builder.add(total, acc)
