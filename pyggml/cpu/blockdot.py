@@ -144,10 +144,11 @@ def _legacy(blk: Legacy) -> PairFormat:
 
     Signed weights (q - offset; Q8_0's bytes, q - 128 for q = byte + 128) are dotted as
     ``dot4(q, y)`` started at ``-offset x`` the lane's sum of y: the same integers as the sign
-    trick, with one instruction per row and column where the trick takes five; y's lane sums
-    are a column's, computed once for every product when its activations become bytes
-    (LANE_SUMS).  Not Q8_0's without VNNI: AVX2's 16-bit pair sums of q up to 255 could
-    overflow (simd.dot4), so those take the sign trick."""
+    trick, with one addition (none with VNNI) per row and column where the trick takes a sign
+    instruction (five selects with VNNI) and an absolute value per row; y's lane sums are a
+    column's, computed once for every product when its activations become bytes (LANE_SUMS).
+    Not Q8_0's without VNNI: AVX2's 16-bit pair sums of q up to 255 could overflow (simd.dot4),
+    so those take the sign trick."""
     offset = _lane_sums_offset(blk)
     by_offset = offset > 0
 
