@@ -246,7 +246,7 @@ def test_the_integer_dots_are_capped_by_pyggml_dots(monkeypatch):
     lesser paths use it); a name it does not know is an error, not a silent default."""
     import llvmlite.binding as llvm
 
-    from pyggml.cpu.simd import DOT_LEVELS, integer_dots
+    from pyggml.cpu.simd import integer_dots
     monkeypatch.delenv("PYGGML_DOTS", raising=False)
     own = integer_dots()
     if llvm.get_host_cpu_features().get("avx2"):
@@ -258,4 +258,3 @@ def test_the_integer_dots_are_capped_by_pyggml_dots(monkeypatch):
     monkeypatch.setenv("PYGGML_DOTS", "sse")
     with pytest.raises(ValueError, match="PYGGML_DOTS"):
         integer_dots()
-    assert DOT_LEVELS[0] == "vnni"

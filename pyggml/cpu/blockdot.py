@@ -629,7 +629,7 @@ LEGACY = {Fmt.Q4_0: Legacy(18, 2, False, False, 8, False), Fmt.Q4_1: Legacy(20, 
           Fmt.Q8_0: Legacy(34, 2, False, False, 0, True)}
 # the formats whose products read each activation block's lane sums times -offset (int32 x 8)
 # after the values, by their offset: the signed legacy formats (their dots start there; _legacy)
-LANE_SUMS = {f: _lane_sums_offset(blk) for f, blk in LEGACY.items() if _lane_sums_offset(blk)}
+LANE_SUMS = {f: offset for f, blk in LEGACY.items() if (offset := _lane_sums_offset(blk))}
 FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
            Fmt.Q4_K_X8: _q4_k_x8_paired(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8_paired(per_pair=True),

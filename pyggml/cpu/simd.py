@@ -290,13 +290,13 @@ def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     n = wb.type.count
     vsum = ir.VectorType(i32, n // 4)
-    zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
-    if level == "vnni" and signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
-        negative = builder.icmp_signed("<", wb, zero8)
-        yb = builder.select(negative, builder.sub(zero8, yb), yb)
-        yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
-        wb = builder.select(negative, builder.sub(zero8, wb), wb)
     if level == "vnni":
+        if signed_weights:  # |w| (unsigned) x y with w's sign (0 where w is 0)
+            zero8 = ir.Constant(ir.VectorType(i8, n), [0] * n)
+            negative = builder.icmp_signed("<", wb, zero8)
+            yb = builder.select(negative, builder.sub(zero8, yb), yb)
+            yb = builder.select(builder.icmp_signed("==", wb, zero8), zero8, yb)
+            wb = builder.select(negative, builder.sub(zero8, wb), wb)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vsum, [vsum] * 3),
                                             f"llvm.x86.avx512.vpdpbusd.{n * 8}")
         start = ir.Constant(vsum, [0] * (n // 4)) if acc is None else acc
