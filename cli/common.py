@@ -71,9 +71,10 @@ def model_options(f: Callable) -> Callable:
     failover flags reach the command as one ``loading`` dict, for load_model_or_exit."""
     @functools.wraps(f)
     def command(*args: Any, tensor_split: str | None, show_placement: bool, dry_run: bool, failover: bool,
-                rpc_spare: str | None, **kwargs: Any) -> Any:
+                rpc_spare: str | None, use_mmap: bool | None, **kwargs: Any) -> Any:
         return f(*args, loading={"tensor_split": tensor_split, "show_placement": show_placement,
-                                 "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare}, **kwargs)
+                                 "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare,
+                                 "use_mmap": use_mmap}, **kwargs)
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -100,6 +101,11 @@ def model_options(f: Callable) -> Callable:
                           "and go on generating (the output is that of an uninterrupted run)."),
         click.option("--rpc-spare", default=None, metavar="ENDPOINTS",
                      help="RPC servers held in reserve for --failover: the first one takes a lost server's place."),
+        click.option("--mmap/--no-mmap", "use_mmap", default=None,
+                     help="Keep the CPU's weights in the GGUF's memory map (--mmap: nothing copied, pages shared "
+                          "between processes) or read them into memory in the order the layers use them "
+                          "(--no-mmap: decodes faster). Default: read them, unless they would take more than "
+                          "half of the free memory."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
                      show_default=True, help="Logging detail on stderr."),

@@ -149,6 +149,10 @@ class GraphBuilder:
         q = ops.reshape(self.cb(self.linear(cur, "attn_q", il), "Qcur", il), hp.n_embd_head_k, hp.n_head, n)
         k = ops.reshape(self.cb(self.linear(cur, "attn_k", il), "Kcur", il), hp.n_embd_head_k, hp.n_head_kv, n)
         v = ops.reshape(self.cb(self.linear(cur, "attn_v", il), "Vcur", il), hp.n_embd_head_v, hp.n_head_kv, n)
+        # the three projections go into the graph together, as llama.cpp's build_attn puts them:
+        # nothing in between, so a backend may run them as one (the CPU's plans do, fusion.py)
+        for t in (q, k, v):
+            self.graph.build_forward_expand(t)
         if qk_norm:
             q = self.build_norm(q, self.w("attn_q_norm.weight", il), "Qcur_normed", il)
             k = self.build_norm(k, self.w("attn_k_norm.weight", il), "Kcur_normed", il)

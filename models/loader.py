@@ -125,11 +125,44 @@ def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
     return placement, describe(placement, sizes, names, free)
 
 
+# the order in which a layer's graph (blocks.py) reads its weights
+LAYER_READ_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
+                    "post_attention_norm", "ffn_norm", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_gate_exps",
+                    "ffn_up_exps", "ffn_down", "ffn_down_exps", "post_ffw_norm")
+
+
+def read_order(name: str) -> tuple[int, int, str]:
+    """Where a weight goes in memory: the embedding, each layer's weights in the order its graph
+    reads them (LAYER_READ_ORDER, anything else after), the output last.  A decoding step then
+    reads its weights as one stream from the first layer to the last, the products of one input
+    lie one after another and the CPU runs them as one (pyggml/cpu/fusion.py): in the file's
+    order (alphabetical per layer) SmolLM2 decodes about 6% slower."""
+    if name.startswith("token_embd."):
+        return -1, 0, name
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
+        kind = parts[2]
+        return int(parts[1]), LAYER_READ_ORDER.index(kind) if kind in LAYER_READ_ORDER else len(LAYER_READ_ORDER), name
+    return 1 << 30, 0, name
+
+
+def map_weights(f: GGUFFile, host_bytes: int, use_mmap: bool | None) -> bool:
+    """Whether host weights stay in the file's map (``use_mmap``; by default only where reading
+    them into memory would take more than half of what is free: the map lets the system drop
+    pages under pressure) rather than being read into memory in read_order."""
+    if use_mmap is not None:
+        return use_mmap
+    from pyggml.cpu.device import _host_memory
+    return host_bytes > _host_memory()[0] // 2
+
+
 def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
                progress: bool | None = None, n_ctx: int = 2048, n_ubatch: int = 256,
-               tensor_split: str | None = None, on_plan: Callable[[str], None] | None = None) -> LoadedModel:
+               tensor_split: str | None = None, on_plan: Callable[[str], None] | None = None,
+               use_mmap: bool | None = None) -> LoadedModel:
     """Open ``path``, place it (``on_plan`` hears the plan's description before any weight
-    moves) and load its weights."""
+    moves) and load its weights, in read_order (host weights stay in the file's map where
+    map_weights says so)."""
     f, arch = open_gguf(path)
     hp = HParams.from_gguf(f, f.architecture)
     if hasattr(arch, "adjust_hparams"):
@@ -149,7 +182,10 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
         buft_of[id(head)] = devices[placement.epilog].get_buffer_type()
         weights["output.weight"] = head
         to_load.append(head)
+    to_load.sort(key=lambda t: read_order(t.name))
+    host_bytes = sum(t.nbytes() for t in to_load if buft_of[id(t)].is_host())
     model.buffers = f.load(to_load, lambda t: buft_of[id(t)], progress=progress,
-                           source_of=lambda t: t.name if t.name in f.tensors else "token_embd.weight")
+                           source_of=lambda t: t.name if t.name in f.tensors else "token_embd.weight",
+                           mmap=map_weights(f, host_bytes, use_mmap))
     model.weights = weights
     return model

@@ -80,6 +80,10 @@ class Model:
     left (``rpc_spare`` endpoints first), rebuild the cache and go on; the output is that
     of an uninterrupted run.  ``pre_tokenizer``: a llama.cpp pre-tokenizer name to use
     instead of the file's ``tokenizer.ggml.pre`` (e.g. "gpt-2" for a name llama.cpp lacks).
+    ``use_mmap``: True keeps the weights the CPU runs in the file's memory map (nothing
+    copied, pages shared between processes); False reads them into memory in the order the
+    graphs read them (decoding runs faster); None (default): False unless they would take
+    more than half of the free memory.
     """
 
     def __init__(self, path_or_alias: str | os.PathLike | None = None, n_ctx: int = 2048,
@@ -87,7 +91,8 @@ class Model:
                  n_threads: int | None = None, n_batch: int = 256, progress: bool | None = None,
                  rpc_key: str | os.PathLike | ssl.SSLContext | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
-                 rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None) -> None:
+                 rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None,
+                 use_mmap: bool | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
         self.rpc_key = rpc_key
         self.failover = failover
@@ -97,7 +102,7 @@ class Model:
             self.spare_endpoints = parse_endpoints(rpc_spare)
         else:
             self.spare_endpoints = []
-        self.n_threads, self.progress = n_threads, progress
+        self.n_threads, self.progress, self.use_mmap = n_threads, progress, use_mmap
         compiling = _compile_kernels(self.path, progress)  # in other processes, while this one loads
         try:
             self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
@@ -122,7 +127,7 @@ class Model:
         try:
             self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
                                                  progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
-                                                 tensor_split=tensor_split, on_plan=on_plan)
+                                                 tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap)
         except BaseException:
             self._disconnect()
             raise

@@ -109,11 +109,15 @@ class GGUFFile:
         return Tensor(info.type, info.ne, name=name)
 
     def load(self, tensors: Iterable[Tensor], buft_of: Callable[[Tensor], BufferType] | BufferType,
-             progress: bool | None = None, source_of: Callable[[Tensor], str] | None = None) -> list[Buffer]:
+             progress: bool | None = None, source_of: Callable[[Tensor], str] | None = None,
+             mmap: bool = True) -> list[Buffer]:
         """Allocate ``tensors`` (made by :meth:`new_tensor`) per buffer type and fill them from the file.
 
         ``source_of`` names the file tensor each one is read from (default: its own name), so
-        that one file tensor can fill several (a tied output head on another device).
+        that one file tensor can fill several (a tied output head on another device).  With
+        ``mmap``, tensors in host memory stay in the file's map (nothing copied); without,
+        every buffer holds its tensors one after another in the order given, read from the
+        file (not through the map, whose pages would count in this process's memory too).
         """
         from tqdm import tqdm
 
@@ -127,7 +131,7 @@ class GGUFFile:
             # host memory: the weights stay in the file's map and nothing is copied
             info = self.tensors[source(t)]
             same = info.type == t.type and info.nbytes == t.nbytes() and t.is_contiguous()
-            into = mapped if same and hasattr(buft, "buffer_from_array") else groups
+            into = mapped if mmap and same and hasattr(buft, "buffer_from_array") else groups
             into.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
         buffers += [self._map_into(ts, buft, source) for buft, ts in mapped.values()]
@@ -137,7 +141,7 @@ class GGUFFile:
         identity: bytes | None = None
         summaries: dict[str, Callable[[], str]] = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
-                  disable=not show, leave=False) as bar:
+                  disable=not show, leave=False) as bar, open(self.path, "rb") as file:
             for t in tensors:
                 info = self.tensors[source(t)]
                 buf = t.buffer
@@ -152,13 +156,25 @@ class GGUFFile:
                         buf.set_tensor_from_file(t, identity, info.offset, info.nbytes)
                         bar.update(info.nbytes)
                         continue
-                buf.set_tensor(t, info.data)
+                if mmap:
+                    buf.set_tensor(t, info.data)
+                elif hasattr(buf, "tensor_bytes"):  # host memory: read straight into place
+                    self._read_into(file, info, buf.tensor_bytes(t))
+                else:
+                    buf.set_tensor(t, self._read_into(file, info, np.empty(info.nbytes, dtype=np.uint8)))
                 bar.update(info.nbytes)
                 if summaries:
                     bar.set_postfix_str("; ".join(f"{n}: {f()}" for n, f in summaries.items()), refresh=False)
         for name, summary in summaries.items():
             log.info("%s: weights %s", name, summary())
         return buffers
+
+    def _read_into(self, file, info: TensorInfo, out: np.ndarray) -> np.ndarray:
+        """A tensor's bytes read from the open file into ``out`` (uint8, info.nbytes)."""
+        file.seek(info.offset)
+        if file.readinto(memoryview(out)) != info.nbytes:
+            raise GGUFError(self.path, f"tensor {info.name!r}: the file ended while reading it")
+        return out
 
     def _map_into(self, tensors: list[Tensor], buft: BufferType, source: Callable[[Tensor], str]) -> Buffer:
         """ggml's mmap loading: one host buffer over the whole file, each tensor at its own

@@ -56,6 +56,10 @@ class CPUBuffer(Buffer):
             else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         self.data[self._span(tensor, offset, src.size)] = src
 
+    def tensor_bytes(self, tensor: Tensor) -> np.ndarray:
+        """The tensor's bytes in this buffer, writable in place (a file is read straight into them)."""
+        return self.data[self._span(tensor, 0, None)]
+
     def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
         return self.data[self._span(tensor, offset, size)].copy()
 

@@ -11,6 +11,7 @@ from ..graph import Graph
 from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from .buffer import CPUBufferType
+from .fusion import bind_fused_products, product_groups
 from .kernels import OP_TABLE, Step
 
 _threads_configured = False
@@ -112,7 +113,18 @@ class CPUBackend(Backend):
     def graph_plan_create(self, graph: Graph) -> CPUPlan:
         shared: dict = {}
         nodes = [node for node in graph.nodes if node.op not in VIEW_OPS]
-        return CPUPlan(graph, [bind(node, shared) for node in nodes], [node.op.name for node in nodes])
+        groups = product_groups(nodes)  # products of one input run as one (fusion.py)
+        in_groups = {id(node) for group in groups.values() for node in group}
+        steps, ops = [], []
+        for pos, node in enumerate(nodes):
+            if pos in groups:
+                steps.append(bind_fused_products(groups[pos], shared))
+            elif id(node) not in in_groups:
+                steps.append(bind(node, shared))
+            else:
+                continue
+            ops.append(node.op.name)
+        return CPUPlan(graph, steps, ops)
 
     def graph_plan_compute(self, plan: CPUPlan) -> None:
         if self.profile is not None:

@@ -1,0 +1,135 @@
+"""Products that share their activations, run as one: a plan's MUL_MATs of one input whose
+weights lie one after another in memory (a layer's Q, K and V, or its gate and up, where the
+file or the loader put them so).
+
+A decoding step's products are short - SmolLM2's K and V are 69 KB each - and each call pays
+a fixed cost (a parallel loop started, the threads' first reads waiting on memory) that is a
+large part of so short a product.  Weights that lie one after another are one matrix to the
+kernel: one call, one stream of rows through memory, and each row's dot products computed as
+its own product computes them (a row's sums depend only on its bytes and its column's
+format, qdot.py), so the bits are the same.  The results land in a scratch matrix and are
+copied to each node's own tensor.
+
+The fused step runs where the group's first node ran, so the others' results are written
+earlier than the graph said: a group only takes a node when no node in between reads or
+writes the bytes of its result (the graph allocator reuses memory between tensors whose
+lives do not overlap) or writes the shared input.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..opdefs import Op
+from ..tensor import Tensor
+from .buffer import CPUBuffer, tensor_view
+from .kernels import Step, _shared_activations, reader
+from .kinds import EXACT
+from .qmatmul import QuantProduct, product_format
+
+Span = tuple[int, int, int]  # a buffer's id, and the first and past-the-last bytes
+
+
+def _span(t: Tensor) -> Span | None:
+    """The bytes a tensor's view may touch (None where it is not in host memory)."""
+    if not isinstance(t.buffer, CPUBuffer):
+        return None
+    if t.nelements() == 0:
+        return id(t.buffer), t.offset, t.offset
+    row = t.row_size() if t.nb[0] == t.type.type_size else (t.ne[0] - 1) * t.nb[0] + t.type.type_size
+    return id(t.buffer), t.offset, t.offset + row + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:]))
+
+
+def _overlap(a: Span | None, b: Span | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _fusable(node: Tensor) -> bool:
+    """A MUL_MAT of a whole 2-d quantized weight (exact kernel) by 2-d activations, in host memory."""
+    if node.op != Op.MUL_MAT or (len(node.src) > 2 and node.src[2] is not None):
+        return False
+    a, b = node.src[0], node.src[1]
+    return (a.type in EXACT and a.ne[2] == a.ne[3] == 1 and a.is_contiguous() and isinstance(a.buffer, CPUBuffer)
+            and b.ne[2] == b.ne[3] == 1 and node.is_contiguous() and isinstance(node.buffer, CPUBuffer))
+
+
+def _adjacent_runs(members: list[tuple[int, Tensor]]) -> list[list[tuple[int, Tensor]]]:
+    """Members (position, node) cut into runs whose weights follow one another in memory, each
+    run in memory order."""
+    members = sorted(members, key=lambda m: m[1].src[0].offset)
+    runs: list[list[tuple[int, Tensor]]] = []
+    for pos, node in members:
+        w = node.src[0]
+        if runs:
+            prev = runs[-1][-1][1].src[0]
+            if prev.offset + prev.nbytes() == w.offset:
+                runs[-1].append((pos, node))
+                continue
+        runs.append([(pos, node)])
+    return runs
+
+
+def _same_kernel(run: list[tuple[int, Tensor]]) -> bool:
+    """Whether the whole run's rows take the format each node's rows take alone (Q4_K repacks
+    weights of a multiple of 8 rows only)."""
+    qtype = run[0][1].src[0].type
+    rows = sum(node.src[0].ne[1] for _, node in run)
+    return all(product_format(qtype, node.src[0].ne[1]) == product_format(qtype, rows) for _, node in run)
+
+
+def _safe_to_hoist(nodes: Sequence[Tensor], first: int, pos: int, node: Tensor) -> bool:
+    """Whether node (at ``pos``) may compute at ``first``: no node in between touches its
+    result, nor writes its input."""
+    out, inp = _span(node), _span(node.src[1])
+    for other in nodes[first + 1:pos]:
+        mine = _span(other)
+        if _overlap(mine, out) or _overlap(mine, inp):
+            return False
+        if any(src is not None and _overlap(_span(src), out) for src in other.src):
+            return False
+    return True
+
+
+def product_groups(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
+    """The groups of fused products: {position of the group's first node: its nodes in the
+    order of their weights in memory}; every other member's position is left out of the plan."""
+    by_input: dict[tuple, list[tuple[int, Tensor]]] = {}
+    for pos, node in enumerate(nodes):
+        if _fusable(node):
+            a = node.src[0]
+            by_input.setdefault((id(node.src[1]), a.type, a.ne[0], id(a.buffer)), []).append((pos, node))
+    groups: dict[int, list[Tensor]] = {}
+    for members in by_input.values():
+        for run in _adjacent_runs(members):
+            while len(run) > 1:
+                first = min(pos for pos, _ in run)
+                keep = [(pos, n) for pos, n in run if pos == first or _safe_to_hoist(nodes, first, pos, n)]
+                if len(keep) == len(run):
+                    break
+                # a node that cannot move splits the run where it lies in memory: keep the
+                # longest adjacent stretch of those that can
+                run = max(_adjacent_runs(keep), key=len)
+            if len(run) > 1 and _same_kernel(run):
+                groups[min(pos for pos, _ in run)] = [n for _, n in run]
+    return groups
+
+
+def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
+    """One step for the products of ``group`` (product_groups'): their weights as one matrix,
+    the result copied to each node's tensor."""
+    first, b = group[0].src[0], group[0].src[1]
+    widths = [node.src[0].ne[1] for node in group]
+    rows = np.ndarray((sum(widths), first.row_size()), dtype=np.uint8, buffer=first.buffer.data, offset=first.offset)
+    product = QuantProduct(rows, first.type)
+    acts = _shared_activations(shared, b, product, reader(b))
+    scratch = np.empty((b.ne[1], rows.shape[0]), dtype=np.float32)
+    call = product.bound(scratch)
+    starts = np.cumsum([0, *widths])
+    copies = [(tensor_view(node).reshape(-1, m), scratch[:, s:s + m]) for node, m, s in zip(group, widths, starts)]
+
+    def step() -> None:
+        call(acts())
+        for out, part in copies:
+            out[...] = part
+    return step
