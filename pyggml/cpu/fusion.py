@@ -115,6 +115,23 @@ def product_groups(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
     return groups
 
 
+class _Scratch:
+    """The one matrix a plan's fused products write into (each copies its result out before the
+    next runs), as large as the largest needs: made at the plan's first run, once every step
+    has said what it needs."""
+
+    def __init__(self) -> None:
+        self.size, self.data = 0, None
+
+    def need(self, n: int) -> None:
+        self.size = max(self.size, n)
+
+    def matrix(self, rows: int, cols: int) -> np.ndarray:
+        if self.data is None:
+            self.data = np.empty(self.size, dtype=np.float32)
+        return self.data[:rows * cols].reshape(rows, cols)
+
+
 def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     """One step for the products of ``group`` (product_groups'): their weights as one matrix,
     the result copied to each node's tensor."""
@@ -123,12 +140,18 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     rows = np.ndarray((sum(widths), first.row_size()), dtype=np.uint8, buffer=first.buffer.data, offset=first.offset)
     product = QuantProduct(rows, first.type)
     acts = _shared_activations(shared, b, product, reader(b))
-    scratch = np.empty((b.ne[1], rows.shape[0]), dtype=np.float32)
-    call = product.bound(scratch)
+    scratch = shared.setdefault("fused products' scratch", _Scratch())
+    n_cols = b.ne[1]
+    scratch.need(n_cols * rows.shape[0])
+    outs = [tensor_view(node).reshape(-1, m) for node, m in zip(group, widths)]
     starts = np.cumsum([0, *widths])
-    copies = [(tensor_view(node).reshape(-1, m), scratch[:, s:s + m]) for node, m, s in zip(group, widths, starts)]
+    bound: list = []
 
     def step() -> None:
+        if not bound:  # the kernel's call and the copies, bound at the first run
+            result = scratch.matrix(n_cols, rows.shape[0])
+            bound.extend([product.bound(result), [(out, result[:, s:s + m]) for out, m, s in zip(outs, widths, starts)]])
+        call, copies = bound
         call(acts())
         for out, part in copies:
             out[...] = part
