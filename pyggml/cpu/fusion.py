@@ -24,7 +24,7 @@ import numpy as np
 from ..opdefs import Op
 from ..tensor import Tensor
 from .buffer import CPUBuffer, tensor_view
-from .kernels import Step, _shared_activations, reader
+from .kernels import Step, _shared_activations, float_rows, reader
 from .kinds import EXACT
 from .qmatmul import QuantProduct, product_format
 
@@ -139,7 +139,9 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     widths = [node.src[0].ne[1] for node in group]
     rows = np.ndarray((sum(widths), first.row_size()), dtype=np.uint8, buffer=first.buffer.data, offset=first.offset)
     product = QuantProduct(rows, first.type)
-    acts = _shared_activations(shared, b, product, reader(b))
+    x = float_rows(b)
+    # a few columns are quantized in the kernel's call, more once for every product of b
+    acts = None if product.quantizes_in_call(x) else _shared_activations(shared, b, product, reader(b))
     scratch = shared.setdefault("fused products' scratch", _Scratch())
     n_cols = b.ne[1]
     scratch.need(n_cols * rows.shape[0])
@@ -150,9 +152,11 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     def step() -> None:
         if not bound:  # the kernel's call and the copies, bound at the first run
             result = scratch.matrix(n_cols, rows.shape[0])
-            bound.extend([product.bound(result), [(out, result[:, s:s + m]) for out, m, s in zip(outs, widths, starts)]])
+            call = product.bound_quantizing(x, result) if acts is None else \
+                (lambda call=product.bound(result): call(acts()))
+            bound.extend([call, [(out, result[:, s:s + m]) for out, m, s in zip(outs, widths, starts)]])
         call, copies = bound
-        call(acts())
+        call()
         for out, part in copies:
             out[...] = part
     return step

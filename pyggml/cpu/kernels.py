@@ -308,6 +308,14 @@ def _shared_value(shared: dict, key: tuple, make: Callable[[], object]) -> Calla
     return lambda: slot.compute(make)
 
 
+def float_rows(t: Tensor) -> np.ndarray:
+    """An F32 tensor's values as rows [rows, ne0] (a view when its rows lie one after another,
+    else an empty array: QuantProduct.bound_quantizing then declines)."""
+    if t.type != Type.F32 or not t.is_contiguous():
+        return np.empty((0, max(t.ne[0], 1)), dtype=f32)
+    return tensor_view(t).reshape(-1, t.ne[0])
+
+
 def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
     """The activations of b for ``product``, converted once per step for every product of the
     plan that reads b in the same form."""
@@ -340,6 +348,10 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
             product = QuantProduct(w[0, 0], a.type)
+            if out.flags.c_contiguous and runs is None:
+                one_call = product.bound_quantizing(float_rows(b), out.reshape(-1, a.ne[1]))
+                if one_call is not None:
+                    return one_call
             acts = _shared_activations(shared, b, product, x)
             if out.flags.c_contiguous:
                 flat = out.reshape(-1, a.ne[1])

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ..types import Type
-from .activations import activation_values, quantize
+from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import THREADS, product_kernel, quant_product
+from .qdot import NO_ROWS, THREADS, product_kernel, quant_product
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -99,8 +99,26 @@ class QuantProduct:
             return None
         (rows_at, lane_sums), w, every = self.kernel, self.w, whole(out.shape[0])
         # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: quant_product(w, *acts, out, every if runs is None else frozen(runs), THREADS,
-                                                     rows_at, lane_sums)
+        return lambda acts, runs=None: quant_product(w, NO_ROWS, 0, *acts, out, every if runs is None else frozen(runs),
+                                                     THREADS, rows_at, lane_sums)
+
+    def quantizes_in_call(self, x: np.ndarray) -> bool:
+        """Whether bound_quantizing takes activations x: weights of the exact kinds, float32
+        rows one after another, at most SERIAL_ROWS of them (more are quantized once, in
+        parallel, and shared by the products of one input)."""
+        return (self.exact and self.m_rows > 0 and 0 < x.shape[0] <= SERIAL_ROWS and x.dtype == np.float32
+                and x.flags.c_contiguous)
+
+    def bound_quantizing(self, x: np.ndarray, out: np.ndarray) -> Callable[[], None] | None:
+        """A step computing out [N, M] (C-contiguous) = the product with the float32
+        activations x [N, K] as they are when it runs, quantized inside the kernel's call into
+        arrays made now: a decoding step's product is one call, with nothing allocated.  None
+        where quantizes_in_call says no."""
+        if not self.quantizes_in_call(x) or not out.flags.c_contiguous:
+            return None
+        yq, yd, ys = activation_arrays(*x.shape, self.kind)
+        (rows_at, lane_sums), w, every, kind = self.kernel, self.w, whole(out.shape[0]), self.kind
+        return lambda: quant_product(w, x, kind, yq, yd, ys, out, every, THREADS, rows_at, lane_sums)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``
