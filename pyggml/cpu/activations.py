@@ -16,11 +16,13 @@ Details that matter (checked against llama.cpp's intermediate tensors):
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-from numba import njit, prange
+from numba import carray, cfunc, njit, prange, types
 
 from .kinds import Act
-from .simd import round_f16
+from .simd import pointer, round_f16
 
 @njit(cache=True)
 def _quantize_row(x, r, kind, yq, yd, ys):
@@ -81,6 +83,21 @@ def quantize_q8_serial(x, kind, yq, yd, ys):
 
 
 SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread
+
+
+@functools.cache
+def quantize_rows_at() -> int:
+    """The address of quantize_q8_serial as a C function ``(x, n, k, kind, yq, yd, yd width, ys,
+    ys width)`` (addresses and sizes, C-contiguous float32 arrays): the products that quantize
+    their own activations (qdot.quant_product) call it there, so that their kernel does not
+    compile its code again."""
+    def quantize_rows(x_at, n, k, kind, yq_at, yd_at, yd_width, ys_at, ys_width):
+        x = carray(pointer(x_at, np.float32), (n, k))
+        yq = carray(pointer(yq_at, np.float32), (n, k))
+        yd = carray(pointer(yd_at, np.float32), (n, yd_width))
+        ys = carray(pointer(ys_at, np.float32), (n, ys_width))
+        quantize_q8_serial(x, kind, yq, yd, ys)
+    return cfunc(types.void(*[types.intp] * 9), cache=True)(quantize_rows).address
 
 
 def activation_arrays(n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -30,7 +30,6 @@ import numpy as np
 import numba
 from numba import carray, njit, prange, types
 
-from .activations import quantize_q8_serial
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
 from .simd import address, call_address, pointer
@@ -99,7 +98,7 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     run..., N], checked by the caller) computed as a product of its columns alone would be -
     [0, N]: the whole batch."""
     rows_at, lane_sums = product_kernel(kind)
-    quant_product(w, NO_ROWS, 0, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
+    quant_product(w, NO_ROWS, 0, 0, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -186,14 +185,16 @@ NO_ROWS = np.empty((0, 0), dtype=np.float32)
 
 
 @njit(cache=True, parallel=True, boundscheck=False)
-def quant_product(w, x, kind, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
+def quant_product(w, x, quantize_at, kind, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
     """exact_quant_matmul's parallel loop over chunks of rows, each a call of the C function at
     ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column.  Float
     activations ``x`` with rows (a decoding step's column or two) are first quantized into yq,
-    yd and ys (activations.quantize_q8 of ``kind``) in this thread: one call per product where
-    a step would otherwise make three arrays and call twice."""
+    yd and ys (activations.quantize_q8 of ``kind``, the C function at ``quantize_at``) in this
+    thread: one call per product where a step would otherwise make three arrays and call twice."""
     if x.shape[0]:
-        quantize_q8_serial(x, kind, yq, yd, ys)
+        _check_contiguous(x, yq, yd, ys, runs)
+        call_address(quantize_at, (address(x), x.shape[0], x.shape[1], kind, address(yq), address(yd), yd.shape[1],
+                                   address(ys), ys.shape[1]))
     m_rows, n_cols = w.shape[0], yq.shape[0]
     yb = _activation_bytes(yq, lane_sums)
     _check_contiguous(w, yd, ys, out, runs)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..types import Type
-from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize
+from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize, quantize_rows_at
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
 from .qdot import NO_ROWS, THREADS, product_kernel, quant_product
@@ -99,7 +99,7 @@ class QuantProduct:
             return None
         (rows_at, lane_sums), w, every = self.kernel, self.w, whole(out.shape[0])
         # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: quant_product(w, NO_ROWS, 0, *acts, out, every if runs is None else frozen(runs),
+        return lambda acts, runs=None: quant_product(w, NO_ROWS, 0, 0, *acts, out, every if runs is None else frozen(runs),
                                                      THREADS, rows_at, lane_sums)
 
     def quantizes_in_call(self, x: np.ndarray) -> bool:
@@ -118,7 +118,8 @@ class QuantProduct:
             return None
         yq, yd, ys = activation_arrays(*x.shape, self.kind)
         (rows_at, lane_sums), w, every, kind = self.kernel, self.w, whole(out.shape[0]), self.kind
-        return lambda: quant_product(w, x, kind, yq, yd, ys, out, every, THREADS, rows_at, lane_sums)
+        quantize_at = quantize_rows_at()
+        return lambda: quant_product(w, x, quantize_at, kind, yq, yd, ys, out, every, THREADS, rows_at, lane_sums)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``
