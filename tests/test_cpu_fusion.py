@@ -7,7 +7,7 @@ import pytest
 
 import pyggml as pg
 from pyggml import Type, ops
-from pyggml.cpu.fusion import product_groups
+from pyggml.cpu.fusion import norm_chains, product_groups
 from pyggml.opdefs import VIEW_OPS
 
 from .test_quants import random_blocks
@@ -125,3 +125,30 @@ def test_a_layers_weights_lie_in_the_order_its_graph_reads_them(smollm2_path):
     n_layer = m.model.hp.n_layer
     decode = plans[-1]
     assert decode.ops.count("MUL_MAT") == n_layer * 4 + 1  # qkv, output, gate+up, down; the head
+
+
+@pytest.mark.parametrize("with_add", [True, False])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_rows_add_norm_and_weight_run_as_one_step_with_the_same_bits(cpu, with_add, rows):
+    """[ADD,] RMS_NORM, MUL by a weight row: one step for one row (a decoding step's), the ops
+    apart for more."""
+    buft = cpu.get_device().get_buffer_type()
+    n = 576
+    a, b, w = (pg.new_tensor(Type.F32, (n, rows), "a"), pg.new_tensor(Type.F32, (n, rows), "b"),
+               pg.new_tensor(Type.F32, (n,), "w"))
+    x = ops.add(a, b) if with_add else a
+    normed = ops.rms_norm(x, 1e-5)
+    out = ops.mul(normed, w)
+    graph = pg.build_forward(out)
+    pg.alloc_graph(graph, buft)
+    rng = np.random.default_rng(rows)
+    for t in (a, b, w) if with_add else (a, w):
+        pg.tensor_set(t, (rng.standard_normal(t.ne[::-1]) * 3).astype(np.float32))
+    chains = norm_chains(_nodes(graph))
+    assert [[n.op.name for n in c] for c in chains.values()] == \
+        ([["ADD", "RMS_NORM", "MUL"] if with_add else ["RMS_NORM", "MUL"]] if rows == 1 else [])
+    planned, one_by_one, plan = _plan_and_op_by_op(cpu, graph, [x, normed, out] if with_add else [normed, out])
+    assert len(plan.steps) == (1 if rows == 1 else len(_nodes(graph)))
+    for p, o in zip(planned, one_by_one):
+        assert np.isfinite(o).all()
+        np.testing.assert_array_equal(p.view(np.uint32), o.view(np.uint32))

@@ -11,7 +11,7 @@ from ..graph import Graph
 from ..opdefs import VIEW_OPS
 from ..tensor import Tensor
 from .buffer import CPUBufferType
-from .fusion import bind_fused_products, product_groups
+from .fusion import fused_plan
 from .kernels import OP_TABLE, Step
 
 _threads_configured = False
@@ -113,17 +113,7 @@ class CPUBackend(Backend):
     def graph_plan_create(self, graph: Graph) -> CPUPlan:
         shared: dict = {}
         nodes = [node for node in graph.nodes if node.op not in VIEW_OPS]
-        groups = product_groups(nodes)  # products of one input run as one (fusion.py)
-        in_groups = {id(node) for group in groups.values() for node in group}
-        steps, ops = [], []
-        for pos, node in enumerate(nodes):
-            if pos in groups:
-                steps.append(bind_fused_products(groups[pos], shared))
-            elif id(node) not in in_groups:
-                steps.append(bind(node, shared))
-            else:
-                continue
-            ops.append(node.op.name)
+        steps, ops = fused_plan(nodes, shared, bind)  # some nodes run as one step (fusion.py)
         return CPUPlan(graph, steps, ops)
 
     def graph_plan_compute(self, plan: CPUPlan) -> None:

@@ -1,6 +1,8 @@
-"""Products that share their activations, run as one: a plan's MUL_MATs of one input whose
-weights lie one after another in memory (a layer's Q, K and V, or its gate and up, where the
-file or the loader put them so).
+"""Nodes a CPU plan runs as one step.
+
+Products that share their activations: a plan's MUL_MATs of one input whose weights lie one
+after another in memory (a layer's Q, K and V, or its gate and up, where the loader put them
+so - models/loader.py's read_order).
 
 A decoding step's products are short - SmolLM2's K and V are 69 KB each - and each call pays
 a fixed cost (a parallel loop started, the threads' first reads waiting on memory) that is a
@@ -10,19 +12,25 @@ its own product computes them (a row's sums depend only on its bytes and its col
 format, qdot.py), so the bits are the same.  The results land in a scratch matrix and are
 copied to each node's own tensor.
 
-The fused step runs where the group's first node ran, so the others' results are written
+A decoding step's residual add, the norm after it and the norm's weight (ADD, RMS_NORM, MUL
+of one row) run as one pass over the row (nn.add_rms_norm_mul): three calls were most of their
+time.  One row's values go through the three ops in the same order either way.
+
+The fused products run where the group's first node ran, so the others' results are written
 earlier than the graph said: a group only takes a node when no node in between reads or
 writes the bytes of its result (the graph allocator reuses memory between tensors whose
 lives do not overlap) or writes the shared input.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..opdefs import Op
+from ..opdefs import NormParams, Op
 from ..tensor import Tensor
+from ..types import Type
+from . import nn
 from .buffer import CPUBuffer, tensor_view
 from .kernels import Step, _shared_activations, float_rows, reader
 from .kinds import EXACT
@@ -160,3 +168,58 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
         for out, part in copies:
             out[...] = part
     return step
+
+
+def _one_row(t: Tensor) -> bool:
+    """An F32 tensor of one contiguous row."""
+    return t.type == Type.F32 and t.is_contiguous() and t.nrows() == 1 and isinstance(t.buffer, CPUBuffer)
+
+
+def norm_chains(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
+    """The [ADD,] RMS_NORM, MUL runs of one row: {position of the first: its nodes} - a norm
+    of one row whose next node multiplies it by a weight row (ne0 values), with the ADD that
+    made its input just before it where there is one."""
+    chains: dict[int, list[Tensor]] = {}
+    for pos, norm in enumerate(nodes[:-1]):
+        mul = nodes[pos + 1]
+        if norm.op != Op.RMS_NORM or mul.op != Op.MUL or mul.src[0] is not norm:
+            continue
+        x, w = norm.src[0], mul.src[1]
+        if not (_one_row(x) and _one_row(norm) and _one_row(mul) and _one_row(w) and w.ne[0] == x.ne[0]):
+            continue
+        add = nodes[pos - 1] if pos else None
+        if (add is not None and add.op == Op.ADD and x is add and pos - 1 not in chains
+                and all(_one_row(s) and s.ne[0] == x.ne[0] for s in add.src[:2])):
+            chains[pos - 1] = [add, norm, mul]
+        else:
+            chains[pos] = [norm, mul]
+    return chains
+
+
+def bind_norm_chain(chain: list[Tensor], shared: dict) -> Step:
+    """One step for a norm_chains run."""
+    *add, norm, mul = chain
+    row = lambda t: tensor_view(t).reshape(1, -1)  # noqa: E731
+    summed = row(norm.src[0])
+    a, b = (row(add[0].src[0]), row(add[0].src[1])) if add else (summed, summed)
+    w, normed, out, eps = tensor_view(mul.src[1]).reshape(-1), row(norm), row(mul), NormParams.of(norm).eps
+    return lambda: nn.add_rms_norm_mul(a, b, bool(add), summed, eps, w, normed, out)
+
+
+def fused_plan(nodes: Sequence[Tensor], shared: dict, bind: Callable[[Tensor, dict], Step]) -> tuple[list[Step], list[str]]:
+    """A plan's steps and their ops' names: each node bound by ``bind``, but for the product
+    groups and norm chains above, each one step (at its first node's place)."""
+    groups, chains = product_groups(nodes), norm_chains(nodes)  # (MUL_MATs; ADD, RMS_NORM, MUL: apart)
+    fused = {id(node) for members in (*groups.values(), *chains.values()) for node in members}
+    steps, ops = [], []
+    for pos, node in enumerate(nodes):
+        if pos in groups:
+            steps.append(bind_fused_products(groups[pos], shared))
+            ops.append(node.op.name)
+        elif pos in chains:
+            steps.append(bind_norm_chain(chains[pos], shared))
+            ops.append("+".join(n.op.name for n in chains[pos]))
+        elif id(node) not in fused:
+            steps.append(bind(node, shared))
+            ops.append(node.op.name)
+    return steps, ops

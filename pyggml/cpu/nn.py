@@ -96,6 +96,22 @@ def rms_norm(x, eps, out):
         _rms_row(x, r, eps, out)
 
 
+@njit(cache=True, boundscheck=False)
+def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out):
+    """A layer's residual add, the next norm and its weight, row by row in one pass (a decoding
+    step's: each was a call of its own): summed = a + b (with ``add``; else summed is the
+    input), normed = rms_norm(summed), out = normed * w [n] - each value rounded as the three
+    ops round it, every result written (later ops read summed and may read normed)."""
+    n = summed.shape[1]
+    for r in range(summed.shape[0]):
+        if add:
+            for i in range(n):
+                summed[r, i] = a[r, i] + b[r, i]
+        _rms_row(summed, r, eps, normed)
+        for i in range(n):
+            out[r, i] = normed[r, i] * w[i]
+
+
 @_jit
 def _in_exp_range(x, r, n):
     """Whether every x[r, :n] is within EXP_RANGE (NaN is not): a count, not an early exit, so

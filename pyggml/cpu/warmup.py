@@ -94,6 +94,8 @@ def _activations() -> None:
 def _norms() -> None:
     x = _x(2)
     nn.rms_norm(x, 1e-6, np.empty_like(x))
+    row = x[:1]
+    nn.add_rms_norm_mul(row, row, True, np.empty_like(row), 1e-6, x[0], np.empty_like(row), np.empty_like(row))
     cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
     q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
     nn.rope_rotate(q, np.empty_like(q), cos, sin, 16, True)
