@@ -21,6 +21,15 @@ def test_one_answer(smollm2_path):
     assert "generation:" in r.stderr and "tokens/s" in r.stderr
 
 
+def test_the_weights_memory_map_on_and_off_give_one_answer(smollm2_path):
+    """--mmap keeps the weights in the file's map, --no-mmap reads them in the layers' order."""
+    answers = [run("chat", "-m", str(smollm2_path), flag, "-p", "Name the capital of France.", "--temp", "0", "-n", "12")
+               for flag in ("--mmap", "--no-mmap")]
+    for r in answers:
+        assert r.returncode == 0, r.stderr
+    assert "Paris" in answers[0].stdout and answers[0].stdout == answers[1].stdout
+
+
 def test_interactive_chat_until_exit(smollm2_path):
     r = run("chat", "-m", str(smollm2_path), "--temp", "0", "-n", "8", stdin="Hello!\n/exit\n")
     assert r.returncode == 0, r.stderr
