@@ -131,19 +131,21 @@ LAYER_READ_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "a
                     "ffn_up_exps", "ffn_down", "ffn_down_exps", "post_ffw_norm")
 
 
-def read_order(name: str) -> tuple[int, int, str]:
+def read_order(name: str) -> tuple[int, bool, int, str]:
     """Where a weight goes in memory: the embedding, each layer's weights in the order its graph
-    reads them (LAYER_READ_ORDER, anything else after), the output last.  A decoding step then
-    reads its weights as one stream from the first layer to the last, the products of one input
-    lie one after another and the CPU runs them as one (pyggml/cpu/fusion.py): in the file's
-    order (alphabetical per layer) SmolLM2 decodes about 6% slower."""
+    reads them (LAYER_READ_ORDER, anything else after; the biases after them all, so that they
+    do not come between the matrices), the output last.  A decoding step then reads its weights
+    as one stream from the first layer to the last, the products of one input lie one after
+    another and the CPU runs them as one (pyggml/cpu/fusion.py): in the file's order
+    (alphabetical per layer) SmolLM2 decodes about 6% slower."""
     if name.startswith("token_embd."):
-        return -1, 0, name
+        return -1, False, 0, name
     parts = name.split(".")
     if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
         kind = parts[2]
-        return int(parts[1]), LAYER_READ_ORDER.index(kind) if kind in LAYER_READ_ORDER else len(LAYER_READ_ORDER), name
-    return 1 << 30, 0, name
+        at = LAYER_READ_ORDER.index(kind) if kind in LAYER_READ_ORDER else len(LAYER_READ_ORDER)
+        return int(parts[1]), parts[-1] == "bias", at, name
+    return 1 << 30, False, 0, name
 
 
 def map_weights(f: GGUFFile, host_bytes: int, use_mmap: bool | None) -> bool:

@@ -152,3 +152,14 @@ def test_a_rows_add_norm_and_weight_run_as_one_step_with_the_same_bits(cpu, with
     for p, o in zip(planned, one_by_one):
         assert np.isfinite(o).all()
         np.testing.assert_array_equal(p.view(np.uint32), o.view(np.uint32))
+
+
+def test_the_read_order_keeps_a_layers_matrices_together():
+    from pyggml.models.loader import read_order
+    names = ["output.weight", "blk.1.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.attn_v.bias", "blk.0.attn_k.weight",
+             "blk.0.attn_q.bias", "blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate.weight",
+             "blk.0.attn_norm.weight", "blk.0.some_new_kind.weight", "token_embd.weight"]
+    assert sorted(names, key=read_order) == [
+        "token_embd.weight", "blk.0.attn_norm.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+        "blk.0.attn_v.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.some_new_kind.weight",
+        "blk.0.attn_q.bias", "blk.0.attn_v.bias", "blk.1.attn_q.weight", "output.weight"]
