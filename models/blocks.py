@@ -93,12 +93,15 @@ class GraphBuilder:
 
     def linear(self, x: Tensor, name: str, il: int | None = None) -> Tensor:
         """x @ W (+ bias when the file has one)."""
+        y, b = self.product_and_bias(x, name, il)
+        return ops.add(y, b) if b is not None else y
+
+    def product_and_bias(self, x: Tensor, name: str, il: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """linear's two parts: x @ W, and the bias (None when the file has none)."""
         w = self.w(f"{name}.weight", il)
         if w is None:
             raise KeyError(f"model has no tensor {f'blk.{il}.' if il is not None else ''}{name}.weight")
-        y = ops.mul_mat(w, x, self.inputs.token_runs)
-        b = self.w(f"{name}.bias", il)
-        return ops.add(y, b) if b is not None else y
+        return ops.mul_mat(w, x, self.inputs.token_runs), self.w(f"{name}.bias", il)
 
     # -- blocks -------------------------------------------------------------------------------------
     def build_inp_embd(self, scale: float = 1.0) -> Tensor:
@@ -146,13 +149,16 @@ class GraphBuilder:
     def build_qkv(self, cur: Tensor, il: int, qk_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Project to q, k, v heads; optionally RMS-normalize q and k per head; apply RoPE."""
         hp, n = self.hp, self.n_tokens
-        q = ops.reshape(self.cb(self.linear(cur, "attn_q", il), "Qcur", il), hp.n_embd_head_k, hp.n_head, n)
-        k = ops.reshape(self.cb(self.linear(cur, "attn_k", il), "Kcur", il), hp.n_embd_head_k, hp.n_head_kv, n)
-        v = ops.reshape(self.cb(self.linear(cur, "attn_v", il), "Vcur", il), hp.n_embd_head_v, hp.n_head_kv, n)
-        # the three projections go into the graph together, as llama.cpp's build_attn puts them:
-        # nothing in between, so a backend may run them as one (the CPU's plans do, fusion.py)
-        for t in (q, k, v):
-            self.graph.build_forward_expand(t)
+        # the three products go into the graph together (their biases after them), as llama.cpp's
+        # build_attn puts them: nothing in between, so a backend may run them as one (the CPU's
+        # plans do, fusion.py)
+        parts = [self.product_and_bias(cur, f"attn_{x}", il) for x in "qkv"]
+        for y, _ in parts:
+            self.graph.build_forward_expand(y)
+        q, k, v = (self.cb(ops.add(y, b) if b is not None else y, name, il) for (y, b), name in zip(parts, ("Qcur", "Kcur", "Vcur")))
+        q = ops.reshape(q, hp.n_embd_head_k, hp.n_head, n)
+        k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv, n)
+        v = ops.reshape(v, hp.n_embd_head_v, hp.n_head_kv, n)
         if qk_norm:
             q = self.build_norm(q, self.w("attn_q_norm.weight", il), "Qcur_normed", il)
             k = self.build_norm(k, self.w("attn_k_norm.weight", il), "Kcur_normed", il)

@@ -59,6 +59,30 @@ def test_products_of_one_input_with_adjacent_weights_run_as_one_with_the_same_bi
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@pytest.mark.parametrize("runs", [[0, 3, 11, 12], [0, 1, 2]])
+def test_products_of_several_sequences_columns_run_as_one_with_the_same_bits(cpu, runs):
+    """With runs (each sequence's columns multiplied as they would be alone), as a server's
+    batch of sequences takes them."""
+    buft = cpu.get_device().get_buffer_type()
+    ws = _weights(buft, Type.Q4_K, [64, 32])
+    n_cols = runs[-1]
+    x = pg.new_tensor(Type.F32, (K, n_cols), "x")
+    r = pg.new_tensor(Type.I32, (len(runs),), "runs")
+    ys = [ops.mul_mat(w, x, r) for w in ws]
+    graph = pg.Graph()
+    for y in ys:
+        graph.build_forward_expand(y)
+    pg.alloc_graph(graph, buft)
+    pg.tensor_set(x, np.random.default_rng(n_cols).standard_normal((n_cols, K)).astype(np.float32))
+    pg.tensor_set(r, np.array(runs, dtype=np.int32))
+    assert len(product_groups(_nodes(graph))) == 1
+    planned, one_by_one, plan = _plan_and_op_by_op(cpu, graph, ys)
+    assert len(plan.steps) == 1
+    for a, b in zip(planned, one_by_one):
+        assert np.isfinite(b).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_weights_apart_or_of_other_types_are_not_fused(cpu):
     buft = cpu.get_device().get_buffer_type()
     (w0,), (w1,) = _weights(buft, Type.Q4_0, [32]), _weights(buft, Type.Q4_0, [32])  # two buffers

@@ -32,7 +32,7 @@ from ..tensor import Tensor
 from ..types import Type
 from . import nn
 from .buffer import CPUBuffer, tensor_view
-from .kernels import Step, _shared_activations, float_rows, reader
+from .kernels import Step, _shared_activations, column_runs, float_rows, reader
 from .kinds import EXACT
 from .qmatmul import QuantProduct, product_format
 
@@ -53,9 +53,14 @@ def _overlap(a: Span | None, b: Span | None) -> bool:
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
+def _runs(node: Tensor) -> Tensor | None:
+    """A MUL_MAT's runs of columns (several sequences' tokens: ops.mul_mat), if any."""
+    return node.src[2] if len(node.src) > 2 else None
+
+
 def _fusable(node: Tensor) -> bool:
     """A MUL_MAT of a whole 2-d quantized weight (exact kernel) by 2-d activations, in host memory."""
-    if node.op != Op.MUL_MAT or (len(node.src) > 2 and node.src[2] is not None):
+    if node.op != Op.MUL_MAT:
         return False
     a, b = node.src[0], node.src[1]
     return (a.type in EXACT and a.ne[2] == a.ne[3] == 1 and a.is_contiguous() and isinstance(a.buffer, CPUBuffer)
@@ -89,10 +94,10 @@ def _same_kernel(run: list[tuple[int, Tensor]]) -> bool:
 def _safe_to_hoist(nodes: Sequence[Tensor], first: int, pos: int, node: Tensor) -> bool:
     """Whether node (at ``pos``) may compute at ``first``: no node in between touches its
     result, nor writes its input."""
-    out, inp = _span(node), _span(node.src[1])
+    out, inputs = _span(node), [_span(t) for t in (node.src[1], _runs(node)) if t is not None]
     for other in nodes[first + 1:pos]:
         mine = _span(other)
-        if _overlap(mine, out) or _overlap(mine, inp):
+        if _overlap(mine, out) or any(_overlap(mine, inp) for inp in inputs):
             return False
         if any(src is not None and _overlap(_span(src), out) for src in other.src):
             return False
@@ -106,7 +111,8 @@ def product_groups(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
     for pos, node in enumerate(nodes):
         if _fusable(node):
             a = node.src[0]
-            by_input.setdefault((id(node.src[1]), a.type, a.ne[0], id(a.buffer)), []).append((pos, node))
+            key = (id(node.src[1]), id(_runs(node)), a.type, a.ne[0], id(a.buffer))
+            by_input.setdefault(key, []).append((pos, node))
     groups: dict[int, list[Tensor]] = {}
     for members in by_input.values():
         for run in _adjacent_runs(members):
@@ -148,8 +154,9 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     rows = np.ndarray((sum(widths), first.row_size()), dtype=np.uint8, buffer=first.buffer.data, offset=first.offset)
     product = QuantProduct(rows, first.type)
     x = float_rows(b)
-    # a few columns are quantized in the kernel's call, more once for every product of b
-    acts = None if product.quantizes_in_call(x) else _shared_activations(shared, b, product, reader(b))
+    runs = column_runs(group[0], _runs(group[0]), b.ne[1]) if _runs(group[0]) is not None else None
+    # a few columns of one sequence are quantized in the kernel's call, more once for every product of b
+    acts = None if runs is None and product.quantizes_in_call(x) else _shared_activations(shared, b, product, reader(b))
     scratch = shared.setdefault("fused products' scratch", _Scratch())
     n_cols = b.ne[1]
     scratch.need(n_cols * rows.shape[0])
@@ -161,7 +168,7 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
         if not bound:  # the kernel's call and the copies, bound at the first run
             result = scratch.matrix(n_cols, rows.shape[0])
             call = product.bound_quantizing(x, result) if acts is None else \
-                (lambda call=product.bound(result): call(acts()))
+                (lambda call=product.bound(result): call(acts(), runs() if runs is not None else None))
             bound.extend([call, [(out, result[:, s:s + m]) for out, m, s in zip(outs, widths, starts)]])
         call, copies = bound
         call()
