@@ -93,7 +93,10 @@ class GraphBuilder:
 
     def linear(self, x: Tensor, name: str, il: int | None = None) -> Tensor:
         """x @ W (+ bias when the file has one)."""
-        y, b = self.product_and_bias(x, name, il)
+        return self.with_bias(*self.product_and_bias(x, name, il))
+
+    @staticmethod
+    def with_bias(y: Tensor, b: Tensor | None) -> Tensor:
         return ops.add(y, b) if b is not None else y
 
     def product_and_bias(self, x: Tensor, name: str, il: int | None = None) -> tuple[Tensor, Tensor | None]:
@@ -155,7 +158,7 @@ class GraphBuilder:
         parts = [self.product_and_bias(cur, f"attn_{x}", il) for x in "qkv"]
         for y, _ in parts:
             self.graph.build_forward_expand(y)
-        q, k, v = (self.cb(ops.add(y, b) if b is not None else y, name, il) for (y, b), name in zip(parts, ("Qcur", "Kcur", "Vcur")))
+        q, k, v = (self.cb(self.with_bias(*part), name, il) for part, name in zip(parts, ("Qcur", "Kcur", "Vcur")))
         q = ops.reshape(q, hp.n_embd_head_k, hp.n_head, n)
         k = ops.reshape(k, hp.n_embd_head_k, hp.n_head_kv, n)
         v = ops.reshape(v, hp.n_embd_head_v, hp.n_head_kv, n)

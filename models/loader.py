@@ -148,14 +148,14 @@ def read_order(name: str) -> tuple[int, bool, int, str]:
     return 1 << 30, False, 0, name
 
 
-def map_weights(f: GGUFFile, host_bytes: int, use_mmap: bool | None) -> bool:
+def map_weights(host_bytes: int, use_mmap: bool | None) -> bool:
     """Whether host weights stay in the file's map (``use_mmap``; by default only where reading
     them into memory would take more than half of what is free: the map lets the system drop
     pages under pressure) rather than being read into memory in read_order."""
     if use_mmap is not None:
         return use_mmap
-    from pyggml.cpu.device import _host_memory
-    return host_bytes > _host_memory()[0] // 2
+    from pyggml import cpu_device
+    return host_bytes > cpu_device().get_memory()[0] // 2
 
 
 def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
@@ -188,6 +188,6 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
     host_bytes = sum(t.nbytes() for t in to_load if buft_of[id(t)].is_host())
     model.buffers = f.load(to_load, lambda t: buft_of[id(t)], progress=progress,
                            source_of=lambda t: t.name if t.name in f.tensors else "token_embd.weight",
-                           mmap=map_weights(f, host_bytes, use_mmap))
+                           mmap=map_weights(host_bytes, use_mmap))
     model.weights = weights
     return model

@@ -128,7 +128,7 @@ class GGUFFile:
         mapped: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for t in tensors:
             buft = pick(t)
-            # host memory: the weights stay in the file's map and nothing is copied
+            # host memory with mmap: the weights stay in the file's map and nothing is copied
             info = self.tensors[source(t)]
             same = info.type == t.type and info.nbytes == t.nbytes() and t.is_contiguous()
             into = mapped if mmap and same and hasattr(buft, "buffer_from_array") else groups

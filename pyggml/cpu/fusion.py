@@ -196,7 +196,7 @@ def norm_chains(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
         if not (_one_row(x) and _one_row(norm) and _one_row(mul) and _one_row(w) and w.ne[0] == x.ne[0]):
             continue
         add = nodes[pos - 1] if pos else None
-        if (add is not None and add.op == Op.ADD and x is add and pos - 1 not in chains
+        if (add is not None and add.op == Op.ADD and x is add
                 and all(_one_row(s) and s.ne[0] == x.ne[0] for s in add.src[:2])):
             chains[pos - 1] = [add, norm, mul]
         else:
