@@ -89,17 +89,19 @@ def test_old_versions_of_the_cache_are_pruned(tmp_path):
 
 def test_a_model_compiles_the_formats_it_has_and_no_other():
     """A product compiles the code of its own weight format (qdot.product_kernel), so the parts a
-    model needs name exactly the formats of its weights: SmolLM2 is Q4_1 with a Q8_0 embedding
-    that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked).  Of the
-    feed-forward gates, the one its architecture names (both where it is not known)."""
+    model needs name exactly the formats of its weights, and the loop around every format's
+    rows once (``products``; ``experts`` for stacked experts): SmolLM2 is Q4_1 with a Q8_0
+    embedding that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked).
+    Of the feed-forward gates, the one its architecture names (both where it is not known)."""
     from pyggml.cpu.warmup import GATES, LAYERS, parts_for_tensors
     smollm2 = [("token_embd.weight", Type.Q8_0, (576, 49152)), ("output_norm.weight", Type.F32, (576,)),
                ("blk.0.attn_q.weight", Type.Q4_1, (576, 576)), ("blk.0.ffn_down.weight", Type.Q4_1, (1536, 576))]
-    assert parts_for_tensors(smollm2, "swiglu") == [*LAYERS, "swiglu", "decoder:Q8_0", "product:Q8_0", "product:Q4_1"]
+    assert parts_for_tensors(smollm2, "swiglu") == [*LAYERS, "swiglu", "decoder:Q8_0", "product:Q8_0", "products",
+                                                    "product:Q4_1"]
     other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
              ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
-    assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "product:Q4_K", "softmax", "experts:Q6_K",
-                                        "f16", "fused:F16", "decoder:F16"]
+    assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "products", "product:Q4_K", "softmax",
+                                        "product:Q6_K", "experts", "f16", "fused:F16", "decoder:F16"]
 
 
 LOADS_WITHOUT_COMPILING = """
@@ -137,7 +139,7 @@ def test_parts_compile_in_other_processes_into_the_cache_and_are_marked(tmp_path
     assert warmup.missing(parts) == parts
     warmup.compile_in_parallel(parts)
     assert warmup.missing(parts) == []
-    assert len(list(folder.rglob("*rows*.nbi"))) == 2
+    assert len(list(folder.rglob("*_kernels_rows_*.nbi"))) == 2  # one index per kind
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_COMPILING, *parts], capture_output=True, text=True,

@@ -21,14 +21,27 @@ import functools
 import math
 
 import numpy as np
-from numba import carray, cfunc, njit, prange, types
+from numba import carray, njit, prange, types
 from numba.extending import overload
 
-from .simd import (EXP_RANGE, address, call_address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32,
+from .rows import UNUSED, keep, row_kernel, run_rows
+from .simd import (EXP_RANGE, address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32,
                    half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
 f32 = np.float32
 _jit = njit(cache=True, inline="always", boundscheck=False)
+
+
+@functools.cache
+def _kernel(rows) -> int:
+    """The address of a row kernel of this file (rows.row_kernel), compiled on first use."""
+    return row_kernel(rows)
+
+
+@_jit
+def rows_of(at, n_rows, n):
+    """The float32 rows [n_rows, n] at address ``at`` (a row kernel's view of an array)."""
+    return carray(pointer(at, np.float32), (n_rows, n))
 
 
 @_jit
@@ -66,11 +79,23 @@ def _softmax_row(w):
         w[i] *= inv
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def softmax_rows(x):
-    """Rows of x [rows, n] (scaled and masked) in place."""
-    for r in prange(x.shape[0]):
+def _softmax_rows(start, end, x_at, n, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
+    x = rows_of(x_at, end, n)
+    for r in range(start, end):
         _softmax_row(x[r])
+
+
+@njit(cache=True, boundscheck=False)
+def _softmax(x, at):
+    if not x.flags.c_contiguous:
+        raise ValueError("softmax: the rows must be C-contiguous")
+    run_rows(at, x.shape[0], (address(x), x.shape[1], UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED),
+             (0.0, 0.0))
+
+
+def softmax_rows(x: np.ndarray) -> None:
+    """Rows of x [rows, n] (scaled and masked, C-contiguous float32) in place."""
+    _softmax(x, _kernel(_softmax_rows))
 
 
 @_jit
@@ -84,16 +109,24 @@ def _rms_row(x, r, eps, out):
         out[r, i] = x[r, i] * scale
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def rms_norm(x, eps, out):
-    """ggml_compute_forward_rms_norm_f32: squares rounded to float, summed in double in order;
-    the mean and the scale in float.  A single row (a decode step's) without the threads: it
-    takes less than starting them."""
-    if x.shape[0] == 1:
-        _rms_row(x, 0, eps, out)
-        return
-    for r in prange(x.shape[0]):
+def _rms_rows(start, end, x_at, out_at, n, i3, i4, i5, i6, i7, i8, i9, eps, f1):
+    x, out = rows_of(x_at, end, n), rows_of(out_at, end, n)
+    for r in range(start, end):
         _rms_row(x, r, eps, out)
+
+
+@njit(cache=True, boundscheck=False)
+def _rms_norm(x, eps, out, at):
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and x.shape == out.shape):
+        raise ValueError("rms_norm: x and out must be C-contiguous rows of one shape")
+    run_rows(at, x.shape[0], (address(x), address(out), x.shape[1], UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED,
+                              UNUSED), (np.float64(eps), 0.0))
+
+
+def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """ggml_compute_forward_rms_norm_f32 over the rows of x [rows, n]: squares rounded to float,
+    summed in double in order; the mean and the scale in float (rows.run_rows)."""
+    _rms_norm(x, eps, out, _kernel(_rms_rows))
 
 
 @njit(cache=True, boundscheck=False)
@@ -259,30 +292,44 @@ def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta
 
 
 @_jit
-def _rope_row(x, out, cos, sin, n_dims, neox, i3, t):
-    n_head, hd = x.shape[2], x.shape[3]
+def _rope_row(x, out, cos, sin, n_dims, neox, r, t):
+    """Row r [n_head, head_dim] of x and out, at token t (cos and sin's row)."""
+    n_head, hd = x.shape[1], x.shape[2]
     half = n_dims // 2
     for h in range(n_head):
         for i in range(half):
             j0, j1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            x0, x1 = x[i3, t, h, j0], x[i3, t, h, j1]
+            x0, x1 = x[r, h, j0], x[r, h, j1]
             c, s = cos[t, i], sin[t, i]
-            out[i3, t, h, j0] = fma32(x0, c, -(x1 * s))
-            out[i3, t, h, j1] = fma32(x0, s, x1 * c)
+            out[r, h, j0] = fma32(x0, c, -(x1 * s))
+            out[r, h, j1] = fma32(x0, s, x1 * c)
         for j in range(n_dims, hd):
-            out[i3, t, h, j] = x[i3, t, h, j]
+            out[r, h, j] = x[r, h, j]
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def rope_rotate(x, out, cos, sin, n_dims, neox):
+def _rope_rows(start, end, x_at, out_at, cos_at, sin_at, n_tok, n_head, hd, n_dims, neox, i9, f0, f1):
+    x = carray(pointer(x_at, np.float32), (end, n_head, hd))
+    out = carray(pointer(out_at, np.float32), (end, n_head, hd))
+    cos, sin = rows_of(cos_at, n_tok, n_dims // 2), rows_of(sin_at, n_tok, n_dims // 2)
+    for r in range(start, end):
+        _rope_row(x, out, cos, sin, n_dims, neox != 0, r, r % n_tok)
+
+
+@njit(cache=True, boundscheck=False)
+def _rope(x, out, cos, sin, n_dims, neox, at):
+    b3, n_tok, n_head, hd = x.shape
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous
+            and x.shape == out.shape and cos.shape == sin.shape and cos.shape[0] >= n_tok
+            and cos.shape[1] == n_dims // 2 and 0 <= n_dims <= hd):
+        raise ValueError("rope: x, out, cos and sin must be C-contiguous and of agreeing shapes")
+    run_rows(at, b3 * n_tok, (address(x), address(out), address(cos), address(sin), n_tok, n_head, hd, n_dims,
+                              np.intp(neox), UNUSED), (0.0, 0.0))
+
+
+def rope_rotate(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: bool) -> None:
     """x, out [batch, n_tokens, n_head, head_dim]; pairs (2i, 2i+1), or (i, i + n_dims/2) for
-    NEOX; dimensions past n_dims are copied.  A single token without the threads."""
-    b3, n_tok = x.shape[0], x.shape[1]
-    if b3 * n_tok == 1:
-        _rope_row(x, out, cos, sin, n_dims, neox, 0, 0)
-        return
-    for r in prange(b3 * n_tok):
-        _rope_row(x, out, cos, sin, n_dims, neox, r // n_tok, r % n_tok)
+    NEOX; dimensions past n_dims are copied."""
+    _rope(x, out, cos, sin, n_dims, neox, _kernel(_rope_rows))
 
 
 @njit(cache=True, boundscheck=False)
@@ -504,10 +551,10 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     _attention_cells(q, k, v, n_head_kv, mask, f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
+@njit(cache=True, boundscheck=False)
 def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
-    """attention_cells' parallel loop over chunks of rows, each a call of the C function at
-    ``rows_at`` (_attention_rows_at)."""
+    """attention_cells' rows ((head, token) pairs) through the row kernel at ``rows_at``
+    (_attention_rows_at, run by rows.run_rows)."""
     if not (q.flags.c_contiguous and mask.flags.c_contiguous and out.flags.c_contiguous
             and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize):
         raise ValueError("attention: q, mask and out must be C-contiguous, a cell's K and V values side by side")
@@ -517,31 +564,30 @@ def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
             and k.shape[1] == n_head_kv * d and n_head % n_head_kv == 0 and v.shape[1] % n_head_kv == 0
             and out.shape[0] == n_tok and out.shape[1] == n_head and out.shape[2] * n_head_kv == v.shape[1]):
         raise ValueError("attention: the shapes of q, k, v, mask and out do not agree")
-    n_rows = n_head * n_tok  # (head, token) pairs
     alone, n_seen, seen = _row_cells(mask)
-    n_chunks = min(n_rows, 64)
-    per = (n_rows + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        call_address(rows_at, (c * per, min(n_rows, (c + 1) * per), address(q), q.shape[0], q.shape[1], q.shape[2],
-                               address(k), k.shape[0], k.strides[0] // k.itemsize, k.shape[1],
-                               address(v), v.shape[0], v.strides[0] // v.itemsize, v.shape[1], n_head_kv,
-                               address(mask), mask.shape[1], scale, softcap, address(out),
-                               address(alone), address(n_seen), address(seen)))
+    sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
+                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, mask.shape[1]], dtype=np.int64)
+    run_rows(rows_at, n_head * n_tok, (address(q), address(k), address(v), address(mask), address(out), address(alone),
+                                       address(n_seen), address(seen), address(sizes), UNUSED),
+             (np.float64(scale), np.float64(softcap)))
+    keep((alone, n_seen, seen, sizes))
 
 
 @functools.cache
 def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
-    """The address of attention's rows as a C function for caches of these element types: the
-    parallel loop calls it by its address, so that its code is compiled once - numba would copy
-    a called function into the parallel kernel and optimize and compile it twice more there."""
+    """The address of attention's rows as a row kernel (rows.py) for caches of these element
+    types: compiled once, not copied into a parallel loop's kernel."""
     kt, vt = k_dtype.type, v_dtype.type
 
-    def attention_rows(start, end, q_at, n_head, n_tok, d, k_at, k_cells, k_stride, k_width, v_at, v_cells,
-                       v_stride, v_width, n_head_kv, mask_at, n_kv, scale, softcap, out_at, alone_at, n_seen_at, seen_at):
+    def attention_rows(start, end, q_at, k_at, v_at, mask_at, out_at, alone_at, n_seen_at, seen_at, sizes_at, i9,
+                       scale, softcap):
         """attention_cells' rows start..end (head h, token t at h * n_tokens + t), with one set
         of scratch arrays for all of them: the C function's own code, not a function it inlines
         (numba would copy that one's code).  No array expressions in it: numba makes each a
         parallel loop of its own."""
+        sizes = carray(pointer(sizes_at, np.int64), (11,))
+        n_head, n_tok, d, k_cells, k_stride, k_width = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]
+        v_cells, v_stride, v_width, n_head_kv, n_kv = sizes[6], sizes[7], sizes[8], sizes[9], sizes[10]
         q = carray(pointer(q_at, np.float32), (n_head, n_tok, d))
         k = carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width]
         v = carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width]
@@ -554,14 +600,14 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
         s = np.empty(n_kv, dtype=np.float32)
         lanes = np.empty(64, dtype=np.float32)
         acc = np.zeros((64, v_width // n_head_kv), dtype=np.float32)  # _sum_lanes leaves it zeroed
+        scale32, softcap32 = f32(scale), f32(softcap)
         for r in range(start, end):
             t = r % n_tok
-            _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale, softcap, out, alone[t], n_seen[t], seen[t],
-                           q16, s, lanes, acc)
+            _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale32, softcap32, out, alone[t], n_seen[t],
+                           seen[t], q16, s, lanes, acc)
 
     attention_rows.__qualname__ = f"attention_rows_{k_dtype.name}_{v_dtype.name}"  # one cache entry each
-    sig = types.void(*[types.intp] * 17, types.float32, types.float32, *[types.intp] * 4)
-    return cfunc(sig, cache=True, boundscheck=False)(attention_rows).address
+    return row_kernel(attention_rows)
 
 
 @_jit
@@ -593,10 +639,9 @@ def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, 
         s[c] = kq + mask[t, c]
     if m:
         _softmax_seen_call(s, n_kv, cells, m)
-    else:  # a row that sees no cell: NaN, as over -inf everywhere
+    else:  # a row that sees no cell: NaN everywhere, as the softmax of -inf everywhere gives
         for c in range(n_kv):
-            s[c] = -np.inf
-        _softmax_row(s)  # (s holds n_kv cells)
+            s[c] = np.nan
     for i in range(m if m else n_kv):
         c = cells[i] if m else i
         p = round_f16(s[c])
@@ -658,22 +703,19 @@ def _sift_down(hv, hi, k, at):
         at = child
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
+@njit(cache=True, boundscheck=False)
 def top_k_rows(x, k, out):
     """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
     first, equal values lowest index first; NaN ranks below every number.  One pass per row
     against a heap of the k best so far: a value enters only when it beats the heap's worst.
-    A single row (a decoding step's logits) without the threads."""
-    if x.shape[0] == 1:
-        _top_k_row(x[0], k, out[0])
-        return
-    for r in prange(x.shape[0]):
+    In this thread: a sampler's row, or an expert router's few values per token."""
+    for r in range(x.shape[0]):
         _top_k_row(x[r], k, out[r])
 
 
 @njit(cache=True, boundscheck=False)
 def _top_k_row(x, k, out):
-    """top_k_rows of one row (a function: numba compiles a parallel loop's body slowly)."""
+    """top_k_rows of one row."""
     n = x.shape[0]
     hv = np.empty(k, dtype=np.float32)
     hi = np.empty(k, dtype=np.int64)

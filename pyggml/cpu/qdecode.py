@@ -12,11 +12,13 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 from numba.extending import overload
 
 from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
+from .rows import UNUSED, row_kernel, run_rows
+from .simd import address, pointer
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -301,13 +303,24 @@ def fused_matmul(kind: int, w, x, out, f16) -> None:
 
 
 def decode_rows(kind: int, w, out, f16) -> None:
-    """Every row of w decoded into the same row of out (float32 [M, K])."""
-    _decoder_kernels(int(kind))[1](w, out, f16)
+    """Every row of w (uint8 [M, row_bytes], C-contiguous) decoded into the same row of out
+    (float32 [M, K], C-contiguous)."""
+    _decode_rows(w, out, f16, _decoder_kernels(int(kind))[1])
+
+
+@njit(cache=True, boundscheck=False)
+def _decode_rows(w, out, f16, at):
+    if not (w.flags.c_contiguous and out.flags.c_contiguous and f16.flags.c_contiguous
+            and w.shape[0] == out.shape[0] and f16.size == 65536):
+        raise ValueError("decode_rows: w and out must be C-contiguous, a row of out for each row of w")
+    run_rows(at, w.shape[0], (address(w), w.shape[1], address(out), out.shape[1], address(f16), UNUSED, UNUSED,
+                              UNUSED, UNUSED, UNUSED), (0.0, 0.0))
 
 
 @functools.cache
 def _decoder_kernels(kind: int):
-    """fused_matmul's and decode_rows' kernels for one decoder (``kind`` a constant of both)."""
+    """fused_matmul's kernel and the address of decode_rows' (rows.py) for one decoder (``kind``
+    a constant of both)."""
     def fused(w, x, out, f16):
         m_rows, k = w.shape[0], x.shape[1]
         n_chunks = min(m_rows, 64)
@@ -315,15 +328,14 @@ def _decoder_kernels(kind: int):
         for c in prange(n_chunks):
             _fused_chunk(kind, w, x, out, f16, c * per, min(m_rows, (c + 1) * per))
 
-    def rows(w, out, f16):
-        if w.shape[0] == 1:  # a decoding step's embedding: less than starting the threads
-            decode_row(kind, w[0], out[0], f16)
-            return
-        for m in prange(w.shape[0]):
+    def rows(start, end, w_at, row_bytes, out_at, k, f16_at, i5, i6, i7, i8, i9, f0, f1):
+        w = carray(pointer(w_at, np.uint8), (end, row_bytes))
+        out = carray(pointer(out_at, np.float32), (end, k))
+        f16 = carray(pointer(f16_at, np.float32), (65536,))
+        for m in range(start, end):
             decode_row(kind, w[m], out[m], f16)
     name = Dec(kind).name
-    return (kernel_of_kind(fused, name, parallel=True, fastmath=True, cache=True),
-            kernel_of_kind(rows, name, parallel=True, cache=True))
+    return kernel_of_kind(fused, name, parallel=True, fastmath=True, cache=True), row_kernel(rows, name)
 
 
 @njit(fastmath=True, cache=True)

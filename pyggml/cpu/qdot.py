@@ -66,7 +66,9 @@ def _tile_width(fmts, n):
 @_jit
 def _chunks(m_rows, n_chunks):
     """How a product's rows are cut into at most n_chunks: (number of chunks, rows per chunk),
-    whole pairs of rows per chunk (only the last may end on an odd one)."""
+    whole pairs of rows per chunk (only the last may end on an odd one); none for no rows."""
+    if m_rows == 0:
+        return 0, 2
     n_chunks = min(m_rows, n_chunks)
     per = (m_rows + n_chunks - 1) // n_chunks
     per += per % 2

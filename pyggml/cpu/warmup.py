@@ -3,9 +3,10 @@
 The kernels are compiled once per machine and loaded from numba's on-disk cache after that
 (kernel_cache.py).  Each kernel is a *part* here, named so that another process can compile
 it: the layers' kernels (``norms``, ``attention``, ``activations``, ...) and, for each weight
-format a model has, its product (``product:Q4_1``), its decoder (``decoder:Q8_0``, the row
-lookups of an embedding) and so on - a product compiles the code of its own format only
-(qdot.py), so a model compiles the formats it has, not all of them.
+format a model has, its product's rows (``product:Q4_1``), its decoder (``decoder:Q8_0``, the
+row lookups of an embedding) and so on - a product compiles the code of its own format only
+(qdot.py), so a model compiles the formats it has, not all of them, and the parallel loop that
+calls every format's rows is one part (``products``) compiled once.
 
 :func:`start_compiling` runs parts in one process per core (numba compiles one function at a
 time per process), each part marked done in the cache folder when it is; :func:`missing` says
@@ -31,7 +32,7 @@ from . import kernel_cache, nn
 from .activations import activation_arrays, quantize, quantize_rows_at
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
-from .qdot import exact_quant_matmul, exact_quant_matmul_id
+from .qdot import NO_ROWS, THREADS, product_kernel, quant_product, quant_product_id
 from .qmatmul import frozen, product_format, whole
 
 f32 = np.float32
@@ -62,16 +63,22 @@ def _zero_activations(qtype: Type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _product(fmt: Fmt) -> None:
-    qtype = _type_of(fmt)
-    yq, yd, ys = _zero_activations(qtype)
-    exact_quant_matmul(fmt, _weights(qtype, 8), yq, yd, ys, np.empty((2, 8), dtype=f32), whole(2))
+    """A format's rows (a C function): the parallel loops around them are parts of their own."""
+    product_kernel(fmt)
 
 
-def _experts(fmt: Fmt) -> None:
-    qtype = _type_of(fmt)
-    yq, yd, ys = _zero_activations(qtype)
-    exact_quant_matmul_id(fmt, _weights(qtype, 8, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
-                          np.array([0, 2], dtype=np.int64), np.empty((2, 8), dtype=f32))
+def _products() -> None:
+    """quant_product, the parallel loop around every format's rows, which it calls by address:
+    one kernel for all formats, compiled once.  Weights of no rows: no format's rows are called."""
+    yq, yd, ys = _zero_activations(Type.Q8_0)
+    quant_product(_weights(Type.Q8_0, 0), NO_ROWS, 0, 0, yq, yd, ys, np.empty((2, 0), dtype=f32), whole(2), THREADS,
+                  0, 0)
+
+
+def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products)
+    yq, yd, ys = _zero_activations(Type.Q8_0)
+    quant_product_id(_weights(Type.Q8_0, 0, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
+                     np.array([0, 2], dtype=np.int64), np.empty((2, 0), dtype=f32), 0, 0)
 
 
 def _decoder(dec: Dec) -> None:
@@ -138,10 +145,9 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 7.0), "activations": (_activations, 2.0),
           "top_k": (_top_k, 1.3)}
 GATES = {"swiglu": (_swiglu, 2.0), "geglu": (_geglu, 1.5)}  # a model's feed-forwards use one (FFN_ACT)
-OTHERS = {"softmax": (_softmax, 1.2), "f16": (_f16, 0.5)}
+OTHERS = {"softmax": (_softmax, 1.2), "f16": (_f16, 0.5), "products": (_products, 2.0), "experts": (_experts, 2.0)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
-    "product": (Fmt, _product, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),  # a K-quant block is larger IR
-    "experts": (Fmt, _experts, lambda f: 2.5 if f <= Fmt.Q8_0 else 5.0),
+    "product": (Fmt, _product, lambda f: 1.0 if f <= Fmt.Q8_0 else 2.0),  # a K-quant block is larger IR
     "decoder": (Dec, _decoder, lambda d: 1.0), "fused": (Dec, _fused, lambda d: 1.5)}
 
 
@@ -160,7 +166,8 @@ def part(name: str) -> tuple[Callable[[], None], float]:
 def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate: str | None = None) -> list[str]:
     """The parts a model of these tensors (name, type, ne) runs: the layers' kernels, its
     feed-forward's ``gate`` (a GATES name; both when not known), each weight format's product
-    (the experts' own product and their routers' softmax for stacked experts), the embedding's
+    rows and the loop around them (the experts' own loop and their routers' softmax for
+    stacked experts), the embedding's
     decoder, F16 values read as floats where there are F16 tensors."""
     if gate is not None and gate not in GATES:
         raise ValueError(f"no kernel part for the gate {gate!r}")
@@ -174,8 +181,9 @@ def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate
             parts[f"decoder:{DECODER[qtype].name}"] = None
         if len(ne) < 2 or qtype not in DECODER:
             continue
-        if qtype in EXACT:
-            parts[f"{'experts' if len(ne) == 3 else 'product'}:{product_format(qtype, ne[1]).name}"] = None
+        if qtype in EXACT:  # the format's rows, and the loop around them
+            parts[f"product:{product_format(qtype, ne[1]).name}"] = None
+            parts["experts" if len(ne) == 3 else "products"] = None
         else:  # decoded and dotted: few columns fused, many decoded for BLAS
             parts[f"fused:{DECODER[qtype].name}"] = None
             parts[f"decoder:{DECODER[qtype].name}"] = None
