@@ -19,15 +19,16 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import carray, cfunc, njit, prange, types
+from numba import carray, njit
 
 from .kinds import Act
-from .simd import pointer, round_f16
+from .rows import UNUSED, row_kernel, run_rows
+from .simd import KERNEL, address, call_address, pointer, round_f16
 
-@njit(cache=True)
+
+@njit(inline="always", **KERNEL)
 def _quantize_row(x, r, kind, yq, yd, ys):
-    """Row r of quantize_q8 (not inlined: numba compiles a parallel loop's body slowly, and both
-    quantize_q8 and quantize_q8_serial use this one)."""
+    """Row r of quantize_q8."""
     k = x.shape[1]
     block = 256 if kind == Act.Q8_K else 32
     for b in range(k // block):
@@ -66,20 +67,50 @@ def _quantize_row(x, r, kind, yq, yd, ys):
         ys[r, b] = round_f16(d * qsum) if kind == Act.Q8_1 else qsum
 
 
-@njit(cache=True, parallel=True)
-def quantize_q8(x, kind, yq, yd, ys):
+def _quantize_rows(start, end, x_at, k, kind, yq_at, yd_at, ys_at, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of quantize_q8 (a row kernel: rows.py)."""
+    blocks, sums = (k // 256, k // 16) if kind == Act.Q8_K else (k // 32, k // 32)
+    x = carray(pointer(x_at, np.float32), (end, k))
+    yq = carray(pointer(yq_at, np.float32), (end, k))
+    yd = carray(pointer(yd_at, np.float32), (end, blocks))
+    ys = carray(pointer(ys_at, np.float32), (end, sums))
+    for r in range(start, end):
+        _quantize_row(x, r, kind, yq, yd, ys)
+
+
+@njit(inline="always", **KERNEL)
+def check_activations(x, kind, yq, yd, ys):
+    """That the row kernel may take x, yq, yd and ys: C-contiguous, as activation_arrays makes
+    them for x."""
+    n, k = x.shape
+    if not (x.flags.c_contiguous and yq.flags.c_contiguous and yd.flags.c_contiguous and ys.flags.c_contiguous
+            and yq.shape == x.shape and yd.shape[0] == n and ys.shape[0] == n
+            and yd.shape[1] == (k // 256 if kind == Act.Q8_K else k // 32)
+            and ys.shape[1] == (k // 16 if kind == Act.Q8_K else k // 32)):
+        raise ValueError("quantize_q8: x, yq, yd and ys must be C-contiguous, of activation_arrays' shapes")
+
+
+@njit(**KERNEL)
+def _quantize(x, kind, yq, yd, ys, at, threads):
+    check_activations(x, kind, yq, yd, ys)
+    args = (address(x), x.shape[1], np.intp(kind), address(yq), address(yd), address(ys), UNUSED, UNUSED, UNUSED,
+            UNUSED)
+    if threads:
+        run_rows(at, x.shape[0], args, (0.0, 0.0))
+    elif x.shape[0]:
+        call_address(at, (0, x.shape[0]) + args + (0.0, 0.0))
+
+
+def quantize_q8(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
-    [N, K/16]."""
-    for r in prange(x.shape[0]):
-        _quantize_row(x, np.int64(r), kind, yq, yd, ys)  # as quantize_q8_serial's: one compile (prange's r is unsigned)
+    [N, K/16] (each C-contiguous, as activation_arrays makes them)."""
+    _quantize(x, int(kind), yq, yd, ys, quantize_rows_at(), True)
 
 
-@njit(cache=True)
-def quantize_q8_serial(x, kind, yq, yd, ys):
+def quantize_q8_serial(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """quantize_q8 in this thread: for a row or two, less than waking the others."""
-    for r in range(x.shape[0]):
-        _quantize_row(x, r, kind, yq, yd, ys)
+    _quantize(x, int(kind), yq, yd, ys, quantize_rows_at(), False)
 
 
 SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread
@@ -87,17 +118,11 @@ SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the call
 
 @functools.cache
 def quantize_rows_at() -> int:
-    """The address of quantize_q8_serial as a C function ``(x, n, k, kind, yq, yd, yd width, ys,
-    ys width)`` (addresses and sizes, C-contiguous float32 arrays): the products that quantize
-    their own activations (qdot.quant_product) call it there, so that their kernel does not
+    """The address of quantize_q8's row kernel (rows.ROW_KERNEL: start, end, x, k, kind, yq, yd,
+    ys - C-contiguous float32 arrays of activation_arrays' shapes): the products that quantize
+    their own activations (qdot.quant_product) call it too, so that their kernel does not
     compile its code again."""
-    def quantize_rows(x_at, n, k, kind, yq_at, yd_at, yd_width, ys_at, ys_width):
-        x = carray(pointer(x_at, np.float32), (n, k))
-        yq = carray(pointer(yq_at, np.float32), (n, k))
-        yd = carray(pointer(yd_at, np.float32), (n, yd_width))
-        ys = carray(pointer(ys_at, np.float32), (n, ys_width))
-        quantize_q8_serial(x, kind, yq, yd, ys)
-    return cfunc(types.void(*[types.intp] * 9), cache=True)(quantize_rows).address
+    return row_kernel(_quantize_rows)
 
 
 def activation_arrays(n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kinds import Fmt, literal_kind
-from .simd import dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, splat
+from .simd import KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, splat
 
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
@@ -645,7 +645,7 @@ TILE_WIDE, TILE_MID, TILE_NARROW = 8, 4, 2
 BATCH_FORMAT = {Fmt.Q4_K_X8: Fmt.Q4_K_X8_GEMM, Fmt.Q4_K: Fmt.Q4_K_TILED, Fmt.Q5_K: Fmt.Q5_K_TILED,
                 Fmt.Q6_K: Fmt.Q6_K_TILED}
 
-_jit = njit(cache=True, inline="always", boundscheck=False)
+_jit = njit(inline="always", **KERNEL)
 
 
 @_jit

@@ -21,15 +21,15 @@ import functools
 import math
 
 import numpy as np
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 from numba.extending import overload
 
 from .rows import UNUSED, keep, row_kernel, run_rows
-from .simd import (EXP_RANGE, address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64, fma32,
-                   half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
+from .simd import (EXP_RANGE, KERNEL, address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64,
+                   fma32, half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
 f32 = np.float32
-_jit = njit(cache=True, inline="always", boundscheck=False)
+_jit = njit(inline="always", **KERNEL)
 
 
 @functools.cache
@@ -52,7 +52,7 @@ def _hidden16(w, o):
     return True
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _softmax_row(w):
     """In place over the row w (already scaled and masked).  A function of its own, not a
     parallel loop's body (numba compiles those slowly) nor inlined (numba would copy its code)."""
@@ -85,7 +85,7 @@ def _softmax_rows(start, end, x_at, n, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
         _softmax_row(x[r])
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _softmax(x, at):
     if not x.flags.c_contiguous:
         raise ValueError("softmax: the rows must be C-contiguous")
@@ -115,7 +115,7 @@ def _rms_rows(start, end, x_at, out_at, n, i3, i4, i5, i6, i7, i8, i9, eps, f1):
         _rms_row(x, r, eps, out)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _rms_norm(x, eps, out, at):
     if not (x.flags.c_contiguous and out.flags.c_contiguous and x.shape == out.shape):
         raise ValueError("rms_norm: x and out must be C-contiguous rows of one shape")
@@ -129,7 +129,7 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
     _rms_norm(x, eps, out, _kernel(_rms_rows))
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out):
     """A layer's residual add, the next norm and its weight, row by row in one pass (a decoding
     step's: each was a call of its own): summed = a + b (with ``add``; else summed is the
@@ -178,24 +178,34 @@ def _silu_row(a, g, out, r, gated):
         out[r, i] = v * g[r, i] if gated else v
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def silu(x, out):
-    """ggml_vec_silu_f32 per row of x [rows, n]; a single row without the threads."""
-    if x.shape[0] == 1:
-        _silu_row(x, x, out, 0, False)
-        return
-    for r in prange(x.shape[0]):
-        _silu_row(x, x, out, r, False)
+def _silu_rows(start, end, a_at, g_at, out_at, n, gated, table_at, i6, i7, i8, i9, f0, f1):
+    a, g, out = rows_of(a_at, end, n), rows_of(g_at, end, n), rows_of(out_at, end, n)
+    for r in range(start, end):
+        _silu_row(a, g, out, r, gated != 0)
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def swiglu(a, g, out):
+@njit(**KERNEL)
+def _glu(a, g, out, gated, table, at):
+    """A GLU's rows (its activation's alone, without ``gated``): the row kernel at ``at``
+    (SiLU's, or GELU's, which reads ``table``)."""
+    if not (a.flags.c_contiguous and g.flags.c_contiguous and out.flags.c_contiguous
+            and a.shape == g.shape and a.shape == out.shape):
+        raise ValueError("gated activation: a, g and out must be C-contiguous rows of one shape")
+    run_rows(at, a.shape[0], (address(a), address(g), address(out), a.shape[1], np.intp(gated), address(table),
+                              UNUSED, UNUSED, UNUSED, UNUSED), (0.0, 0.0))
+
+
+_NO_TABLE = np.zeros(1, dtype=f32)  # SiLU's: it reads no table (GELU's is gelu_table(), 65536 values)
+
+
+def silu(x: np.ndarray, out: np.ndarray) -> None:
+    """ggml_vec_silu_f32 per row of x [rows, n] (C-contiguous float32, as out)."""
+    _glu(x, x, out, False, _NO_TABLE, _kernel(_silu_rows))
+
+
+def swiglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_swiglu_f32 per row: silu(a) * g, as ``silu``."""
-    if a.shape[0] == 1:
-        _silu_row(a, g, out, 0, True)
-        return
-    for r in prange(a.shape[0]):
-        _silu_row(a, g, out, r, True)
+    _glu(a, g, out, True, _NO_TABLE, _kernel(_silu_rows))
 
 
 @functools.cache
@@ -206,7 +216,7 @@ def gelu_table() -> np.ndarray:
     return _gelu_table(x)
 
 
-@njit(cache=True)
+@njit(**KERNEL)
 def _gelu_table(x):
     out = np.empty_like(x)
     a, s = f32(0.044715), f32(0.79788456080286535587989211986876)
@@ -233,26 +243,23 @@ def _gelu_row(a, g, out, r, table, gated):
         out[r, i] = y * g[r, i] if gated else y
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
-def _gelu_rows(a, g, out, table, gated):
+def _gelu_rows(start, end, a_at, g_at, out_at, n, gated, table_at, i6, i7, i8, i9, f0, f1):
     """GGML_GELU_FP16: GELU(x) read from the table at F16(x) (nearest, ties to even); 0 at or
     below -10 and x at or above 10.  A NaN passes neither bound; ggml reads its table at the
-    half NaN, whose entry is NaN: ours is x itself, NaN as well.  A single row without the
-    threads."""
-    if a.shape[0] == 1:
-        _gelu_row(a, g, out, 0, table, gated)
-        return
-    for r in prange(a.shape[0]):
-        _gelu_row(a, g, out, r, table, gated)
+    half NaN, whose entry is NaN: ours is x itself, NaN as well."""
+    a, g, out = rows_of(a_at, end, n), rows_of(g_at, end, n), rows_of(out_at, end, n)
+    table = carray(pointer(table_at, np.float32), (65536,))
+    for r in range(start, end):
+        _gelu_row(a, g, out, r, table, gated != 0)
 
 
 def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_geglu_f32 (rows of a, g and out are contiguous float32)."""
-    _gelu_rows(a, g, out, gelu_table(), True)
+    _glu(a, g, out, True, gelu_table(), _kernel(_gelu_rows))
 
 
 def gelu(a: np.ndarray, out: np.ndarray) -> None:
-    _gelu_rows(a, a, out, gelu_table(), False)
+    _glu(a, a, out, False, gelu_table(), _kernel(_gelu_rows))
 
 
 # -- RoPE --------------------------------------------------------------------------------------------
@@ -263,7 +270,7 @@ def _yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base):
         / (f32(2.0) * f32(math.log(base)))
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
                n_ctx_orig, freq_factors, has_factors):
     """cos and sin per position and pair, [n_pos, n_dims/2] each, as ggml_rope_cache_init."""
@@ -315,7 +322,7 @@ def _rope_rows(start, end, x_at, out_at, cos_at, sin_at, n_tok, n_head, hd, n_di
         _rope_row(x, out, cos, sin, n_dims, neox != 0, r, r % n_tok)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _rope(x, out, cos, sin, n_dims, neox, at):
     b3, n_tok, n_head, hd = x.shape
     if not (x.flags.c_contiguous and out.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous
@@ -332,7 +339,7 @@ def rope_rotate(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray
     _rope(x, out, cos, sin, n_dims, neox, _kernel(_rope_rows))
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def set_rows_f16(x, ids, out):
     """out[ids[i]] = x[i] as F16 bits (x float32 [n, ne0], ids int64 [n] checked by the caller,
     out uint16 [rows, ne0]): SET_ROWS into an F16 cache, as ggml's FP32 -> FP16 (nearest, ties
@@ -507,10 +514,10 @@ def _softmax_seen(w, n, cells, m):
 
 
 # called, not inlined, by attention's rows: numba takes seconds to inline it into a parallel loop
-_softmax_seen_call = njit(cache=True, boundscheck=False)(_softmax_seen.py_func)
+_softmax_seen_call = njit(**KERNEL)(_softmax_seen.py_func)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _row_cells(mask):
     """_alone_rows and _seen_by_row of a mask, outside the parallel loop of attention_cells
     (where numba would make each of their arrays a parallel loop of its own)."""
@@ -518,7 +525,7 @@ def _row_cells(mask):
     return _alone_rows(mask), n_seen, seen
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def seen_cells(mask):
     """How many leading cells attention reads: up to the last one some row of ``mask`` [n_tokens,
     n_kv] shows, in whole 64s (cells past it have probability 0; whole 64s keep every sum's lanes
@@ -551,7 +558,7 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     _attention_cells(q, k, v, n_head_kv, mask, f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
     """attention_cells' rows ((head, token) pairs) through the row kernel at ``rows_at``
     (_attention_rows_at, run by rows.run_rows)."""
@@ -703,7 +710,7 @@ def _sift_down(hv, hi, k, at):
         at = child
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def top_k_rows(x, k, out):
     """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
     first, equal values lowest index first; NaN ranks below every number.  One pass per row
@@ -713,7 +720,7 @@ def top_k_rows(x, k, out):
         _top_k_row(x[r], k, out[r])
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _top_k_row(x, k, out):
     """top_k_rows of one row."""
     n = x.shape[0]

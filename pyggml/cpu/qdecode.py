@@ -18,12 +18,12 @@ from numba.extending import overload
 from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
 from .rows import UNUSED, row_kernel, run_rows
-from .simd import address, pointer
+from .simd import KERNEL, address, pointer
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
-_jit = njit(cache=True, fastmath=False, boundscheck=False, inline="always")
+_jit = njit(fastmath=False, inline="always", **KERNEL)
 
 
 @_jit
@@ -308,7 +308,7 @@ def decode_rows(kind: int, w, out, f16) -> None:
     _decode_rows(w, out, f16, _decoder_kernels(int(kind))[1])
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _decode_rows(w, out, f16, at):
     if not (w.flags.c_contiguous and out.flags.c_contiguous and f16.flags.c_contiguous
             and w.shape[0] == out.shape[0] and f16.size == 65536):
@@ -335,10 +335,10 @@ def _decoder_kernels(kind: int):
         for m in range(start, end):
             decode_row(kind, w[m], out[m], f16)
     name = Dec(kind).name
-    return kernel_of_kind(fused, name, parallel=True, fastmath=True, cache=True), row_kernel(rows, name)
+    return kernel_of_kind(fused, name, parallel=True, fastmath=True, **KERNEL), row_kernel(rows, name)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, **KERNEL)
 def _fused_chunk(kind, w, x, out, f16, start, end):
     """fused_matmul's rows start..end (a function of its own: quicker to compile than the
     parallel loop's body)."""
@@ -354,7 +354,7 @@ def _fused_chunk(kind, w, x, out, f16, start, end):
             out[n, m] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, **KERNEL)
 def f16_values(bits, f16, out):
     """float32 values of float16 bits ([a, b, c, d], any strides) through the 65536-entry
     table: faster than numpy's conversion, and exact (the KV cache is read every step)."""

@@ -30,16 +30,17 @@ import numpy as np
 import numba
 from numba import carray, njit, prange, types
 
+from .activations import check_activations
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
-from .simd import address, call_address, pointer
+from .simd import KERNEL, address, call_address, pointer
 
 
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
 TILED_MIN_COLS = 8
 assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
 
-_jit = njit(cache=True, inline="always", boundscheck=False)
+_jit = njit(inline="always", **KERNEL)
 
 
 @_jit
@@ -75,7 +76,7 @@ def _chunks(m_rows, n_chunks):
     return (m_rows + per - 1) // per, per
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**KERNEL)
 def _activation_bytes(yq, offset):
     """The quantized activations as int8 rows zero-padded to whole 64s; with an ``offset`` (not
     0), each row then holds its 32-value blocks' lane sums times -offset, as int32
@@ -178,7 +179,7 @@ def _kernel_of(kind: int) -> ProductKernel:
                     out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
             n += width
 
-    rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), cache=True, boundscheck=False)
+    rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), **KERNEL)
     return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
 
 
@@ -186,7 +187,7 @@ def _kernel_of(kind: int) -> ProductKernel:
 NO_ROWS = np.empty((0, 0), dtype=np.float32)
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
+@njit(parallel=True, **KERNEL)
 def quant_product(w, x, quantize_at, kind, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
     """exact_quant_matmul's parallel loop over chunks of rows, each a call of the C function at
     ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column.  Float
@@ -194,9 +195,9 @@ def quant_product(w, x, quantize_at, kind, yq, yd, ys, out, runs, threads, rows_
     yd and ys (activations.quantize_q8 of ``kind``, the C function at ``quantize_at``) in this
     thread: one call per product where a step would otherwise make three arrays and call twice."""
     if x.shape[0]:
-        _check_contiguous(x, yq, yd, ys, runs)
-        call_address(quantize_at, (address(x), x.shape[0], x.shape[1], kind, address(yq), address(yd), yd.shape[1],
-                                   address(ys), ys.shape[1]))
+        check_activations(x, kind, yq, yd, ys)
+        call_address(quantize_at, (0, x.shape[0], address(x), x.shape[1], kind, address(yq), address(yd), address(ys),
+                                   0, 0, 0, 0, 0.0, 0.0))
     m_rows, n_cols = w.shape[0], yq.shape[0]
     yb = _activation_bytes(yq, lane_sums)
     _check_contiguous(w, yd, ys, out, runs)
@@ -209,7 +210,7 @@ def quant_product(w, x, quantize_at, kind, yq, yd, ys, out, runs, threads, rows_
                                address(runs), runs.size))
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
+@njit(parallel=True, **KERNEL)
 def quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums):
     """exact_quant_matmul_id's parallel loop: every group's chunks of rows in one range."""
     m_rows, n_groups = w.shape[1], experts.size
@@ -234,7 +235,7 @@ def _check_contiguous(w, yd, ys, out, ints):
         raise ValueError("a product's arrays must be C-contiguous")
 
 
-@njit(cache=True)
+@njit(**KERNEL)
 def _group_runs(starts):
     """Each group of MUL_MAT_ID's one run of its own columns: [[0, columns of group g]...]."""
     whole = np.zeros((starts.size - 1, 2), dtype=np.int64)

@@ -2,8 +2,8 @@
 
 numba compiles a parallel loop's body into a kernel of its own and copies into it - and
 optimizes and compiles again - every function the body calls; a kernel that also takes a single
-row without the threads holds the row's code twice more.  That was most of the seconds a new
-machine waits for its first answer (warmup.py).  So a row kernel here is a C function
+row without the threads holds the row's code twice more.  Seconds of the wait for a new
+machine's first answer went to those copies (warmup.py).  So a row kernel here is a C function
 (numba.cfunc) over a range of rows, compiled once, and :func:`run_rows` is the parallel loop of
 every one of them: it calls a kernel by its address for a chunk of rows per thread, or once in
 the calling thread for a single row (less than waking the threads).
@@ -27,7 +27,7 @@ import numpy as np
 from numba import cfunc, njit, prange, types
 
 from .kinds import kernel_of_kind
-from .simd import call_address
+from .simd import KERNEL, call_address
 
 INTS = 10
 # chunks of rows a parallel loop makes: a constant, not numba.get_num_threads() (which numba
@@ -38,7 +38,7 @@ UNUSED = np.intp(0)  # an integer a kernel does not take (not the constant 0: nu
 ROW_KERNEL = types.void(types.intp, types.intp, *[types.intp] * INTS, types.float64, types.float64)
 
 
-@njit(cache=True)
+@njit(**KERNEL)
 def keep(arrays):
     """Nothing, but a use of ``arrays`` (a tuple): called after run_rows, so that numba frees an
     array its caller made, whose address a kernel read, after the kernel ran - numba frees a
@@ -55,16 +55,15 @@ def row_kernel(fn: Callable[..., None], kind_name: str | None = None) -> int:
     # (every entry point takes a kernel's address first)
     numba.get_num_threads()
     if kind_name is not None:
-        return kernel_of_kind(fn, kind_name, cfunc=ROW_KERNEL, cache=True, boundscheck=False).address
-    return cfunc(ROW_KERNEL, cache=True, boundscheck=False)(fn).address
+        return kernel_of_kind(fn, kind_name, cfunc=ROW_KERNEL, **KERNEL).address
+    return cfunc(ROW_KERNEL, **KERNEL)(fn).address
 
 
-@njit(cache=True, parallel=True, boundscheck=False)
+@njit(parallel=True, **KERNEL)
 def run_rows(at, n_rows, ints, floats):
     """The kernel at ``at`` over rows 0..n_rows in at most CHUNKS chunks (numba gives each thread
     a contiguous range of them), or in one call in this thread for a single row (none for
-    none).  ``ints``: INTS
-    integers, ``floats``: two floats."""
+    none).  ``ints``: INTS integers, ``floats``: two floats."""
     if n_rows <= 1:
         if n_rows == 1:
             call_address(at, (0, 1) + ints + floats)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..types import Type
 from . import kernel_cache, nn
-from .activations import activation_arrays, quantize, quantize_rows_at
+from .activations import activation_arrays, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
 from .qdot import NO_ROWS, THREADS, product_kernel, quant_product, quant_product_id
@@ -94,8 +94,7 @@ def _fused(dec: Dec) -> None:
 def _activations() -> None:
     for kind in (Act.Q8_0, Act.Q8_1, Act.Q8_K):
         quantize(_x(2), int(kind))  # a row or two: in this thread
-        quantize(_x(4), int(kind))  # more: in parallel
-    quantize_rows_at()  # a decoding step's products quantize through it
+        quantize(_x(4), int(kind))  # more: in parallel (both through quantize_rows_at, the products' too)
 
 
 def _norms() -> None:
