@@ -140,14 +140,15 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 
 
 # what every model runs, and roughly how many seconds each part takes to compile on the 2-core
-# machine the project is developed on (the processes take the costliest first)
-LAYERS = {"norms": (_norms, 3.0), "attention": (_attention, 7.0), "activations": (_activations, 2.0),
-          "top_k": (_top_k, 1.3)}
-GATES = {"swiglu": (_swiglu, 2.0), "geglu": (_geglu, 1.5)}  # a model's feed-forwards use one (FFN_ACT)
-OTHERS = {"softmax": (_softmax, 1.2), "f16": (_f16, 0.5), "products": (_products, 2.0), "experts": (_experts, 2.0)}
+# machine the project is developed on (the processes take the costliest first: the closer these
+# are, the closer the two processes finish together)
+LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 4.0), "activations": (_activations, 0.9),
+          "top_k": (_top_k, 1.0)}
+GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
+OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 1.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
-    "product": (Fmt, _product, lambda f: 1.0 if f <= Fmt.Q8_0 else 2.0),  # a K-quant block is larger IR
-    "decoder": (Dec, _decoder, lambda d: 1.0), "fused": (Dec, _fused, lambda d: 1.5)}
+    "product": (Fmt, _product, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7),  # a K-quant block is larger IR
+    "decoder": (Dec, _decoder, lambda d: 0.5), "fused": (Dec, _fused, lambda d: 1.2)}
 
 
 def part(name: str) -> tuple[Callable[[], None], float]:
