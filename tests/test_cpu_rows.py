@@ -1,0 +1,109 @@
+"""Row kernels (pyggml/cpu/rows.py): one parallel loop calls each op's C function over chunks of
+rows, so every row must come out as it does alone, for any number of rows; the entry points
+refuse arrays the C functions would misread; divisions by zero give C's inf and NaN, as ggml's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyggml.cpu import nn
+from pyggml.cpu.activations import activation_arrays, quantize_q8, quantize_q8_serial
+from pyggml.cpu.kinds import Act, DECODER
+from pyggml.cpu.qdecode import F16_TABLE, decode_rows
+from pyggml.quants import quantize
+from pyggml.types import Type
+
+f32 = np.float32
+ROW_COUNTS = [0, 1, 2, 3, 63, 64, 65, 130]  # none, one (this thread), fewer and more than the chunks
+
+
+def _rows(n: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(f32) * f32(3)
+
+
+def _each_alone(kernel, *inputs: np.ndarray) -> np.ndarray:
+    """kernel(*row_i, out_i) row by row: what one call over all rows must equal."""
+    out = np.empty_like(inputs[0])
+    for r in range(inputs[0].shape[0]):
+        kernel(*(x[r:r + 1] for x in inputs), out[r:r + 1])
+    return out
+
+
+@pytest.mark.parametrize("n", ROW_COUNTS)
+def test_rows_of_one_call_equal_each_row_alone(n):
+    a, g = _rows(n, 576), _rows(n, 576, seed=1)
+    for kernel, inputs in ((nn.swiglu, (a, g)), (nn.geglu, (a, g)), (nn.silu, (a,)), (nn.gelu, (a,)),
+                           (lambda x, out: nn.rms_norm(x, 1e-6, out), (a,))):
+        out = np.full_like(a, np.nan)
+        kernel(*inputs, out)
+        np.testing.assert_array_equal(out, _each_alone(kernel, *inputs))
+    soft = a.copy()
+    nn.softmax_rows(soft)
+    alone = a.copy()
+    for r in range(n):
+        nn.softmax_rows(alone[r:r + 1])
+    np.testing.assert_array_equal(soft, alone)
+
+
+@pytest.mark.parametrize("n", ROW_COUNTS)
+@pytest.mark.parametrize("kind", [Act.Q8_0, Act.Q8_1, Act.Q8_K])
+def test_activations_quantize_the_same_in_threads_and_in_this_one(n, kind):
+    x = _rows(n, 512)
+    threads, alone = activation_arrays(n, 512, int(kind)), activation_arrays(n, 512, int(kind))
+    quantize_q8(x, int(kind), *threads)
+    quantize_q8_serial(x, int(kind), *alone)
+    for a, b in zip(threads, alone):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", ROW_COUNTS)
+def test_rope_rows_equal_each_token_alone(n):
+    x = _rows(n * 4, 64).reshape(1, n, 4, 64)
+    cos, sin = nn.rope_cache(np.arange(n), 32, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
+    for neox in (False, True):
+        out = np.empty_like(x)
+        nn.rope_rotate(x, out, cos, sin, 32, neox)
+        for t in range(n):
+            one = np.empty_like(x[:, t:t + 1])
+            nn.rope_rotate(np.ascontiguousarray(x[:, t:t + 1]), one, cos[t:t + 1].copy(), sin[t:t + 1].copy(), 32, neox)
+            np.testing.assert_array_equal(out[:, t:t + 1], one)
+        np.testing.assert_array_equal(out[..., 32:], x[..., 32:])  # past n_dims: copied
+
+
+@pytest.mark.parametrize("n", ROW_COUNTS)
+@pytest.mark.parametrize("qtype", [Type.Q8_0, Type.Q4_K])
+def test_decoded_rows_equal_each_row_alone(n, qtype):
+    w = quantize(_rows(n, 256), qtype) if n else np.zeros((0, qtype.row_size(256)), dtype=np.uint8)
+    kind = int(DECODER[qtype])
+    out = np.full((n, 256), np.nan, dtype=f32)
+    decode_rows(kind, w, out, F16_TABLE)
+    for r in range(n):
+        one = np.empty((1, 256), dtype=f32)
+        decode_rows(kind, w[r:r + 1], one, F16_TABLE)
+        np.testing.assert_array_equal(out[r], one[0])
+
+
+def test_arrays_a_row_kernel_would_misread_are_refused():
+    a = _rows(4, 64)
+    with pytest.raises(ValueError):
+        nn.swiglu(a[:, ::2], a[:, ::2], np.empty((4, 32), dtype=f32))  # rows not contiguous
+    with pytest.raises(ValueError):
+        nn.swiglu(a, a[:2], np.empty_like(a))  # shapes differ
+    with pytest.raises(ValueError):
+        nn.rms_norm(a, 1e-6, np.empty((4, 32), dtype=f32))
+    with pytest.raises(ValueError):
+        quantize_q8(a, int(Act.Q8_0), *activation_arrays(2, 64, int(Act.Q8_0)))  # for fewer rows
+    x = a.reshape(1, 4, 1, 64)
+    cos, sin = nn.rope_cache(np.arange(2), 32, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
+    with pytest.raises(ValueError):
+        nn.rope_rotate(x, np.empty_like(x), cos, sin, 32, False)  # angles for 2 of 4 tokens
+    with pytest.raises(ValueError):
+        decode_rows(int(DECODER[Type.Q8_0]), quantize(a, Type.Q8_0), np.empty((3, 64), dtype=f32), F16_TABLE)
+
+
+def test_a_division_by_zero_gives_what_c_gives():
+    """numpy's error model (simd.KERNEL): a row of zeros normed with eps 0 is NaN, as ggml's
+    0 * (1 / sqrtf(0)), not an exception."""
+    out = np.empty((2, 64), dtype=f32)
+    nn.rms_norm(np.zeros((2, 64), dtype=f32), 0.0, out)
+    assert np.isnan(out).all()
