@@ -107,3 +107,35 @@ def test_a_division_by_zero_gives_what_c_gives():
     out = np.empty((2, 64), dtype=f32)
     nn.rms_norm(np.zeros((2, 64), dtype=f32), 0.0, out)
     assert np.isnan(out).all()
+
+
+FIRST_CALLS = """
+import sys
+import numpy as np
+from pyggml.cpu import nn
+x = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
+out = np.empty_like(x)
+if sys.argv[1] == "softmax":
+    nn.softmax_rows(x.copy())  # compiles run_rows
+else:  # the first thing this process runs: several rows, on the threads
+    nn.rms_norm(x, 1e-6, out)
+print("ran", bool(np.isfinite(out[:, :1]).all()) if sys.argv[1] == "norm" else True)
+"""
+
+
+def test_a_process_that_loads_the_kernels_from_the_cache_runs_them_on_its_threads(tmp_path):
+    """An entry point compiled where run_rows came from numba's cache, loaded from the cache
+    in turn, runs run_rows's parallel code without numba having started its threads (numba
+    starts them for a parallel function it compiles or that Python calls, and its cache did not
+    carry that need here): rows.row_kernel starts them.  Three processes on one fresh cache:
+    the first compiles run_rows, the second RMS norm around it, the third loads both and runs
+    them first thing (without the start, it crashed)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for what in ("softmax", "norm", "norm"):
+        done = subprocess.run([sys.executable, "-c", FIRST_CALLS, what], capture_output=True, text=True, timeout=300,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["ran", "True"]
