@@ -49,10 +49,6 @@ def _x(n: int) -> np.ndarray:
     return np.linspace(-1, 1, n * K, dtype=f32).reshape(n, K)
 
 
-def _type_of(fmt: Fmt) -> Type:
-    return Type.Q4_K if fmt == Fmt.Q4_K_X8 else Type[fmt.name]
-
-
 def _zero_activations(qtype: Type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Two columns of activations as a product of qtype takes them - zeros, not quantized: a
     product's part compiles the product only (the quantizer is the activations' part)."""
