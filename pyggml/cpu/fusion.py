@@ -10,7 +10,7 @@ large part of so short a product.  Weights that lie one after another are one ma
 kernel: one call, one stream of rows through memory, and each row's dot products computed as
 its own product computes them (a row's sums depend only on its bytes and its column's
 format, qdot.py), so the bits are the same.  The results land in a scratch matrix and are
-copied to each node's own tensor.  Products with runs (a batch of several sequences' columns,
+copied to each node's own tensor (a decoding step's row in one call: scatter_row).  Products with runs (a batch of several sequences' columns,
 ops.mul_mat) fuse when they share the runs: each run is computed as it would be alone.
 
 A decoding step's residual add, the norm after it and the norm's weight (ADD, RMS_NORM, MUL
@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from numba import carray, njit
 
 from ..opdefs import NormParams, Op
 from ..tensor import Tensor
@@ -36,6 +37,7 @@ from .buffer import CPUBuffer, tensor_view
 from .kernels import Step, _shared_activations, column_runs, float_rows, reader
 from .kinds import EXACT
 from .qmatmul import QuantProduct, product_format
+from .simd import KERNEL, pointer
 
 Span = tuple[int, int, int]  # a buffer's id, and the first and past-the-last bytes
 
@@ -170,12 +172,37 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
             result = scratch.matrix(n_cols, rows.shape[0])
             call = product.bound_quantizing(x, result) if acts is None else \
                 (lambda call=product.bound(result): call(acts(), runs() if runs is not None else None))
-            bound.extend([call, [(out, result[:, s:s + m]) for out, m, s in zip(outs, widths, starts)]])
-        call, copies = bound
+            bound.extend([call, _copies(result, outs, starts)])
+        call, copy = bound
         call()
-        for out, part in copies:
-            out[...] = part
+        copy()
     return step
+
+
+def _copies(result: np.ndarray, outs: list[np.ndarray], starts: np.ndarray) -> Callable[[], None]:
+    """Copying each node's columns of a fused product's result into its tensor: for a
+    decoding step's single row, one call (scatter_row), not a copy each."""
+    if result.shape[0] == 1 and all(out.flags.c_contiguous for out in outs):
+        row, at, ends = result[0], np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
+        return lambda outs=outs: scatter_row(row, at, ends)  # (outs: the tensors at those addresses, held)
+    parts = [(out, result[:, s:s + out.shape[1]]) for out, s in zip(outs, starts)]
+
+    def copy() -> None:
+        for out, part in parts:
+            out[...] = part
+    return copy
+
+
+@njit(**KERNEL)
+def scatter_row(row, at, ends):
+    """row[ends[i]:ends[i + 1]] into the float32 values at address at[i] (C-contiguous, held by
+    the caller), for each i: a fused decoding product's results into each node's tensor in one
+    call, not a copy each."""
+    for i in range(at.size):
+        n = ends[i + 1] - ends[i]
+        dst = carray(pointer(at[i], np.float32), (n,))
+        for j in range(n):
+            dst[j] = row[ends[i] + j]
 
 
 def _one_row(t: Tensor) -> bool:

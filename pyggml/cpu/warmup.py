@@ -30,6 +30,7 @@ import numpy as np
 from ..types import Type
 from . import kernel_cache, nn
 from .activations import activation_arrays, quantize
+from .fusion import scatter_row
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
 from .qdot import NO_ROWS, THREADS, product_kernel, quant_product, quant_product_id
@@ -69,6 +70,8 @@ def _products() -> None:
     yq, yd, ys = _zero_activations(Type.Q8_0)
     quant_product(_weights(Type.Q8_0, 0), NO_ROWS, 0, 0, yq, yd, ys, np.empty((2, 0), dtype=f32), whole(2), THREADS,
                   0, 0)
+    out = np.zeros(2, dtype=f32)
+    scatter_row(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fused products' results
 
 
 def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products)
@@ -241,13 +244,6 @@ class Compiling:
         shutil.rmtree(self.claims, ignore_errors=True)
 
 
-# LLVM's optimization level in the compiling processes (numba's default is 3), unless NUMBA_OPT
-# says otherwise: the kernels' vector code is IR of our own (simd.py, blockdot.py), and -O3 took
-# 1.4x as long to compile them for no measurable speed (bench/generate.py --profile: the same
-# time per op kind).  Any level gives the same bits: numba allows LLVM no fast-math.
-COMPILE_OPT = 1
-
-
 def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     """Compile ``parts`` in one process per core this process may run on, each writing numba's
     cache and marking its parts; this process loads them from the cache as it uses them.  Every
@@ -258,9 +254,12 @@ def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, min(len(parts), cores))
     claims = tempfile.mkdtemp(prefix="pyggml-compiling-")
-    env = {**os.environ, "NUMBA_OPT": os.environ.get("NUMBA_OPT", str(COMPILE_OPT))}
+    # LLVM's optimization level is numba's (-O3, unless NUMBA_OPT says otherwise), as for a
+    # kernel this process compiles itself: -O1 compiled a model's parts 8% faster but left a
+    # decoding step's products 15% slower (bench/generate.py --profile).  Any level gives the
+    # same bits: numba allows LLVM no fast-math.
     return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", "--claims", claims, *parts],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(n)], claims, timeout)
 
 
