@@ -254,10 +254,6 @@ def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, min(len(parts), cores))
     claims = tempfile.mkdtemp(prefix="pyggml-compiling-")
-    # LLVM's optimization level is numba's (-O3, unless NUMBA_OPT says otherwise), as for a
-    # kernel this process compiles itself: -O1 compiled a model's parts 8% faster but left a
-    # decoding step's products 15% slower (bench/generate.py --profile).  Any level gives the
-    # same bits: numba allows LLVM no fast-math.
     return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", "--claims", claims, *parts],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(n)], claims, timeout)
@@ -305,9 +301,24 @@ def _claim(folder: str, name: str) -> bool:
     return True
 
 
+# LLVM's optimization level per part in the compiling processes, unless NUMBA_OPT says
+# otherwise: -O3 (numba's default) for the products and the quantizer of their activations,
+# which ran a decoding step 15% slower at -O1; -O1 for the others, as fast at either level
+# (bench/generate.py --profile) and compiled sooner.  Any level gives the same bits: numba
+# allows LLVM no fast-math.
+FULL_OPT = ("products", "experts", "activations", "product:")
+
+
+def _opt_level(name: str) -> str:
+    return "3" if name.startswith(FULL_OPT) else "1"
+
+
 def _compile_and_mark(names: list[str], claims: str | None = None) -> None:
+    by_part = "NUMBA_OPT" not in os.environ
     for name in names:
         if claims is None or _claim(claims, name):
+            if by_part:  # numba reads its environment again before each compile
+                os.environ["NUMBA_OPT"] = _opt_level(name)
             part(name)[0]()
             mark_compiled([name])
 
