@@ -10,8 +10,9 @@ large part of so short a product.  Weights that lie one after another are one ma
 kernel: one call, one stream of rows through memory, and each row's dot products computed as
 its own product computes them (a row's sums depend only on its bytes and its column's
 format, qdot.py), so the bits are the same.  The results land in a scratch matrix and are
-copied to each node's own tensor (a decoding step's row in one call: scatter_row).  Products with runs (a batch of several sequences' columns,
-ops.mul_mat) fuse when they share the runs: each run is computed as it would be alone.
+copied to each node's own tensor (a decoding step's row in one call: scatter_row).  Products
+with runs (a batch of several sequences' columns, ops.mul_mat) fuse when they share the runs:
+each run is computed as it would be alone.
 
 A decoding step's residual add, the norm after it and the norm's weight (ADD, RMS_NORM, MUL
 of one row) run as one pass over the row (nn.add_rms_norm_mul): three calls were most of their

@@ -513,7 +513,7 @@ def _softmax_seen(w, n, cells, m):
         w[cells[i]] *= inv
 
 
-# called, not inlined, by attention's rows: numba takes seconds to inline it into a parallel loop
+# called, not inlined, by attention's rows (inlined there, the attention part compiled no sooner)
 _softmax_seen_call = njit(**KERNEL)(_softmax_seen.py_func)
 
 

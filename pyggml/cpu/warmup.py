@@ -313,19 +313,21 @@ def _opt_level(name: str) -> str:
     return "3" if name.startswith(FULL_OPT) else "1"
 
 
-def _compile_and_mark(names: list[str], claims: str | None = None) -> None:
-    by_part = "NUMBA_OPT" not in os.environ
+def _compile_and_mark(names: list[str], claims: str | None = None, levels: bool = False) -> None:
+    """Compile and mark the parts ``names`` (those this process claims first in ``claims``);
+    with ``levels``, each at its own LLVM level (_opt_level), set in this process's environment,
+    which numba reads again before each compile: for a compiling process only."""
     for name in names:
         if claims is None or _claim(claims, name):
-            if by_part:  # numba reads its environment again before each compile
+            if levels:
                 os.environ["NUMBA_OPT"] = _opt_level(name)
             part(name)[0]()
             mark_compiled([name])
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
+    args, levels = sys.argv[1:], "NUMBA_OPT" not in os.environ  # the user's NUMBA_OPT holds for every part
     if args[:1] == ["--claims"]:
-        _compile_and_mark(args[2:], args[1])
+        _compile_and_mark(args[2:], args[1], levels)
     else:
-        _compile_and_mark(args)
+        _compile_and_mark(args, levels=levels)
