@@ -26,8 +26,9 @@ from numba.extending import intrinsic
 from .kinds import Fmt, literal_kind
 from .simd import KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, splat
 
-I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-V8F, V8I, V16I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I32, 16), ir.VectorType(I8, 32)
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V8F, V4I, V8I, V16I, V32B = (ir.VectorType(F32, 8), ir.VectorType(I32, 4), ir.VectorType(I32, 8), ir.VectorType(I32, 16),
+                             ir.VectorType(I8, 32))
 DOTS = integer_dots()  # the CPU's integer dot instructions (simd.DOT_LEVELS)
 
 
@@ -54,10 +55,13 @@ def _fma(builder, a, b, c):
 
 
 def _nibbles(builder, packed):
-    """32 bytes from 16: element j the low nibble of byte j, element 16 + j its high nibble."""
-    lo = builder.and_(packed, _splat(packed.type, 15))
-    hi = builder.lshr(packed, _splat(packed.type, 4))
-    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+    """32 bytes from 16: element j the low nibble of byte j, element 16 + j its high nibble.  The
+    16 bytes in both halves, the high half shifted by 4 (one variable shift of 64-bit lanes),
+    then masked: a broadcast load, a shift and an and."""
+    both = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(I32, 32), list(range(16)) * 2))
+    v4q = ir.VectorType(I64, 4)
+    shifted = builder.lshr(builder.bitcast(both, v4q), ir.Constant(v4q, [0, 0, 4, 4]))
+    return builder.and_(builder.bitcast(shifted, V32B), _splat(V32B, 15))
 
 
 def _hsum_int(builder, v):
@@ -154,8 +158,13 @@ def _legacy(blk: Legacy) -> PairFormat:
 
     def shared(builder, b, nb, yb, yd, ys):
         y = load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B)
-        col = {"y": _concat(builder, y, y), "d": splat(builder, builder.load(builder.gep(yd, [b])), 16),
-               "s": splat(builder, builder.load(builder.gep(ys, [b])), 2) if blk.has_min else None}
+        d = builder.load(builder.gep(yd, [b]))
+        if blk.has_min:  # as the rows' scales lie: (d, s) for each row
+            s = builder.load(builder.gep(ys, [b]))
+            scales = builder.shuffle_vector(splat(builder, d, 2), splat(builder, s, 2), ir.Constant(V4I, [0, 2, 1, 3]))
+        else:
+            scales = splat(builder, d, 2)
+        col = {"y": _concat(builder, y, y), "scales": scales}
         if by_offset:  # -offset x the lane sums, stored after the values (LANE_SUMS)
             at = builder.add(lane_sums_at(builder, nb), builder.mul(b, ir.Constant(I64, 32)))
             col["offset"] = _concat(builder, *(load_at(builder, yb, at, V8I),) * 2)
@@ -176,11 +185,14 @@ def _legacy(blk: Legacy) -> PairFormat:
 
     def rows(builder, base0, base1):
         (q0, signed), (q1, _) = row_values(builder, base0), row_values(builder, base1)
-        two = {"q": _concat(builder, q0, q1), "signed": signed,
-               "d": _two_halves(builder, half_at(builder, base0, 0), half_at(builder, base1, 0), 8)}
-        if blk.has_min:
-            two["m"] = _two_halves(builder, half_at(builder, base0, 2), half_at(builder, base1, 2), 1)
-        return two
+        # both rows' F16 scales (and minima) in one conversion: d0 (m0) d1 (m1)
+        words = [load_at(builder, base, 0, I32 if blk.has_min else I16) for base in (base0, base1)]
+        pair = builder.insert_element(builder.insert_element(
+            ir.Constant(ir.VectorType(words[0].type, 2), ir.Undefined), words[0], ir.Constant(I32, 0)),
+            words[1], ir.Constant(I32, 1))
+        n = 4 if blk.has_min else 2
+        scales = builder.fpext(builder.bitcast(pair, ir.VectorType(ir.HalfType(), n)), ir.VectorType(F32, n))
+        return {"q": _concat(builder, q0, q1), "signed": signed, "scales": scales}
 
     def block(builder, two, col, accs):
         if by_offset:
@@ -188,18 +200,23 @@ def _legacy(blk: Legacy) -> PairFormat:
         else:
             sums = dot4(builder, two["q"], col["y"], two["signed"], DOTS)
         lanes = builder.sitofp(sums, ir.VectorType(F32, 16))
-        nxt = [_fma(builder, builder.fmul(two["d"], col["d"]), lanes, accs[0])]
-        if blk.has_min:
-            nxt.append(_fma(builder, two["m"], col["s"], accs[1]))
+        # d_w x d_y of each row (lanes 0 and 2 with a minimum: 1 and 3 hold m_w x s_y, unused)
+        products = builder.fmul(two["scales"], col["scales"])
+        d_lane = 2 if blk.has_min else 1
+        d = builder.shuffle_vector(products, products, ir.Constant(V16I, [0] * 8 + [d_lane] * 8))
+        nxt = [_fma(builder, d, lanes, accs[0])]
+        if blk.has_min:  # the minima's sums m_w x s_y + summs in lanes 1 and 3 (0 and 2: unused)
+            nxt.append(_fma(builder, two["scales"], col["scales"], accs[1]))
         return nxt
 
     def finish(builder, accs):
         totals = [hsum8_ir(builder, _half(builder, accs[0], r)) for r in range(2)]
         if blk.has_min:
-            totals = [builder.fadd(t, builder.extract_element(accs[1], ir.Constant(I32, r))) for r, t in enumerate(totals)]
+            totals = [builder.fadd(t, builder.extract_element(accs[1], ir.Constant(I32, 2 * r + 1)))
+                      for r, t in enumerate(totals)]
         return tuple(totals)
 
-    init = [_splat(ir.VectorType(F32, 16), 0.0)] + ([_splat(ir.VectorType(F32, 2), 0.0)] if blk.has_min else [])
+    init = [_splat(ir.VectorType(F32, 16), 0.0)] + ([_splat(ir.VectorType(F32, 4), 0.0)] if blk.has_min else [])
     return PairFormat(blk.size, init, shared, rows, block, finish)
 
 
