@@ -163,6 +163,7 @@ class RPCServer:
                     else:
                         self._serve_event(event)
                 self._expire_waits()
+                self.listener.send_held()  # the replies to what this read brought, together
         finally:
             self.close()
 
@@ -325,7 +326,7 @@ class RPCServer:
                 self._send(peer, Status.ERROR, seq, message_text.encode("utf-8", "replace"), [])
 
     def _send(self, peer: Peer, status: Status, seq: int, payload: bytes, frames: list) -> None:
-        if self.listener.send(peer, [P.HEADER.pack(status, 0, 0, seq) + payload, *frames]):
+        if self.listener.send(peer, [P.HEADER.pack(status, 0, 0, seq) + payload, *frames], now=False):
             return
         # its answers pile up unread: waiting for it would stall every other client
         session = self.sessions.get(peer.id)
@@ -652,8 +653,8 @@ class RPCServer:
         s.waiting = (tag, time.monotonic() + peers.PEER_WAIT_S)
         return b"", []
 
-    @staticmethod
-    def _compute(sd: ServedDevice, plan: object) -> None:
+    def _compute(self, sd: ServedDevice, plan: object) -> None:
+        self.listener.send_held()  # what was answered before the graph does not wait for it
         sd.backend.graph_plan_compute(plan)
         sd.backend.synchronize()
 

@@ -193,8 +193,10 @@ class Listener:
     """The server's sockets: accepts, reads whole messages, sends without blocking, beats hearts.
 
     :meth:`poll` is called by the server's one thread and returns what happened; :meth:`send`
-    queues a reply and sends what the socket takes now; a peer with ``max_queued`` replies unsent
-    gets ``False`` back (the server ends its session rather than wait for it)."""
+    queues a reply and sends what the socket takes now, or holds it for :meth:`send_held` (the
+    server answers everything one poll read, then sends: a client waiting for a step's results
+    is woken once); a peer with ``max_queued`` replies unsent gets ``False`` back (the server
+    ends its session rather than wait for it)."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None, max_frames: int, max_bytes: int,
                  max_peers: int = 512, max_queued: int = 16) -> None:
@@ -216,6 +218,7 @@ class Listener:
         self._dirty: set[Peer] = set()      # the heartbeat thread left bytes unsent: register for writing
         self._dirty_lock = threading.Lock()
         self._lost: list[Disconnected] = []  # connections a send found broken, reported by the next poll
+        self._held_out: set[Peer] = set()   # with replies send() holds until send_held()
         self.serving: Peer | None = None    # whose request the server is working on (it gets heartbeats)
         self.held: set[Peer] = set()        # whose requests the server holds for now (they get them too)
         self._stop = threading.Event()
@@ -306,7 +309,10 @@ class Listener:
                 self._close_locked(peer)
             events.append(Disconnected(peer, f"no HELLO within {GREETING_TIMEOUT_S:.0f} s"))
 
-    def send(self, peer: Peer, frames: list) -> bool:
+    def send(self, peer: Peer, frames: list, now: bool = True) -> bool:
+        """Queue a reply and send what the socket takes; with ``now`` false, hold it until
+        :meth:`send_held` (the replies to one read of a client's requests then leave in one
+        system call, and wake the client once, not once each)."""
         views = [as_bytes(f) for f in frames]
         parts = [memoryview(message_head(views)), *views]
         with peer.lock:
@@ -317,14 +323,28 @@ class Listener:
             for i, part in enumerate(parts):
                 peer.out.append((part, i == len(parts) - 1))
             peer.queued += 1
-            try:
-                self._flush_locked(peer)
-            except OSError as e:  # the client reset the connection: its session ends, the server goes on
-                self._close_locked(peer)
-                self._lost.append(Disconnected(peer, str(e) or type(e).__name__))
+            if not now:
+                self._held_out.add(peer)
                 return True
-            self._update_interest(peer)
+            self._send_locked(peer)
         return True
+
+    def send_held(self) -> None:
+        """Send the replies :meth:`send` held, as far as each socket takes them now."""
+        held, self._held_out = self._held_out, set()
+        for peer in held:
+            with peer.lock:
+                if not peer.closed:
+                    self._send_locked(peer)
+
+    def _send_locked(self, peer: Peer) -> None:
+        try:
+            self._flush_locked(peer)
+        except OSError as e:  # the client reset the connection: its session ends, the server goes on
+            self._close_locked(peer)
+            self._lost.append(Disconnected(peer, str(e) or type(e).__name__))
+            return
+        self._update_interest(peer)
 
     def _flush_and_mark(self, peer: Peer, events: list) -> None:
         with peer.lock:

@@ -65,6 +65,23 @@ def test_messages_keep_their_frames_both_ways(loop):
     assert loop.next(Disconnected).peer is msg.peer
 
 
+def test_held_replies_leave_together_when_sent(loop):
+    """The server holds the replies to one read of a client's requests and sends them in one
+    go: nothing reaches the client before send_held, then every reply in order."""
+    ch = connect(loop)
+    ch.send([b"ask"], timeout=5)
+    peer = loop.next(Message).peer
+    assert loop.listener.send(peer, [b"first"], now=False)
+    assert loop.listener.send(peer, [b"second", memoryview(b"y" * 5000)], now=False)
+    ch.sock.settimeout(0.2)
+    with pytest.raises((TimeoutError, socket.timeout)):
+        ch.sock.recv(1, socket.MSG_PEEK)  # held: not one byte sent yet
+    loop.listener.send_held()
+    assert [bytes(f) for f in ch.recv(time.monotonic() + 5)] == [b"first"]
+    assert [bytes(f) for f in ch.recv(time.monotonic() + 5)] == [b"second", b"y" * 5000]
+    ch.close()
+
+
 def test_connections_are_numbered_by_the_listener_and_never_share_a_number(loop):
     seen = set()
     for _ in range(3):
