@@ -184,6 +184,27 @@ def test_silu_rows_in_and_out_of_exps_branch_free_range_are_ggml_v_silu():
         assert same_bits(out[:, full:], tail / (f32(1.0) + exp) * g[:n_rows, full:])
 
 
+@pytest.mark.parametrize("n", [200, 256])
+def test_attention_softmax_over_the_cells_seen_is_the_rows_softmax(n):
+    """Attention's softmax over the cells a row sees - the first m (a sequence's decoding
+    step: one vectorized loop of expf's branch-free steps when every exponent is in its range)
+    or any others - gives the bits of ggml's softmax over the whole row with the hidden cells
+    at -inf, exponents past the branch-free range and the tail past the last 16 included."""
+    rng = np.random.default_rng(11)
+    for m in (1, 15, 16, 17, 100, 190, n):
+        for spread in (3.0, 60.0):  # scores within expf's range, and some 100 below the maximum
+            scores = (rng.standard_normal(n) * spread).astype(f32)
+            for cells in (np.arange(m, dtype=np.int32), np.sort(rng.choice(n, m, replace=False)).astype(np.int32)):
+                row = np.full(n, -np.inf, dtype=f32)
+                row[cells] = scores[cells]
+                want = row.copy()
+                nn._softmax_row(want)
+                got = np.zeros(n, dtype=f32)
+                got[cells] = scores[cells]
+                nn._softmax_seen_call(got, n, cells, m)
+                assert same_bits(got, want), (m, spread)
+
+
 def test_gelu_rows_read_ggmls_table_at_the_nearest_half():
     """GELU and GeGLU read the table of halves at F16(x), nearest with ties to even (x86's
     F16C conversion, as ggml's GGML_CPU_FP32_TO_FP16), for -10 < x < 10 - subnormal halves and

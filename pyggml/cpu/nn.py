@@ -490,13 +490,22 @@ def _softmax_seen(w, n, cells, m):
     """``_softmax_row`` of w[:n] whose cells other than cells[:m] (ascending) were -inf and hold
     the 0 their exponential is: the exponentials of the cells seen only, each 16-lane group that
     holds one summed as there (the other groups add 0), the tail past the last whole 16 in order."""
+    # the cells 0..m-1, as a sequence's decoding step sees them: loops over them, not cells[]
+    dense = m > 0 and cells[m - 1] == m - 1
     mx = f32(-np.inf)
     for i in range(m):
-        mx = max(mx, w[cells[i]])
+        mx = max(mx, w[i if dense else cells[i]])
     full = n - n % 16
-    for i in range(m):
-        c = cells[i]
-        w[c] = expf_v(w[c] - mx) if c < full else f32(math.exp(w[c] - mx))
+    if dense and _exp_in_range(w, min(m, full), mx):
+        # every exponent within EXP_RANGE: one loop of the branch-free exponential, which vectorizes
+        for c in range(min(m, full)):
+            w[c] = expf_in_range(w[c] - mx)
+        for c in range(full, m):
+            w[c] = f32(math.exp(w[c] - mx))
+    else:
+        for i in range(m):
+            c = cells[i]
+            w[c] = expf_v(w[c] - mx) if c < full else f32(math.exp(w[c] - mx))
     total = 0.0
     group = -1
     for i in range(m):
@@ -510,7 +519,16 @@ def _softmax_seen(w, n, cells, m):
         total += np.float64(w[c])
     inv = f32(1.0 / total)
     for i in range(m):
-        w[cells[i]] *= inv
+        w[i if dense else cells[i]] *= inv
+
+
+@_jit
+def _exp_in_range(w, n, mx):
+    """Whether every w[:n] - mx is within EXP_RANGE (NaN is not): a count, which vectorizes."""
+    outside = 0
+    for c in range(n):
+        outside += not abs(w[c] - mx) <= EXP_RANGE
+    return outside == 0
 
 
 # called, not inlined, by attention's rows (inlined there, the attention part compiled no sooner)
