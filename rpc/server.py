@@ -37,6 +37,7 @@ from .transport import Disconnected, Listener, Message, Peer
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
 log = logging.getLogger("pyggml.rpc.server")
+MAX_KNOWN_TENSORS = 1024  # wire tensors a session's SET/GET requests keep checked (Session.known)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class Session:
     sender_lost: str | None = None            # why the last one went, if none is left
     held: deque = field(default_factory=deque)  # the requests held meanwhile, in order
     held_bytes: int = 0
+    # wire tensors of SET_TENSOR / GET_TENSOR requests, checked once: a decoding step sets and
+    # reads the same few tensors every time (forgotten whenever a buffer goes)
+    known: dict[bytes, Tensor] = field(default_factory=dict)
 
     def owned(self) -> int:
         """Bytes of the buffers this session holds."""
@@ -353,6 +357,7 @@ class RPCServer:
 
     def _release(self, s: Session, handle: int) -> None:
         dev, buf = s.buffers.pop(handle)
+        s.known.clear()  # (a tensor there must be checked against the buffers again)
         self.devices[dev].used -= buf.get_size()
         buf.free()
         for slot in [k for k, (_, _, handles) in s.graphs.items() if handle in handles]:
@@ -451,8 +456,14 @@ class RPCServer:
         """A request made of one tensor followed by a fixed struct."""
         if len(payload) != P.TENSOR.size + st.size:
             raise ProtocolError(f"payload of {len(payload)} bytes where {P.TENSOR.size + st.size} were expected")
-        t, at = read_tensor(payload, s.lookup)
-        return t, st.unpack_from(payload, at)
+        key = bytes(payload[:P.TENSOR.size])
+        t = s.known.get(key)
+        if t is None:  # the same bytes name the same tensor while its buffer lives: checked once
+            t, _ = read_tensor(payload, s.lookup)
+            if len(s.known) >= MAX_KNOWN_TENSORS:
+                s.known.clear()
+            s.known[key] = t
+        return t, st.unpack_from(payload, P.TENSOR.size)
 
     def _init_tensor(self, s: Session, payload: memoryview, data: list) -> Reply:
         if len(payload) != P.TENSOR.size:

@@ -158,6 +158,22 @@ def test_other_clients_and_freed_handles(client, server):
     refused(client, server, C.INIT_TENSOR, tensor(Type.F32, buffer=mine), match="unknown buffer")
 
 
+def test_a_tensor_the_server_knows_is_checked_again_once_its_buffer_is_gone(client, server):
+    """The server keeps the wire tensors of SET_TENSOR and GET_TENSOR checked (a decoding step
+    sends the same ones every time): the same bytes again read and write the data, and once
+    their buffer is freed the same bytes are refused, as a tensor never seen would be."""
+    h = alloc(client)
+    for step in range(3):
+        values = np.arange(16, dtype=np.float32) * step
+        t = set_data(client, h, values, Type.F32, (16, 1, 1, 1))
+        status, _, frames = client.call(C.GET_TENSOR, t + P.GET_TENSOR.pack(0, 64, P.Codec.RAW))
+        assert status == P.Status.OK and np.array_equal(np.frombuffer(frames[0], dtype=np.float32), values)
+    assert client.call(C.FREE_BUFFER, P.U64.pack(h))[0] == P.Status.OK
+    raw = np.zeros(16, dtype=np.float32).tobytes()
+    refused(client, server, C.SET_TENSOR, t + P.SET_TENSOR.pack(0, 64, P.Codec.RAW, 0), [raw], match="unknown buffer")
+    refused(client, server, C.GET_TENSOR, t + P.GET_TENSOR.pack(0, 64, P.Codec.RAW), match="unknown buffer")
+
+
 def test_node_id_zero_or_unknown(client, server):
     h = alloc(client)
     a = tensor(Type.F32, buffer=h, id=5)
