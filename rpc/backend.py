@@ -15,6 +15,7 @@ import ssl
 
 from collections import OrderedDict
 from collections.abc import Callable
+from operator import attrgetter
 
 import numpy as np
 
@@ -244,6 +245,9 @@ def peer_copy(src: Tensor, dst: Tensor) -> bool:
     return True
 
 
+_BUFFER, _OFFSET = attrgetter("buffer"), attrgetter("offset")
+
+
 class RPCBackend(Backend):
     def __init__(self, device: RPCDevice) -> None:
         self.device = device
@@ -266,7 +270,7 @@ class RPCBackend(Backend):
             self._errors_seen = conn.errors
         # sources are rewired and tensors placed only when the scheduler splits a graph, which
         # makes new Graph objects; a cheap check of the placement catches direct reuse too
-        signature = ([id(n.buffer) for n in graph.nodes], [n.offset for n in graph.nodes])
+        signature = (tuple(map(_BUFFER, graph.nodes)), tuple(map(_OFFSET, graph.nodes)))  # (compared by identity)
         entry = self._slots.get(id(graph))
         if entry is not None and entry[0] is graph and entry[1] == signature:
             self._slots.move_to_end(id(graph))
