@@ -262,6 +262,35 @@ def test_attention_refuses_shapes_that_do_not_agree():
             nn.attention_cells(**args)
 
 
+def test_attention_with_a_steps_row_cells_and_scratch_gives_the_same_bits():
+    """A decoding step hands attention the mask's row cells it computed once and working arrays
+    kept from call to call: the same bits as attention making its own, call after call (each
+    row leaves its lanes' sums zeroed for the next), for masks of several widths over one
+    scratch; row cells of another mask, or a scratch too small for the rows, are refused."""
+    rng = np.random.default_rng(12)
+    n_head, n_kv_heads, d, cells = 9, 3, 64, 256
+    k = (rng.standard_normal((cells, n_kv_heads * d)) * 2).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal((cells, n_kv_heads * d)).astype(np.float16).view(np.uint16)
+    scratch = nn.attention_scratch(2 * n_head, cells, d, d)
+    for n_tok, width, seen in [(1, 64, 1), (1, 256, 200), (2, 192, 150), (1, 128, 128), (1, 64, 40)]:
+        q = rng.standard_normal((n_head, n_tok, d)).astype(np.float32)
+        mask = np.full((n_tok, width), -np.inf, dtype=np.float32)
+        for t in range(n_tok):
+            mask[t, :seen - n_tok + 1 + t] = 0.0
+        want, got = (np.empty((n_tok, n_head, d), dtype=np.float32) for _ in range(2))
+        nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, want)
+        for _ in range(2):
+            nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got, nn.row_cells(mask), scratch)
+            assert same_bits(got, want), (n_tok, width, seen)
+    other = nn.row_cells(np.zeros((1, 128), dtype=np.float32))
+    with pytest.raises(ValueError, match="do not agree"):
+        nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got, other, scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got, None, nn.attention_scratch(n_head - 1, 64, d, d))
+    with pytest.raises(ValueError, match="scratch"):
+        nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got, None, nn.attention_scratch(n_head, 32, d, d))
+
+
 def test_the_integer_dots_are_capped_by_pyggml_dots(monkeypatch):
     """PYGGML_DOTS caps the integer dot instructions the products compile to (the tests of the
     lesser paths use it); a name it does not know is an error, not a silent default."""

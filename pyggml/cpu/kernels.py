@@ -409,6 +409,11 @@ def _cells_by_cell(t: Tensor) -> Callable[[], list[np.ndarray]]:
     return lambda: [nn.by_cell(x) for x in values()]
 
 
+# up to this many (head, token) rows an attention step keeps its rows' working arrays (a
+# decoding step's; ~17 KB a row at head size 64)
+SCRATCH_ROWS = 64
+
+
 def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
     mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention_cells computes it, reading the
@@ -423,20 +428,31 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     if mask is not None:
         masked = reader(mask)
 
-        def cut_mask() -> np.ndarray:  # the cells some row sees, once per step for every layer
+        def cut_mask() -> tuple:  # the cells some row sees, and each row's, once per step for every layer
             m = masked()[0, 0, :n_tokens]
-            return np.ascontiguousarray(m[:, :nn.seen_cells(m)])
+            m = np.ascontiguousarray(m[:, :nn.seen_cells(m)])
+            return m, nn.row_cells(m)
         mask_rows = _shared_value(shared, ("attention mask", id(mask), n_tokens), cut_mask)
     else:
         no_mask = np.zeros((n_tokens, n_kv), dtype=f32)
-        mask_rows = lambda: no_mask  # noqa: E731
+        no_mask_cells = (no_mask, nn.row_cells(no_mask))
+        mask_rows = lambda: no_mask_cells  # noqa: E731
+    # a decoding step's few rows keep their working arrays from step to step (and layer to layer)
+    n_rows, d, dv = q.ne[2] * n_tokens, q.ne[0], v.ne[0]
+    scratch = None
+    if n_rows <= SCRATCH_ROWS:  # (the steps of a plan run one after another: its layers share one)
+        key = ("attention scratch", n_rows, n_kv, d, dv)
+        scratch = shared.get(key)
+        if scratch is None:
+            scratch = shared[key] = nn.attention_scratch(n_rows, n_kv, d, dv)
 
     def step() -> None:
-        m = mask_rows()
+        m, seen = mask_rows()
         qa, ka, va = qv(), keys(), values()
         for i3 in range(q.ne[3]):
             res = out[i3] if direct else np.empty(out.shape[1:], dtype=f32)
-            nn.attention_cells(np.ascontiguousarray(qa[i3]), ka[i3], va[i3], n_head_kv, m, scale, softcap, res)
+            nn.attention_cells(np.ascontiguousarray(qa[i3]), ka[i3], va[i3], n_head_kv, m, scale, softcap, res, seen,
+                               scratch)
             if not direct:
                 out[i3] = res
     return step

@@ -559,7 +559,7 @@ def seen_cells(mask):
 
 
 def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, scale,
-                    softcap, out: np.ndarray) -> None:
+                    softcap, out: np.ndarray, seen: tuple | None = None, scratch: np.ndarray | None = None) -> None:
     """q [n_head, n_tokens, d] (F32, rounded to F16 here); k [cells, n_head_kv * d] and v [cells,
     n_head_kv * dv], a cell's heads side by side as the cache holds them: F16 bits (uint16) or
     float32 values; mask [n_tokens, n_kv] (the first n_kv cells are read) -> out [n_tokens,
@@ -572,30 +572,66 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     token, so a sequence's next token gets the same bits decoded alone or in a batch with
     other sequences' tokens (for one sequence, the choice is ggml's).  The cache is taken as
     padded with zeros to a multiple of 64 cells (llama.cpp pads it to 256).  Cells the mask
-    hides are skipped: their probability is exactly 0."""
-    _attention_cells(q, k, v, n_head_kv, mask, f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
+    hides are skipped: their probability is exactly 0.
+
+    ``seen``: row_cells(mask), where the caller has it (a step's layers share one mask);
+    ``scratch``: attention_scratch()'s, for few rows (a decoding step's): the rows' working
+    arrays, made once instead of at every call."""
+    alone, n_seen, cells = row_cells(mask) if seen is None else seen
+    _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, _NO_SCRATCH if scratch is None else scratch,
+                     f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
+
+
+def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What attention_cells derives from a mask [n_tokens, n_kv] (C-contiguous float32): which
+    rows are alone in their sequence, how many cells each row sees, and which."""
+    return _row_cells(mask)
+
+
+def _scratch_floats(n_kv: int, d: int, dv: int) -> int:
+    """Floats of one row's working arrays: its 64 lanes of dv sums, its n_kv scores, 64 lanes
+    of a dot, its query rounded to F16."""
+    return 64 * dv + n_kv + 64 + d
+
+
+def attention_scratch(n_rows: int, n_kv: int, d: int, dv: int) -> np.ndarray:
+    """Working arrays for attention_cells over at most n_rows rows of at most n_kv cells (zeroed:
+    each row leaves its lanes' sums zeroed again)."""
+    return np.zeros((n_rows, _scratch_floats(n_kv, d, dv)), dtype=f32)
+
+
+_NO_SCRATCH = np.zeros((0, 0), dtype=f32)  # each chunk of rows makes its own
 
 
 @njit(**KERNEL)
-def _attention_cells(q, k, v, n_head_kv, mask, scale, softcap, out, rows_at):
+def _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, scale, softcap, out, rows_at):
     """attention_cells' rows ((head, token) pairs) through the row kernel at ``rows_at``
     (_attention_rows_at, run by rows.run_rows)."""
     if not (q.flags.c_contiguous and mask.flags.c_contiguous and out.flags.c_contiguous
-            and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize):
-        raise ValueError("attention: q, mask and out must be C-contiguous, a cell's K and V values side by side")
+            and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize and alone.flags.c_contiguous
+            and n_seen.flags.c_contiguous and cells.flags.c_contiguous and scratch.flags.c_contiguous):
+        raise ValueError("attention: q, mask, out and the row cells must be C-contiguous, a cell's K and V values "
+                         "side by side")
     # the C function takes these shapes as given: every cell and row it reads or writes must be there
     n_head, n_tok, d = q.shape
-    if not (mask.shape[0] >= n_tok and mask.shape[1] <= min(k.shape[0], v.shape[0])
+    n_kv = mask.shape[1]
+    if not (mask.shape[0] >= n_tok and n_kv <= min(k.shape[0], v.shape[0])
             and k.shape[1] == n_head_kv * d and n_head % n_head_kv == 0 and v.shape[1] % n_head_kv == 0
-            and out.shape[0] == n_tok and out.shape[1] == n_head and out.shape[2] * n_head_kv == v.shape[1]):
-        raise ValueError("attention: the shapes of q, k, v, mask and out do not agree")
-    alone, n_seen, seen = _row_cells(mask)
+            and out.shape[0] == n_tok and out.shape[1] == n_head and out.shape[2] * n_head_kv == v.shape[1]
+            and alone.shape[0] >= n_tok and n_seen.shape[0] >= n_tok and cells.shape[0] >= n_tok
+            and cells.shape[1] == n_kv):
+        raise ValueError("attention: the shapes of q, k, v, mask, out and the row cells do not agree")
+    slot = 0
+    if scratch.size:
+        slot = scratch.shape[1]
+        if scratch.shape[0] < n_head * n_tok or slot < 64 * out.shape[2] + n_kv + 64 + d:
+            raise ValueError("attention: the scratch is too small for these rows")
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
-                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, mask.shape[1]], dtype=np.int64)
+                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot], dtype=np.int64)
     run_rows(rows_at, n_head * n_tok, (address(q), address(k), address(v), address(mask), address(out), address(alone),
-                                       address(n_seen), address(seen), address(sizes), UNUSED),
+                                       address(n_seen), address(cells), address(sizes), address(scratch) if slot else UNUSED),
              (np.float64(scale), np.float64(softcap)))
-    keep((alone, n_seen, seen, sizes))
+    keep((sizes,))
 
 
 @functools.cache
@@ -604,15 +640,16 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
     types: compiled once, not copied into a parallel loop's kernel."""
     kt, vt = k_dtype.type, v_dtype.type
 
-    def attention_rows(start, end, q_at, k_at, v_at, mask_at, out_at, alone_at, n_seen_at, seen_at, sizes_at, i9,
-                       scale, softcap):
-        """attention_cells' rows start..end (head h, token t at h * n_tokens + t), with one set
-        of scratch arrays for all of them: the C function's own code, not a function it inlines
-        (numba would copy that one's code).  No array expressions in it: numba makes each a
-        parallel loop of its own."""
-        sizes = carray(pointer(sizes_at, np.int64), (11,))
+    def attention_rows(start, end, q_at, k_at, v_at, mask_at, out_at, alone_at, n_seen_at, seen_at, sizes_at,
+                       scratch_at, scale, softcap):
+        """attention_cells' rows start..end (head h, token t at h * n_tokens + t), each with its
+        own row of the scratch at ``scratch_at`` (sizes[11] floats a row), or one set of working
+        arrays made here for all of them (scratch_at 0): the C function's own code, not a
+        function it inlines (numba would copy that one's code).  No array expressions in it:
+        numba makes each a parallel loop of its own."""
+        sizes = carray(pointer(sizes_at, np.int64), (12,))
         n_head, n_tok, d, k_cells, k_stride, k_width = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]
-        v_cells, v_stride, v_width, n_head_kv, n_kv = sizes[6], sizes[7], sizes[8], sizes[9], sizes[10]
+        v_cells, v_stride, v_width, n_head_kv, n_kv, slot = sizes[6], sizes[7], sizes[8], sizes[9], sizes[10], sizes[11]
         q = carray(pointer(q_at, np.float32), (n_head, n_tok, d))
         k = carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width]
         v = carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width]
@@ -621,12 +658,20 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
         alone = carray(pointer(alone_at, np.bool_), (n_tok,))
         n_seen = carray(pointer(n_seen_at, np.int64), (n_tok,))
         seen = carray(pointer(seen_at, np.int32), (n_tok, n_kv))
-        q16 = np.empty(d, dtype=np.float32)
-        s = np.empty(n_kv, dtype=np.float32)
-        lanes = np.empty(64, dtype=np.float32)
-        acc = np.zeros((64, v_width // n_head_kv), dtype=np.float32)  # _sum_lanes leaves it zeroed
+        dv = v_width // n_head_kv
+        if scratch_at == 0:
+            q16 = np.empty(d, dtype=np.float32)
+            s = np.empty(n_kv, dtype=np.float32)
+            lanes = np.empty(64, dtype=np.float32)
+            acc = np.zeros((64, dv), dtype=np.float32)  # _sum_lanes leaves it zeroed
         scale32, softcap32 = f32(scale), f32(softcap)
         for r in range(start, end):
+            if scratch_at != 0:  # (attention_scratch's layout: _scratch_floats)
+                at = scratch_at + 4 * r * slot
+                acc = carray(pointer(at, np.float32), (64, dv))
+                s = carray(pointer(at + 4 * 64 * dv, np.float32), (n_kv,))
+                lanes = carray(pointer(at + 4 * (64 * dv + n_kv), np.float32), (64,))
+                q16 = carray(pointer(at + 4 * (64 * dv + n_kv + 64), np.float32), (d,))
             t = r % n_tok
             _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale32, softcap32, out, alone[t], n_seen[t],
                            seen[t], q16, s, lanes, acc)
