@@ -45,6 +45,11 @@ class KVCache:
         self.buffers: list[Buffer] = [alloc_tensors(ts, buft, BufferUsage.ANY) for buft, ts in groups.values()]
         self.cell_seq = np.full(n_ctx, FREE, dtype=np.int32)
         self.cell_pos = np.zeros(n_ctx, dtype=np.int32)
+        # what the tags say, kept while only occupy() changes them (a decoding step asks for
+        # both, and working them out scans every cell): _owned()'s pages, and one past the
+        # last cell in use; None: worked out again at the next question
+        self._owner: dict[tuple[int, int], int] | None = None
+        self._end: int | None = None
 
     # -- cells --------------------------------------------------------------------------------------
     @property
@@ -61,13 +66,19 @@ class KVCache:
         return (np.concatenate([cells, np.full(pad, fill, cells.dtype)]) if pad else cells).reshape(-1, PAGE)
 
     def _owned(self) -> dict[tuple[int, int], int]:
-        """(sequence, block) -> page, for every page holding a cell.  A page only ever holds
-        one sequence's block, so its first used cell says whose it is."""
-        used = self._by_page(self.cell_seq, FREE) != FREE
-        pages = np.flatnonzero(used.any(axis=1))
-        first = pages * PAGE + used[pages].argmax(axis=1)
-        return {(int(seq), int(pos) // PAGE): int(page)
-                for seq, pos, page in zip(self.cell_seq[first], self.cell_pos[first], pages)}
+        """(sequence, block) -> page, for every page holding a cell (read it, do not change it).
+        A page only ever holds one sequence's block, so its first used cell says whose it is."""
+        if self._owner is None:
+            used = self._by_page(self.cell_seq, FREE) != FREE
+            pages = np.flatnonzero(used.any(axis=1))
+            first = pages * PAGE + used[pages].argmax(axis=1)
+            self._owner = {(int(seq), int(pos) // PAGE): int(page)
+                           for seq, pos, page in zip(self.cell_seq[first], self.cell_pos[first], pages)}
+        return self._owner
+
+    def _changed(self) -> None:
+        """Cells were freed: what was kept about them is worked out again when asked."""
+        self._owner = self._end = None
 
     @property
     def free_pages(self) -> int:
@@ -103,17 +114,29 @@ class KVCache:
         return cells
 
     def occupy(self, cells: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
+        """Tag ``cells`` (find_cells') with their tokens' sequences and positions."""
         self.cell_seq[cells] = seq
         self.cell_pos[cells] = pos
+        if len(cells) == 0:
+            return
+        if self._owner is not None:  # find_cells' cells: each in its (sequence, block)'s page
+            for c, s, p in zip(np.asarray(cells).tolist(), np.broadcast_to(seq, len(cells)).tolist(),
+                               np.broadcast_to(pos, len(cells)).tolist()):
+                self._owner[(s, p // PAGE)] = c // PAGE
+        if self._end is not None:
+            self._end = max(self._end, int(np.max(cells)) + 1)
 
     def seq_rm(self, seq: int, p0: int = 0) -> None:
         """Free the cells of sequence ``seq`` at positions ``p0`` and later."""
         self.cell_seq[(self.cell_seq == seq) & (self.cell_pos >= p0)] = FREE
+        self._changed()
 
     def n_kv(self) -> int:
         """Cells the attention reads: every cell up to the last one in use, padded to KV_PAD."""
-        used = np.flatnonzero(self.cell_seq != FREE)
-        end = int(used[-1]) + 1 if used.size else 0
+        if self._end is None:
+            used = np.flatnonzero(self.cell_seq != FREE)
+            self._end = int(used[-1]) + 1 if used.size else 0
+        end = self._end
         return min(self.n_ctx, max(KV_PAD, (end + KV_PAD - 1) // KV_PAD * KV_PAD))
 
     def masks(self, seq: np.ndarray, pos: np.ndarray, n_kv: int, swa: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -133,3 +156,4 @@ class KVCache:
 
     def clear(self) -> None:
         self.cell_seq[:] = FREE
+        self._changed()
