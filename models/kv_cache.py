@@ -120,9 +120,11 @@ class KVCache:
         if len(cells) == 0:
             return
         if self._owner is not None:  # find_cells' cells: each in its (sequence, block)'s page
-            for c, s, p in zip(np.asarray(cells).tolist(), np.broadcast_to(seq, len(cells)).tolist(),
-                               np.broadcast_to(pos, len(cells)).tolist()):
-                self._owner[(s, p // PAGE)] = c // PAGE
+            pages = {(s, p // PAGE): c // PAGE for c, s, p in zip(np.asarray(cells).tolist(),
+                                                                   np.broadcast_to(seq, len(cells)).tolist(),
+                                                                   np.broadcast_to(pos, len(cells)).tolist())}
+            if any(self._owner.get(key) != page for key, page in pages.items()):
+                self._owner = {**self._owner, **pages}  # a new dict: what _owned() gave out stays as it was
         if self._end is not None:
             self._end = max(self._end, int(np.max(cells)) + 1)
 
