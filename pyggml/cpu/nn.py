@@ -146,12 +146,12 @@ def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out):
 
 
 @_jit
-def _in_exp_range(x, r, n):
-    """Whether every x[r, :n] is within EXP_RANGE (NaN is not): a count, not an early exit, so
-    that the loop vectorizes."""
+def _in_exp_range(x, n, shift):
+    """Whether every x[i] - shift, i < n, is within EXP_RANGE (NaN is not): a count, not an early
+    exit, so that the loop vectorizes."""
     outside = 0
     for i in range(n):
-        outside += not abs(x[r, i]) <= EXP_RANGE
+        outside += not abs(x[i] - shift) <= EXP_RANGE
     return outside == 0
 
 
@@ -162,7 +162,7 @@ def _silu_row(a, g, out, r, gated):
     range (all of them, in practice) take its branch-free steps, which vectorize."""
     n = a.shape[1]
     full = n - n % 16
-    in_range = _in_exp_range(a, r, full)
+    in_range = _in_exp_range(a[r], full, f32(0.0))
     if in_range and gated:
         for i in range(full):
             out[r, i] = a[r, i] / (f32(1.0) + expf_in_range(f32(0.0) - a[r, i])) * g[r, i]
@@ -496,7 +496,7 @@ def _softmax_seen(w, n, cells, m):
     for i in range(m):
         mx = max(mx, w[i if dense else cells[i]])
     full = n - n % 16
-    if dense and _exp_in_range(w, min(m, full), mx):
+    if dense and _in_exp_range(w, min(m, full), mx):
         # every exponent within EXP_RANGE: one loop of the branch-free exponential, which vectorizes
         for c in range(min(m, full)):
             w[c] = expf_in_range(w[c] - mx)
@@ -520,15 +520,6 @@ def _softmax_seen(w, n, cells, m):
     inv = f32(1.0 / total)
     for i in range(m):
         w[i if dense else cells[i]] *= inv
-
-
-@_jit
-def _exp_in_range(w, n, mx):
-    """Whether every w[:n] - mx is within EXP_RANGE (NaN is not): a count, which vectorizes."""
-    outside = 0
-    for c in range(n):
-        outside += not abs(w[c] - mx) <= EXP_RANGE
-    return outside == 0
 
 
 # called, not inlined, by attention's rows (inlined there, the attention part compiled no sooner)
@@ -588,6 +579,7 @@ def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _row_cells(mask)
 
 
+@_jit
 def _scratch_floats(n_kv: int, d: int, dv: int) -> int:
     """Floats of one row's working arrays: its 64 lanes of dv sums, its n_kv scores, 64 lanes
     of a dot, its query rounded to F16."""
@@ -624,7 +616,7 @@ def _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, sc
     slot = 0
     if scratch.size:
         slot = scratch.shape[1]
-        if scratch.shape[0] < n_head * n_tok or slot < 64 * out.shape[2] + n_kv + 64 + d:
+        if scratch.shape[0] < n_head * n_tok or slot < _scratch_floats(n_kv, d, out.shape[2]):
             raise ValueError("attention: the scratch is too small for these rows")
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
                       v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot], dtype=np.int64)

@@ -115,7 +115,8 @@ def _attention() -> None:
     q = np.ones((1, 2, 64), dtype=f32)
     cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
     mask = np.zeros((2, 2), dtype=f32)
-    nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32))
+    nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32), None,
+                       nn.attention_scratch(2, 2, 64, 64))  # (a decoding step's rows keep theirs)
     nn.seen_cells(mask)
 
 
