@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from pyggml.cpu import nn
-from pyggml.cpu.activations import activation_arrays, quantize_q8, quantize_q8_serial
+from pyggml.cpu.activations import activation_arrays, quantize_call, quantize_q8, quantize_q8_serial
+from pyggml.cpu.fusion import scatter_call
 from pyggml.cpu.kinds import Act, DECODER
 from pyggml.cpu.qdecode import F16_TABLE, decode_rows
+from pyggml.cpu.rows import run_calls
 from pyggml.quants import quantize
 from pyggml.types import Type
 
@@ -116,7 +118,7 @@ from pyggml.cpu import nn
 x = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
 out = np.empty_like(x)
 if sys.argv[1] == "softmax":
-    nn.softmax_rows(x.copy())  # compiles run_rows
+    nn.softmax_rows(x.copy())  # compiles run_table
 else:  # the first thing this process runs: several rows, on the threads
     nn.rms_norm(x, 1e-6, out)
 print("ran", bool(np.isfinite(out[:, :1]).all()) if sys.argv[1] == "norm" else True)
@@ -124,12 +126,11 @@ print("ran", bool(np.isfinite(out[:, :1]).all()) if sys.argv[1] == "norm" else T
 
 
 def test_a_process_that_loads_the_kernels_from_the_cache_runs_them_on_its_threads(tmp_path):
-    """An entry point compiled where run_rows came from numba's cache, loaded from the cache
-    in turn, runs run_rows's parallel code without numba having started its threads (numba
-    starts them for a parallel function it compiles or that Python calls, and its cache did not
-    carry that need here): rows.row_kernel starts them.  Three processes on one fresh cache:
-    the first compiles run_rows, the second RMS norm around it, the third loads both and runs
-    them first thing (without the start, it crashed)."""
+    """Row kernels loaded from numba's cache run on its threads from a process's first call
+    (numba starts them for a parallel function it compiles or that Python calls; its cache did
+    not carry that need when row kernels ran inside compiled entry points): rows.row_kernel
+    starts them.  Three processes on one fresh cache: the first compiles run_table, the second
+    RMS norm's rows, the third loads both and runs them first thing."""
     import os
     import subprocess
     import sys
@@ -139,3 +140,52 @@ def test_a_process_that_loads_the_kernels_from_the_cache_runs_them_on_its_thread
                               env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.split() == ["ran", "True"]
+
+
+@pytest.mark.parametrize("n", [1, 3, 65])
+def test_elementwise_rows_round_as_numpy(n):
+    """The residual adds, weight rows, scales that a plan runs as calls: each value as numpy's
+    float32 operation gives it, b of the same rows or one row for all; zeros, infinities and
+    NaN included."""
+    a, b = _rows(n, 96), _rows(n, 96, seed=1)
+    a[0, :4] = [0.0, np.inf, -np.inf, np.nan]
+    b[0, :4] = [0.0, 0.0, np.inf, 1.0]
+    for op, fn in ((nn.ADD, np.add), (nn.SUB, np.subtract), (nn.MUL, np.multiply), (nn.DIV, np.divide)):
+        for other in (b, b[:1]):
+            out = np.full_like(a, np.nan)
+            run_calls([nn.elementwise_call(op, a, np.ascontiguousarray(other), out)])
+            with np.errstate(all="ignore"):
+                np.testing.assert_array_equal(out.view(np.uint32), fn(a, other).view(np.uint32))
+    for scale, bias in ((f32(0.125), f32(0.0)), (f32(-3.7), f32(1.5))):
+        out = np.full_like(a, np.nan)
+        run_calls([nn.elementwise_call(nn.SCALE, a, None, out, scale, bias)])
+        expected = a * scale
+        if bias:
+            expected += bias
+        np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+def test_calls_a_row_kernel_would_misread_are_refused():
+    a = _rows(4, 64)
+    with pytest.raises(ValueError):
+        nn.elementwise_call(nn.ADD, a, a[:2], np.empty_like(a))  # neither a's rows nor one row
+    with pytest.raises(ValueError):
+        nn.elementwise_call(nn.MUL, a, a.astype(np.float64), np.empty_like(a))  # not float32
+    with pytest.raises(ValueError):
+        nn.set_rows_f16_call(a, np.arange(3, dtype=np.int64), np.zeros((8, 64), dtype=np.uint16))  # ids for 3 rows of 4
+    with pytest.raises(ValueError):
+        scatter_call(a, np.array([a.ctypes.data], dtype=np.int64), np.array([0, 65], dtype=np.int64))  # past the row
+    yq, yd, ys = activation_arrays(4, 64, int(Act.Q8_0))
+    with pytest.raises(ValueError):
+        quantize_call(a, int(Act.Q8_0), yq[:2], yd, ys)
+    mask = np.zeros((1, 8), dtype=f32)
+    cells = np.zeros((8, 64), dtype=np.uint16)
+    alone, n_seen, seen = nn.row_cells(mask)
+    with pytest.raises(ValueError):  # 8 cells of 64 values: 2 heads of 32 for a query of 64
+        nn.attention_call(np.ones((2, 1, 64), dtype=f32), cells, cells, 2, mask, alone, n_seen, seen,
+                          np.zeros((0, 0), dtype=f32), 0.125, 0.0, np.empty((1, 2, 32), dtype=f32))
+
+
+def test_an_index_out_of_the_cache_is_refused():
+    with pytest.raises(IndexError):
+        nn.set_rows_f16(_rows(2, 64), np.array([0, 8], dtype=np.int64), np.zeros((8, 64), dtype=np.uint16))

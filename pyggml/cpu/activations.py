@@ -22,8 +22,8 @@ import numpy as np
 from numba import carray, njit
 
 from .kinds import Act
-from .rows import UNUSED, row_kernel, run_rows
-from .simd import KERNEL, address, call_address, pointer, round_f16
+from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls, serial_call
+from .simd import KERNEL, pointer, round_f16
 
 
 @njit(inline="always", **KERNEL)
@@ -78,39 +78,16 @@ def _quantize_rows(start, end, x_at, k, kind, yq_at, yd_at, ys_at, i6, i7, i8, i
         _quantize_row(x, r, kind, yq, yd, ys)
 
 
-@njit(inline="always", **KERNEL)
-def check_activations(x, kind, yq, yd, ys):
-    """That the row kernel may take x, yq, yd and ys: C-contiguous, as activation_arrays makes
-    them for x."""
-    n, k = x.shape
-    if not (x.flags.c_contiguous and yq.flags.c_contiguous and yd.flags.c_contiguous and ys.flags.c_contiguous
-            and yq.shape == x.shape and yd.shape[0] == n and ys.shape[0] == n
-            and yd.shape[1] == (k // 256 if kind == Act.Q8_K else k // 32)
-            and ys.shape[1] == (k // 16 if kind == Act.Q8_K else k // 32)):
-        raise ValueError("quantize_q8: x, yq, yd and ys must be C-contiguous, of activation_arrays' shapes")
-
-
-@njit(**KERNEL)
-def _quantize(x, kind, yq, yd, ys, at, threads):
-    check_activations(x, kind, yq, yd, ys)
-    args = (address(x), x.shape[1], np.intp(kind), address(yq), address(yd), address(ys), UNUSED, UNUSED, UNUSED,
-            UNUSED)
-    if threads:
-        run_rows(at, x.shape[0], args, (0.0, 0.0))
-    elif x.shape[0]:
-        call_address(at, (0, x.shape[0]) + args + (0.0, 0.0))
-
-
 def quantize_q8(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
     [N, K/16] (each C-contiguous, as activation_arrays makes them)."""
-    _quantize(x, int(kind), yq, yd, ys, quantize_rows_at(), True)
+    run_calls([quantize_call(x, kind, yq, yd, ys, threads=True)])
 
 
 def quantize_q8_serial(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """quantize_q8 in this thread: for a row or two, less than waking the others."""
-    _quantize(x, int(kind), yq, yd, ys, quantize_rows_at(), False)
+    run_calls([quantize_call(x, kind, yq, yd, ys)])
 
 
 SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread
@@ -125,11 +102,25 @@ def quantize_rows_at() -> int:
     return row_kernel(_quantize_rows)
 
 
+def activation_shapes(n: int, k: int, kind: int) -> tuple[tuple[int, int], ...]:
+    """The shapes of the arrays ``quantize_q8`` fills for n rows of k values."""
+    return (n, k), (n, k // 256 if kind == Act.Q8_K else k // 32), (n, k // 16 if kind == Act.Q8_K else k // 32)
+
+
 def activation_arrays(n: int, k: int, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The arrays ``quantize_q8`` fills for n rows of k values (uninitialized)."""
-    return (np.empty((n, k), dtype=np.float32),
-            np.empty((n, k // 256 if kind == Act.Q8_K else k // 32), dtype=np.float32),
-            np.empty((n, k // 16 if kind == Act.Q8_K else k // 32), dtype=np.float32))
+    return tuple(np.empty(shape, dtype=np.float32) for shape in activation_shapes(n, k, kind))
+
+
+def quantize_call(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray,
+                  threads: bool = False) -> RowCall:
+    """quantize_q8 as a call (rows.RowCall): x's rows in the calling thread, or on the threads."""
+    if not (x.ndim == 2 and c_rows(np.float32, x, yq, yd, ys)
+            and (yq.shape, yd.shape, ys.shape) == activation_shapes(*x.shape, kind)):
+        raise ValueError("quantize_q8: x, yq, yd and ys must be C-contiguous float32, of activation_arrays' shapes")
+    return (rows_call if threads else serial_call)(quantize_rows_at(), x.shape[0],
+                                                   (address_of(x), x.shape[1], int(kind), address_of(yq),
+                                                    address_of(yd), address_of(ys)))
 
 
 def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from ..tensor import Tensor
 from .buffer import CPUBufferType
 from .fusion import fused_plan
 from .kernels import OP_TABLE, Step
+from .plan import plan_runs
 
 _threads_configured = False
 
@@ -113,15 +114,15 @@ class CPUBackend(Backend):
     def graph_plan_create(self, graph: Graph) -> CPUPlan:
         shared: dict = {}
         nodes = [node for node in graph.nodes if node.op not in VIEW_OPS]
-        steps, ops = fused_plan(nodes, shared, bind)  # some nodes run as one step (fusion.py)
-        return CPUPlan(graph, steps, ops)
+        steps, ops, outputs = fused_plan(nodes, shared, bind)  # some nodes run as one step (fusion.py)
+        return CPUPlan(graph, steps, ops, plan_runs(steps, outputs))  # most steps as one table (plan.py)
 
     def graph_plan_compute(self, plan: CPUPlan) -> None:
         if self.profile is not None:
             self.profile.run(plan)
             return
-        for step in plan.steps:
-            step()
+        for run in plan.runs:
+            run()
 
     def graph_compute(self, graph: Graph) -> None:
         """Op by op: each node bound and run (what a plan does once, then runs again and again)."""
@@ -137,6 +138,7 @@ class CPUPlan:
     graph: Graph
     steps: list[Step]
     ops: list[str]  # each step's op
+    runs: list[Step]  # what a compute calls: the steps, consecutive table steps as one (plan.py)
 
 
 @dataclass

@@ -10,7 +10,7 @@ large part of so short a product.  Weights that lie one after another are one ma
 kernel: one call, one stream of rows through memory, and each row's dot products computed as
 its own product computes them (a row's sums depend only on its bytes and its column's
 format, qdot.py), so the bits are the same.  The results land in a scratch matrix and are
-copied to each node's own tensor (a decoding step's row in one call: scatter_row).  Products
+copied to each node's own tensor (a decoding step's rows in one call: scatter_call).  Products
 with runs (a batch of several sequences' columns, ops.mul_mat) fuse when they share the runs:
 each run is computed as it would be alone.
 
@@ -25,10 +25,11 @@ lives do not overlap) or writes the shared input.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from numba import carray, njit
+from numba import carray
 
 from ..opdefs import NormParams, Op
 from ..tensor import Tensor
@@ -37,25 +38,10 @@ from . import nn
 from .buffer import CPUBuffer, tensor_view
 from .kernels import Step, _shared_activations, column_runs, float_rows, reader
 from .kinds import EXACT
+from .plan import TableStep, overlap, span
 from .qmatmul import QuantProduct, product_format
-from .simd import KERNEL, pointer
-
-Span = tuple[int, int, int]  # a buffer's id, and the first and past-the-last bytes
-
-
-def _span(t: Tensor) -> Span | None:
-    """The bytes a tensor's view may touch (None where it is not in host memory)."""
-    if not isinstance(t.buffer, CPUBuffer):
-        return None
-    if t.nelements() == 0:
-        return id(t.buffer), t.offset, t.offset
-    row = t.row_size() if t.nb[0] == t.type.type_size else (t.ne[0] - 1) * t.nb[0] + t.type.type_size
-    return id(t.buffer), t.offset, t.offset + row + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:]))
-
-
-def _overlap(a: Span | None, b: Span | None) -> bool:
-    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
+from .rows import RowCall, address_of, c_rows, row_kernel, serial_call
+from .simd import pointer
 
 def _runs(node: Tensor) -> Tensor | None:
     """A MUL_MAT's runs of columns (several sequences' tokens: ops.mul_mat), if any."""
@@ -98,12 +84,12 @@ def _same_kernel(run: list[tuple[int, Tensor]]) -> bool:
 def _safe_to_hoist(nodes: Sequence[Tensor], first: int, pos: int, node: Tensor) -> bool:
     """Whether node (at ``pos``) may compute at ``first``: no node in between touches its
     result, nor writes its input."""
-    out, inputs = _span(node), [_span(t) for t in (node.src[1], _runs(node)) if t is not None]
+    out, inputs = span(node), [span(t) for t in (node.src[1], _runs(node)) if t is not None]
     for other in nodes[first + 1:pos]:
-        mine = _span(other)
-        if _overlap(mine, out) or any(_overlap(mine, inp) for inp in inputs):
+        mine = span(other)
+        if overlap(mine, out) or any(overlap(mine, inp) for inp in inputs):
             return False
-        if any(src is not None and _overlap(_span(src), out) for src in other.src):
+        if any(src is not None and overlap(span(src), out) for src in other.src):
             return False
     return True
 
@@ -166,44 +152,64 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     scratch.need(n_cols * rows.shape[0])
     outs = [tensor_view(node).reshape(-1, m) for node, m in zip(group, widths)]
     starts = np.cumsum([0, *widths])
+    if acts is None and c_rows(np.float32, *outs):  # a decoding step's: calls a plan's table runs
+        held: list = []
+
+        def calls() -> list[RowCall]:  # (the scratch is sized once every step is bound)
+            result = scratch.matrix(n_cols, rows.shape[0])
+            made = product.quantizing_calls(x, result)
+            if made is None:
+                raise ValueError(f"{group[0].op.name}: the activations' rows do not fit the weights' rows")
+            product_calls, arrays = made
+            at, ends = np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
+            held.extend([arrays, at, ends, outs])
+            return [*product_calls, scatter_call(result, at, ends)]
+        return TableStep(calls, hold=(held,))
     bound: list = []
 
     def step() -> None:
         if not bound:  # the kernel's call and the copies, bound at the first run
             result = scratch.matrix(n_cols, rows.shape[0])
-            call = product.bound_quantizing(x, result) if acts is None else \
-                (lambda call=product.bound(result): call(acts(), runs() if runs is not None else None))
-            bound.extend([call, _copies(result, outs, starts)])
-        call, copy = bound
+            call = lambda call=product.bound(result): call(acts(), runs() if runs is not None else None)  # noqa: E731
+            parts = [(out, result[:, s:s + out.shape[1]]) for out, s in zip(outs, starts)]
+            bound.extend([call, parts])
+        call, parts = bound
         call()
-        copy()
+        for out, part in parts:
+            out[...] = part
     return step
 
 
-def _copies(result: np.ndarray, outs: list[np.ndarray], starts: np.ndarray) -> Callable[[], None]:
-    """Copying each node's columns of a fused product's result into its tensor: for a
-    decoding step's single row, one call (scatter_row), not a copy each."""
-    if result.shape[0] == 1 and all(out.flags.c_contiguous for out in outs):
-        row, at, ends = result[0], np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
-        return lambda outs=outs: scatter_row(row, at, ends)  # (outs: the tensors at those addresses, held)
-    parts = [(out, result[:, s:s + out.shape[1]]) for out, s in zip(outs, starts)]
-
-    def copy() -> None:
-        for out, part in parts:
-            out[...] = part
-    return copy
-
-
-@njit(**KERNEL)
-def scatter_row(row, at, ends):
-    """row[ends[i]:ends[i + 1]] into the float32 values at address at[i] (C-contiguous, held by
-    the caller), for each i: a fused decoding product's results into each node's tensor in one
-    call, not a copy each."""
-    for i in range(at.size):
+def _scatter_rows(start, end, result_at, width, at_at, ends_at, n_outs, i5, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of a fused product's result [rows, width]: columns ends[i]..ends[i + 1]
+    of each into the same row of the float32 matrix at address at[i] (C-contiguous, as wide as
+    that)."""
+    result = carray(pointer(result_at, np.float32), (end, width))
+    at = carray(pointer(at_at, np.int64), (n_outs,))
+    ends = carray(pointer(ends_at, np.int64), (n_outs + 1,))
+    for i in range(n_outs):
         n = ends[i + 1] - ends[i]
-        dst = carray(pointer(at[i], np.float32), (n,))
-        for j in range(n):
-            dst[j] = row[ends[i] + j]
+        dst = carray(pointer(at[i], np.float32), (end, n))
+        for r in range(start, end):
+            for j in range(n):
+                dst[r, j] = result[r, ends[i] + j]
+
+
+def scatter_call(result: np.ndarray, at: np.ndarray, ends: np.ndarray) -> RowCall:
+    """A fused product's result [rows, width] into each node's tensor (at[i], as many rows,
+    ends[i + 1] - ends[i] wide) as a call (rows.RowCall), in the calling thread (a decoding
+    step's row or two): one call, not a copy each.  The caller holds the tensors at ``at``."""
+    if not (result.ndim == 2 and c_rows(np.float32, result) and c_rows(np.int64, at, ends)
+            and ends.shape == (at.size + 1,) and ends[0] == 0 and (np.diff(ends) >= 0).all()
+            and ends[-1] <= result.shape[1]):
+        raise ValueError("scatter: a float32 matrix, and int64 addresses and ends that cut its rows")
+    return serial_call(_scatter_at(), result.shape[0], (address_of(result), result.shape[1], address_of(at),
+                                                        address_of(ends), at.size))
+
+
+@functools.cache
+def _scatter_at() -> int:
+    return row_kernel(_scatter_rows)
 
 
 def _one_row(t: Tensor) -> bool:
@@ -239,23 +245,28 @@ def bind_norm_chain(chain: list[Tensor], shared: dict) -> Step:
     summed = row(norm.src[0])
     a, b = (row(add[0].src[0]), row(add[0].src[1])) if add else (summed, summed)
     w, normed, out, eps = tensor_view(mul.src[1]).reshape(-1), row(norm), row(mul), NormParams.of(norm).eps
-    return lambda: nn.add_rms_norm_mul(a, b, bool(add), summed, eps, w, normed, out)
+    return TableStep(lambda: [nn.add_rms_norm_mul_call(a, b, bool(add), summed, eps, w, normed, out)])
 
 
-def fused_plan(nodes: Sequence[Tensor], shared: dict, bind: Callable[[Tensor, dict], Step]) -> tuple[list[Step], list[str]]:
-    """A plan's steps and their ops' names: each node bound by ``bind``, but for the product
-    groups and norm chains above, each one step (at its first node's place)."""
+def fused_plan(nodes: Sequence[Tensor], shared: dict,
+               bind: Callable[[Tensor, dict], Step]) -> tuple[list[Step], list[str], list[list[Tensor]]]:
+    """A plan's steps, their ops' names and the nodes each computes: each node bound by
+    ``bind``, but for the product groups and norm chains above, each one step (at its first
+    node's place)."""
     groups, chains = product_groups(nodes), norm_chains(nodes)  # (MUL_MATs; ADD, RMS_NORM, MUL: apart)
     fused = {id(node) for members in (*groups.values(), *chains.values()) for node in members}
-    steps, ops = [], []
+    steps, ops, outputs = [], [], []
     for pos, node in enumerate(nodes):
         if pos in groups:
             steps.append(bind_fused_products(groups[pos], shared))
             ops.append(node.op.name)
+            outputs.append(groups[pos])
         elif pos in chains:
             steps.append(bind_norm_chain(chains[pos], shared))
             ops.append("+".join(n.op.name for n in chains[pos]))
+            outputs.append(chains[pos])
         elif id(node) not in fused:
             steps.append(bind(node, shared))
             ops.append(node.op.name)
-    return steps, ops
+            outputs.append([node])
+    return steps, ops, outputs

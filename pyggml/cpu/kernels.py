@@ -8,6 +8,12 @@ parameters, which kernel to call and how its arguments are laid out - so that a 
 kernels and the checks that read the data (indices in range, the cells a mask shows).
 Computing one node op by op is ``bind(node)()``: the same step, made and dropped.
 
+Where a node's kernels take arrays that stay where they are from step to step (a decoding
+step's, mostly), its step is a plan.TableStep: the kernels' calls with their arguments
+resolved, which the plan runs together with its neighbours' in one compiled call; what such
+a step must work out from the graph's inputs at every run (RoPE's angles, the mask's cells,
+the row ids' check) it does in its ``prepare``, into arrays its calls read.
+
 ``shared`` is the plan's: a binder may leave there what a later node of the same graph can
 reuse (the products of one activation with several weights convert it once).
 """
@@ -25,10 +31,13 @@ from ..tensor import Tensor
 from ..types import Type
 from . import nn
 from .buffer import tensor_rows, tensor_view
-from .qdecode import F16_TABLE, f16_values
+from .kinds import DECODER
+from .plan import TableStep
+from .qdecode import F16_TABLE, decode_rows_call, f16_values
 from .qdot import exact_quant_matmul_id
 from .qmatmul import QuantProduct, dequantize_rows, frozen
 from .qmatmul import supports as quant_supported
+from .rows import RowCall
 
 f32 = np.float32
 Step = Callable[[], None]
@@ -112,8 +121,12 @@ def _by_rows(kernel: Callable, *inputs: np.ndarray, params: tuple = (), out: np.
     return res
 
 
-def _binary(fn: Callable[..., np.ndarray]) -> Binder:
+def _binary(fn: Callable[..., np.ndarray], op: int) -> Binder:
     def bind(node: Tensor, shared: dict) -> Step:
+        a_rows, b_rows, out_rows = (_row_view(t) for t in (node.src[0], node.src[1], node))
+        if (a_rows is not None and b_rows is not None and out_rows is not None and a_rows.shape == out_rows.shape
+                and b_rows.shape[1] == a_rows.shape[1] and b_rows.shape[0] in (1, a_rows.shape[0])):
+            return TableStep(lambda: [nn.elementwise_call(op, a_rows, b_rows, out_rows)])  # rows, or rows by one row
         a, b = reader(node.src[0]), reader(node.src[1])
         out = tensor_view(node)
         if _broadcasts(node.src[1].ne[::-1], out.shape):
@@ -124,8 +137,11 @@ def _binary(fn: Callable[..., np.ndarray]) -> Binder:
 
 def bind_scale(node: Tensor, shared: dict) -> Step:
     p = ScaleParams.of(node)
-    x, out = reader(node.src[0]), tensor_view(node)
     scale, bias = f32(p.scale), f32(p.bias)
+    x_rows, out_rows = _row_view(node.src[0]), _row_view(node)
+    if x_rows is not None and out_rows is not None and x_rows.shape == out_rows.shape:
+        return TableStep(lambda: [nn.elementwise_call(nn.SCALE, x_rows, None, out_rows, scale, bias)])
+    x, out = reader(node.src[0]), tensor_view(node)
 
     def step() -> None:
         np.multiply(x(), scale, out=out)
@@ -177,8 +193,8 @@ def bind_unary(node: Tensor, shared: dict) -> Step:
     return step
 
 
-# the GLUs whose numba kernels take rows (GLU's forms for arrays of any shape call them by rows)
-ROW_GLU: dict[int, Callable[..., None]] = {GluOp.SWIGLU: nn.swiglu, GluOp.GEGLU: nn.geglu}
+# the GLUs whose kernels take rows, as calls (GLU's forms for arrays of any shape call them by rows)
+ROW_GLU: dict[int, Callable[..., RowCall]] = {GluOp.SWIGLU: nn.swiglu_call, GluOp.GEGLU: nn.geglu_call}
 
 
 def bind_glu(node: Tensor, shared: dict) -> Step:
@@ -186,10 +202,10 @@ def bind_glu(node: Tensor, shared: dict) -> Step:
     if p.op in ROW_GLU and node.src[1] is not None:  # a feed-forward's gate and up, apart
         a, b, out_rows = (_row_view(t) for t in (node.src[0], node.src[1], node))
         if a is not None and b is not None and out_rows is not None:
-            kernel = ROW_GLU[p.op]
+            call = ROW_GLU[p.op]
             if p.swapped:
                 a, b = b, a
-            return lambda: kernel(a, b, out_rows)
+            return TableStep(lambda: [call(a, b, out_rows)])
     fn, out = GLU[p.op], tensor_view(node)
     first = reader(node.src[0])
     if node.src[1] is None:  # gate and value side by side in one tensor
@@ -216,7 +232,7 @@ def bind_rms_norm(node: Tensor, shared: dict) -> Step:
     x, out, eps = reader(node.src[0]), tensor_view(node), NormParams.of(node).eps
     x_rows, out_rows = _row_view(node.src[0]), _row_view(node)
     if x_rows is not None and out_rows is not None:
-        return lambda: nn.rms_norm(x_rows, eps, out_rows)
+        return TableStep(lambda: [nn.rms_norm_call(x_rows, eps, out_rows)])
     return lambda: _by_rows(nn.rms_norm, x(), params=(eps,), out=out)
 
 
@@ -255,11 +271,30 @@ def bind_rope(node: Tensor, shared: dict) -> Step:
     # rope_rotate reads each pair before it writes it: the result may go straight into out
     direct = out.flags.c_contiguous
 
+    def rope_angles() -> tuple[np.ndarray, np.ndarray]:
+        return nn.rope_cache(positions.reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale, p.ext_factor,
+                             p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors.reshape(-1), ff is not None)
+
+    xv = _row_view(a)
+    if xv is not None and direct and a.ne[::-1] == out.shape and pos.op == Op.NONE and (ff is None or ff.op == Op.NONE):
+        # as a table's call: the angles in arrays of the plan's, computed by the first ROPE of
+        # the plan (before its table runs) and read by the others with the same positions
+        key = ("rope table", id(pos), id(ff), p)
+        first = key not in shared
+        if first:
+            shared[key] = tuple(np.empty((positions.size, p.n_dims // 2), dtype=f32) for _ in range(2))
+        cos, sin = shared[key]
+
+        def prepare() -> None:
+            c, s = rope_angles()
+            cos[...], sin[...] = c, s
+        x4 = xv.reshape(out.shape)
+        return TableStep(lambda: [nn.rope_call(x4, out, cos, sin, p.n_dims, neox)],
+                         prepare if first else None, reads=(pos, ff) if ff is not None else (pos,))
+
     # the angles of the step's positions, computed by the first ROPE of the plan and taken by
     # the others with the same positions and parameters (every layer's Q and K)
-    angles = _shared_value(shared, ("rope", id(pos), id(ff), p), lambda: nn.rope_cache(
-        positions.reshape(-1).astype(np.int64), p.n_dims, p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor,
-        p.beta_fast, p.beta_slow, p.n_ctx_orig, factors.reshape(-1), ff is not None))
+    angles = _shared_value(shared, ("rope", id(pos), id(ff), p), rope_angles)
 
     def step() -> None:
         cos, sin = angles()
@@ -310,7 +345,7 @@ def _shared_value(shared: dict, key: tuple, make: Callable[[], object]) -> Calla
 
 def float_rows(t: Tensor) -> np.ndarray:
     """An F32 tensor's values as rows [rows, ne0] (a view when its rows lie one after another,
-    else an empty array: QuantProduct.bound_quantizing then declines)."""
+    else an empty array: QuantProduct.quantizing_calls then declines)."""
     if t.type != Type.F32 or not t.is_contiguous():
         return np.empty((0, max(t.ne[0], 1)), dtype=f32)
     return tensor_view(t).reshape(-1, t.ne[0])
@@ -349,9 +384,11 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
             product = QuantProduct(w[0, 0], a.type)
             if out.flags.c_contiguous and runs is None:
-                one_call = product.bound_quantizing(float_rows(b), out.reshape(-1, a.ne[1]))
-                if one_call is not None:
-                    return one_call
+                x_rows, out_rows = float_rows(b), out.reshape(-1, a.ne[1])
+                made = product.quantizing_calls(x_rows, out_rows)
+                if made is not None:  # a decoding step's product: calls a plan runs in its table
+                    calls, arrays = made
+                    return TableStep(lambda: calls, hold=(arrays, product, x_rows, out_rows))
             acts = _shared_activations(shared, b, product, x)
             if out.flags.c_contiguous:
                 flat = out.reshape(-1, a.ne[1])
@@ -394,19 +431,67 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
     return step_float
 
 
-def _cells_by_cell(t: Tensor) -> Callable[[], list[np.ndarray]]:
+def _cells_by_cell(t: Tensor) -> tuple[Callable[[], list[np.ndarray]], list[np.ndarray] | None]:
     """Per ne3 slice, the K or V cache's cells as nn.attention_cells reads them ([cells,
     n_head_kv * d]: F16 bits, or float32 values): views of the cache made now where its heads lie
-    side by side in each cell, else made from its values at every step."""
+    side by side in each cell (also returned), else made from its values at every step (None)."""
     if t.type in (Type.F16, Type.F32):
         view = tensor_view(t)
         view = view.view(np.uint16) if t.type == Type.F16 else view
         cells = [nn.by_cell(view[i3]) for i3 in range(t.ne[3])]
         if all(np.may_share_memory(c, view) for c in cells):
-            return lambda: cells
-        return lambda: [nn.by_cell(view[i3]) for i3 in range(t.ne[3])]
+            return (lambda: cells), cells
+        return (lambda: [nn.by_cell(view[i3]) for i3 in range(t.ne[3])]), None
     values = reader(t)
-    return lambda: [nn.by_cell(x) for x in values()]
+    return (lambda: [nn.by_cell(x) for x in values()]), None
+
+
+class _MaskCells:
+    """A step's mask as the attention calls of a plan's table read it, for every layer: its
+    rows cut to the cells some row sees and the row cells (nn.row_cells), laid out for that
+    many cells in arrays made for all of them; and each call's sizes, whose cell count follows."""
+
+    def __init__(self, mask: Tensor, n_tokens: int) -> None:
+        self.view, self.n_tokens, width = tensor_view(mask), n_tokens, mask.ne[0]
+        self.mask = np.zeros((n_tokens, width), dtype=f32)
+        self.alone = np.zeros(n_tokens, dtype=np.bool_)
+        self.n_seen = np.zeros(n_tokens, dtype=np.int64)
+        self.cells = np.zeros((n_tokens, width), dtype=np.int32)
+        self.sizes: list[np.ndarray] = []
+
+    def prepare(self) -> None:
+        m = self.view[0, 0, :self.n_tokens]
+        seen = nn.seen_cells(m)
+        cut = self.mask.reshape(-1)[:self.n_tokens * seen].reshape(self.n_tokens, seen)
+        cut[...] = m[:, :seen]
+        alone, n_seen, cells = nn.row_cells(cut)
+        self.alone[...], self.n_seen[...] = alone, n_seen
+        self.cells.reshape(-1)[:cells.size] = cells.reshape(-1)
+        for sizes in self.sizes:
+            sizes[nn.SIZES_CELLS] = seen
+
+
+def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray | None, keys: list[np.ndarray] | None,
+                          values: list[np.ndarray] | None) -> TableStep | None:
+    """FLASH_ATTN_EXT as a table's call, where its arrays stay where they are from step to step
+    (a decoding step's: one sequence's token, the cache read in place, the mask an input); None
+    elsewhere."""
+    q, k, v, mask = node.src[:4]
+    if (scratch is None or keys is None or values is None or mask is None or mask.op != Op.NONE
+            or mask.type != Type.F32 or q.type != Type.F32 or q.ne[3] != 1):
+        return None
+    qv, out = tensor_view(q)[0], tensor_view(node)[0]
+    if not (qv.flags.c_contiguous and out.flags.c_contiguous and mask.ne[1] >= q.ne[1]):
+        return None
+    p = FlashAttnParams.of(node)
+    key = ("attention mask table", id(mask), q.ne[1])
+    first = key not in shared
+    cut = shared[key] = shared.get(key) or _MaskCells(mask, q.ne[1])
+    call, sizes = nn.attention_call(qv, keys[0], values[0], k.ne[2], cut.mask, cut.alone, cut.n_seen, cut.cells,
+                                    scratch, f32(p.scale), f32(p.logit_softcap), out)
+    cut.sizes.append(sizes)
+    return TableStep(lambda: [call], cut.prepare if first else None, reads=(mask,),
+                     hold=(sizes, cut, scratch, qv, out, keys, values))  # (the call has their addresses only)
 
 
 # up to this many (head, token) rows an attention step keeps its rows' working arrays (a
@@ -423,8 +508,20 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     scale, softcap = f32(p.scale), f32(p.logit_softcap)
     n_tokens, n_kv, n_head_kv = q.ne[1], k.ne[1], k.ne[2]
     out = tensor_view(node)      # [ne3, n_tokens, n_head, dv]
-    qv, keys, values = reader(q), _cells_by_cell(k), _cells_by_cell(v)
+    (keys, fixed_keys), (values, fixed_values) = _cells_by_cell(k), _cells_by_cell(v)
+    qv = reader(q)
     direct = out.flags.c_contiguous
+    # a decoding step's few rows keep their working arrays from step to step (and layer to layer)
+    n_rows, d, dv = q.ne[2] * n_tokens, q.ne[0], v.ne[0]
+    scratch = None
+    if n_rows <= SCRATCH_ROWS:  # (the steps of a plan run one after another: its layers share one)
+        key = ("attention scratch", n_rows, n_kv, d, dv)
+        scratch = shared.get(key)
+        if scratch is None:
+            scratch = shared[key] = nn.attention_scratch(n_rows, n_kv, d, dv)
+    table_step = _attention_table_step(node, shared, scratch, fixed_keys, fixed_values)
+    if table_step is not None:
+        return table_step
     if mask is not None:
         masked = reader(mask)
 
@@ -437,14 +534,6 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
         no_mask = np.zeros((n_tokens, n_kv), dtype=f32)
         no_mask_cells = (no_mask, nn.row_cells(no_mask))
         mask_rows = lambda: no_mask_cells  # noqa: E731
-    # a decoding step's few rows keep their working arrays from step to step (and layer to layer)
-    n_rows, d, dv = q.ne[2] * n_tokens, q.ne[0], v.ne[0]
-    scratch = None
-    if n_rows <= SCRATCH_ROWS:  # (the steps of a plan run one after another: its layers share one)
-        key = ("attention scratch", n_rows, n_kv, d, dv)
-        scratch = shared.get(key)
-        if scratch is None:
-            scratch = shared[key] = nn.attention_scratch(n_rows, n_kv, d, dv)
 
     def step() -> None:
         m, seen = mask_rows()
@@ -472,8 +561,32 @@ def _row_ids(t: Tensor, n_rows: int, what: str, shared: dict) -> Callable[[], np
     return _shared_value(shared, ("row ids", id(t), n_rows), ids)
 
 
+def _checked_ids(t: Tensor, n_rows: int, what: str, shared: dict) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """The row ids in t as int64, in an array of the plan's that table calls read, and what
+    fills and checks it before they run: the first step of the plan that reads t gets it (the
+    others None)."""
+    key = ("checked row ids", id(t), n_rows)
+    if key in shared:
+        return shared[key], None
+    view = tensor_view(t)
+    ids = shared[key] = np.empty(view.shape, dtype=np.int64)
+
+    def prepare() -> None:
+        ids[...] = view
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            raise IndexError(f"{what}: index out of range [0, {n_rows}) in {t.name or 'indices'}")
+    return ids, prepare
+
+
 def bind_get_rows(node: Tensor, shared: dict) -> Step:
     a, idx = node.src[0], node.src[1]
+    out_rows = _row_view(node)
+    if (quant_supported(a.type) and a.type.is_quantized and a.ne[2] == a.ne[3] == 1 and idx.ne[1] == idx.ne[2] == 1
+            and idx.op == Op.NONE and out_rows is not None and tensor_rows(a)[0, 0].flags.c_contiguous):
+        # an embedding's rows for a step's tokens, as a table's call (the ids checked before it runs)
+        w, (ids, prepare) = tensor_rows(a)[0, 0], _checked_ids(idx, a.ne[1], "GET_ROWS", shared)
+        return TableStep(lambda: [decode_rows_call(DECODER[a.type], w, out_rows, F16_TABLE, ids[0, 0, 0])], prepare,
+                         reads=(idx,))
     index = _row_ids(idx, a.ne[1], "GET_ROWS", shared)  # [1, i2, i1, n]
     out = tensor_view(node)    # [i2, i1, n, ne0]
     src = (lambda rows=tensor_rows(a): rows) if a.type.is_quantized else reader(a)
@@ -504,6 +617,11 @@ def bind_set_rows(node: Tensor, shared: dict) -> Step:
         matrices = [(rows_in[i3, i2], halves[i3, i2], i3 // r3, i2 // r2)
                     for i3 in range(src.ne[3]) for i2 in range(src.ne[2])]
         if all(a.flags.c_contiguous and b.flags.c_contiguous for a, b, _, _ in matrices):
+            if idx.op == Op.NONE:  # as a table's calls, the ids checked before the table runs
+                ids, prepare = _checked_ids(idx, dst.ne[1], "SET_ROWS", shared)
+                return TableStep(lambda: [nn.set_rows_f16_call(rows, ids[0, j3, j2], cache_rows)
+                                          for rows, cache_rows, j3, j2 in matrices], prepare, reads=(idx,))
+
             def write_halves() -> None:
                 ids = index()  # int64, C-contiguous: each [0, j3, j2] a contiguous row
                 for rows, cache_rows, j3, j2 in matrices:
@@ -662,10 +780,10 @@ def bind_argmax(node: Tensor, shared: dict) -> Step:
 
 
 OP_TABLE: dict[Op, Binder] = {
-    Op.ADD: _binary(np.add),
-    Op.SUB: _binary(np.subtract),
-    Op.MUL: _binary(np.multiply),
-    Op.DIV: _binary(np.divide),
+    Op.ADD: _binary(np.add, nn.ADD),
+    Op.SUB: _binary(np.subtract, nn.SUB),
+    Op.MUL: _binary(np.multiply, nn.MUL),
+    Op.DIV: _binary(np.divide, nn.DIV),
     Op.SCALE: bind_scale,
     Op.UNARY: bind_unary,
     Op.GLU: bind_glu,

@@ -24,8 +24,8 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
-from .rows import UNUSED, keep, row_kernel, run_rows
-from .simd import (EXP_RANGE, KERNEL, address, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64,
+from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls, serial_call
+from .simd import (EXP_RANGE, KERNEL, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64,
                    fma32, half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
 f32 = np.float32
@@ -85,17 +85,16 @@ def _softmax_rows(start, end, x_at, n, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
         _softmax_row(x[r])
 
 
-@njit(**KERNEL)
-def _softmax(x, at):
-    if not x.flags.c_contiguous:
-        raise ValueError("softmax: the rows must be C-contiguous")
-    run_rows(at, x.shape[0], (address(x), x.shape[1], UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED),
-             (0.0, 0.0))
+def softmax_call(x: np.ndarray) -> RowCall:
+    """softmax_rows(x) as a call (rows.RowCall)."""
+    if not (x.ndim == 2 and c_rows(f32, x)):
+        raise ValueError("softmax: the rows must be C-contiguous float32")
+    return rows_call(_kernel(_softmax_rows), x.shape[0], (address_of(x), x.shape[1]))
 
 
 def softmax_rows(x: np.ndarray) -> None:
     """Rows of x [rows, n] (scaled and masked, C-contiguous float32) in place."""
-    _softmax(x, _kernel(_softmax_rows))
+    run_calls([softmax_call(x)])
 
 
 @_jit
@@ -115,34 +114,102 @@ def _rms_rows(start, end, x_at, out_at, n, i3, i4, i5, i6, i7, i8, i9, eps, f1):
         _rms_row(x, r, eps, out)
 
 
-@njit(**KERNEL)
-def _rms_norm(x, eps, out, at):
-    if not (x.flags.c_contiguous and out.flags.c_contiguous and x.shape == out.shape):
-        raise ValueError("rms_norm: x and out must be C-contiguous rows of one shape")
-    run_rows(at, x.shape[0], (address(x), address(out), x.shape[1], UNUSED, UNUSED, UNUSED, UNUSED, UNUSED, UNUSED,
-                              UNUSED), (np.float64(eps), 0.0))
+def _same_rows(what: str, *arrays: np.ndarray) -> None:
+    """That a row kernel may view ``arrays`` as rows of one shape: 2-d, C-contiguous float32."""
+    if not (arrays[0].ndim == 2 and c_rows(f32, *arrays) and all(a.shape == arrays[0].shape for a in arrays)):
+        raise ValueError(f"{what}: the arrays must be C-contiguous float32 rows of one shape")
+
+
+def rms_norm_call(x: np.ndarray, eps: float, out: np.ndarray) -> RowCall:
+    """rms_norm(x, eps, out) as a call (rows.RowCall)."""
+    _same_rows("rms_norm", x, out)
+    return rows_call(_kernel(_rms_rows), x.shape[0], (address_of(x), address_of(out), x.shape[1]), (eps, 0.0))
 
 
 def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
     """ggml_compute_forward_rms_norm_f32 over the rows of x [rows, n]: squares rounded to float,
-    summed in double in order; the mean and the scale in float (rows.run_rows)."""
-    _rms_norm(x, eps, out, _kernel(_rms_rows))
+    summed in double in order; the mean and the scale in float."""
+    run_calls([rms_norm_call(x, eps, out)])
 
 
-@njit(**KERNEL)
-def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out):
-    """A layer's residual add, the next norm and its weight, row by row in one pass (a decoding
-    step's: each was a call of its own): summed = a + b (with ``add``; else summed is the
-    input), normed = rms_norm(summed), out = normed * w [n] - each value rounded as the three
-    ops round it, every result written (later ops read summed and may read normed)."""
-    n = summed.shape[1]
-    for r in range(summed.shape[0]):
+# elementwise_call's operations
+ADD, SUB, MUL, DIV, SCALE = range(5)
+
+
+def _elementwise_rows(start, end, a_at, b_at, out_at, n, b_row_step, op, i6, i7, i8, i9, scale, bias):
+    """Rows start..end of out = a (op) b, b's row r * b_row_step (0: one row for all), each value
+    rounded as numpy's float32 operation rounds it; SCALE: a * scale, then + bias where bias is
+    not 0 (two roundings, as ggml's scale and numpy's two steps)."""
+    a, out = rows_of(a_at, end, n), rows_of(out_at, end, n)
+    b = carray(pointer(b_at, np.float32), ((end - 1) * b_row_step + n,)) if op != SCALE else a[0]
+    s, c = f32(scale), f32(bias)
+    for r in range(start, end):
+        o = r * b_row_step
+        if op == ADD:
+            for i in range(n):
+                out[r, i] = a[r, i] + b[o + i]
+        elif op == SUB:
+            for i in range(n):
+                out[r, i] = a[r, i] - b[o + i]
+        elif op == MUL:
+            for i in range(n):
+                out[r, i] = a[r, i] * b[o + i]
+        elif op == DIV:
+            for i in range(n):
+                out[r, i] = a[r, i] / b[o + i]
+        elif c != f32(0.0):
+            for i in range(n):
+                out[r, i] = a[r, i] * s + c  # (numba rounds each operation: no fma)
+        else:
+            for i in range(n):
+                out[r, i] = a[r, i] * s
+
+
+def elementwise_call(op: int, a: np.ndarray, b: np.ndarray | None, out: np.ndarray, scale: float = 0.0,
+                     bias: float = 0.0) -> RowCall:
+    """out = a (op) b for rows a, out [rows, n] and b of the same shape or a single row [1, n]
+    (ADD, SUB, MUL, DIV), or out = a * scale + bias (SCALE, b None), as a call (rows.RowCall)."""
+    _same_rows("elementwise", a, out)
+    step = 0
+    if op != SCALE:
+        if b is None or not (b.ndim == 2 and c_rows(f32, b) and b.shape[1] == a.shape[1] and b.shape[0] in (1, a.shape[0])):
+            raise ValueError("elementwise: b must be C-contiguous float32 rows of a's shape, or one row")
+        step = a.shape[1] if b.shape[0] > 1 else 0
+    return rows_call(_kernel(_elementwise_rows), a.shape[0],
+                     (address_of(a), address_of(a if b is None else b), address_of(out), a.shape[1], step, op),
+                     (scale, bias))
+
+
+def _add_rms_norm_mul_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, out_at, n, add, i8, i9, eps, f1):
+    """Rows start..end of add_rms_norm_mul."""
+    a, b, summed = rows_of(a_at, end, n), rows_of(b_at, end, n), rows_of(summed_at, end, n)
+    normed, out, w = rows_of(normed_at, end, n), rows_of(out_at, end, n), rows_of(w_at, 1, n)
+    for r in range(start, end):
         if add:
             for i in range(n):
                 summed[r, i] = a[r, i] + b[r, i]
         _rms_row(summed, r, eps, normed)
         for i in range(n):
-            out[r, i] = normed[r, i] * w[i]
+            out[r, i] = normed[r, i] * w[0, i]
+
+
+def add_rms_norm_mul_call(a: np.ndarray, b: np.ndarray, add: bool, summed: np.ndarray, eps: float, w: np.ndarray,
+                          normed: np.ndarray, out: np.ndarray) -> RowCall:
+    """add_rms_norm_mul as a call (rows.RowCall): a decoding step's row, in the calling thread."""
+    _same_rows("add_rms_norm_mul", a, b, summed, normed, out)
+    if not (c_rows(f32, w) and w.size == summed.shape[1]):
+        raise ValueError("add_rms_norm_mul: the weight must be a C-contiguous float32 row of the rows' width")
+    return serial_call(_kernel(_add_rms_norm_mul_rows), summed.shape[0],
+                       (address_of(a), address_of(b), address_of(summed), address_of(w), address_of(normed),
+                        address_of(out), summed.shape[1], int(add)), (eps, 0.0))
+
+
+def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out) -> None:
+    """A layer's residual add, the next norm and its weight, row by row in one pass (a decoding
+    step's: each was a call of its own): summed = a + b (with ``add``; else summed is the
+    input), normed = rms_norm(summed), out = normed * w [n] - each value rounded as the three
+    ops round it, every result written (later ops read summed and may read normed)."""
+    run_calls([add_rms_norm_mul_call(a, b, add, summed, eps, w, normed, out)])
 
 
 @_jit
@@ -184,28 +251,33 @@ def _silu_rows(start, end, a_at, g_at, out_at, n, gated, table_at, i6, i7, i8, i
         _silu_row(a, g, out, r, gated != 0)
 
 
-@njit(**KERNEL)
-def _glu(a, g, out, gated, table, at):
+def _glu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray, gated: bool, table: np.ndarray, at: int) -> RowCall:
     """A GLU's rows (its activation's alone, without ``gated``): the row kernel at ``at``
     (SiLU's, or GELU's, which reads ``table``)."""
-    if not (a.flags.c_contiguous and g.flags.c_contiguous and out.flags.c_contiguous
-            and a.shape == g.shape and a.shape == out.shape):
-        raise ValueError("gated activation: a, g and out must be C-contiguous rows of one shape")
-    run_rows(at, a.shape[0], (address(a), address(g), address(out), a.shape[1], np.intp(gated), address(table),
-                              UNUSED, UNUSED, UNUSED, UNUSED), (0.0, 0.0))
+    _same_rows("gated activation", a, g, out)
+    return rows_call(at, a.shape[0], (address_of(a), address_of(g), address_of(out), a.shape[1], int(gated),
+                                      address_of(table)))
 
 
 _NO_TABLE = np.zeros(1, dtype=f32)  # SiLU's: it reads no table (GELU's is gelu_table(), 65536 values)
 
 
+def swiglu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> RowCall:
+    return _glu_call(a, g, out, True, _NO_TABLE, _kernel(_silu_rows))
+
+
+def geglu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> RowCall:
+    return _glu_call(a, g, out, True, gelu_table(), _kernel(_gelu_rows))
+
+
 def silu(x: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_silu_f32 per row of x [rows, n] (C-contiguous float32, as out)."""
-    _glu(x, x, out, False, _NO_TABLE, _kernel(_silu_rows))
+    run_calls([_glu_call(x, x, out, False, _NO_TABLE, _kernel(_silu_rows))])
 
 
 def swiglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_swiglu_f32 per row: silu(a) * g, as ``silu``."""
-    _glu(a, g, out, True, _NO_TABLE, _kernel(_silu_rows))
+    run_calls([swiglu_call(a, g, out)])
 
 
 @functools.cache
@@ -255,11 +327,11 @@ def _gelu_rows(start, end, a_at, g_at, out_at, n, gated, table_at, i6, i7, i8, i
 
 def geglu(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """ggml_vec_geglu_f32 (rows of a, g and out are contiguous float32)."""
-    _glu(a, g, out, True, gelu_table(), _kernel(_gelu_rows))
+    run_calls([geglu_call(a, g, out)])
 
 
 def gelu(a: np.ndarray, out: np.ndarray) -> None:
-    _glu(a, a, out, False, gelu_table(), _kernel(_gelu_rows))
+    run_calls([_glu_call(a, a, out, False, gelu_table(), _kernel(_gelu_rows))])
 
 
 # -- RoPE --------------------------------------------------------------------------------------------
@@ -322,32 +394,50 @@ def _rope_rows(start, end, x_at, out_at, cos_at, sin_at, n_tok, n_head, hd, n_di
         _rope_row(x, out, cos, sin, n_dims, neox != 0, r, r % n_tok)
 
 
-@njit(**KERNEL)
-def _rope(x, out, cos, sin, n_dims, neox, at):
+def rope_call(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: bool) -> RowCall:
+    """rope_rotate as a call (rows.RowCall)."""
+    if not (x.ndim == 4 and c_rows(f32, x, out, cos, sin) and x.shape == out.shape and cos.shape == sin.shape
+            and cos.ndim == 2 and cos.shape[0] >= x.shape[1] and cos.shape[1] == n_dims // 2
+            and 0 <= n_dims <= x.shape[3]):
+        raise ValueError("rope: x, out, cos and sin must be C-contiguous float32 and of agreeing shapes")
     b3, n_tok, n_head, hd = x.shape
-    if not (x.flags.c_contiguous and out.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous
-            and x.shape == out.shape and cos.shape == sin.shape and cos.shape[0] >= n_tok
-            and cos.shape[1] == n_dims // 2 and 0 <= n_dims <= hd):
-        raise ValueError("rope: x, out, cos and sin must be C-contiguous and of agreeing shapes")
-    run_rows(at, b3 * n_tok, (address(x), address(out), address(cos), address(sin), n_tok, n_head, hd, n_dims,
-                              np.intp(neox), UNUSED), (0.0, 0.0))
+    return rows_call(_kernel(_rope_rows), b3 * n_tok, (address_of(x), address_of(out), address_of(cos),
+                                                         address_of(sin), n_tok, n_head, hd, n_dims, int(neox)))
 
 
 def rope_rotate(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: bool) -> None:
     """x, out [batch, n_tokens, n_head, head_dim]; pairs (2i, 2i+1), or (i, i + n_dims/2) for
     NEOX; dimensions past n_dims are copied."""
-    _rope(x, out, cos, sin, n_dims, neox, _kernel(_rope_rows))
+    run_calls([rope_call(x, out, cos, sin, n_dims, neox)])
 
 
-@njit(**KERNEL)
-def set_rows_f16(x, ids, out):
-    """out[ids[i]] = x[i] as F16 bits (x float32 [n, ne0], ids int64 [n] checked by the caller,
-    out uint16 [rows, ne0]): SET_ROWS into an F16 cache, as ggml's FP32 -> FP16 (nearest, ties
-    to even).  A few rows per step: no threads."""
-    for i in range(x.shape[0]):
+def _set_rows_f16_rows(start, end, x_at, ids_at, out_at, n, n_out, i5, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of x into the F16 rows ids[...] of out: set_rows_f16's."""
+    x = rows_of(x_at, end, n)
+    ids = carray(pointer(ids_at, np.int64), (end,))
+    out = carray(pointer(out_at, np.uint16), (n_out, n))
+    for i in range(start, end):
         r = ids[i]
-        for j in range(x.shape[1]):
+        for j in range(n):
             out[r, j] = f16_bits(x[i, j])
+
+
+def set_rows_f16_call(x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> RowCall:
+    """set_rows_f16 as a call (rows.RowCall), in the calling thread: a few rows per step.  The
+    ids are read when it runs: the caller checks them first, at every run."""
+    if not (x.ndim == 2 and out.ndim == 2 and c_rows(f32, x) and c_rows(np.int64, ids) and c_rows(np.uint16, out)
+            and ids.shape == (x.shape[0],) and out.shape[1] == x.shape[1]):
+        raise ValueError("set_rows_f16: x float32 [n, ne0], ids int64 [n] and out uint16 [rows, ne0], C-contiguous")
+    return serial_call(_kernel(_set_rows_f16_rows), x.shape[0],
+                       (address_of(x), address_of(ids), address_of(out), x.shape[1], out.shape[0]))
+
+
+def set_rows_f16(x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """out[ids[i]] = x[i] as F16 bits (x float32 [n, ne0], ids int64 [n], out uint16 [rows,
+    ne0]): SET_ROWS into an F16 cache, as ggml's FP32 -> FP16 (nearest, ties to even)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= out.shape[0]):
+        raise IndexError(f"set_rows_f16: a row id outside [0, {out.shape[0]})")
+    run_calls([set_rows_f16_call(x, ids, out)])
 
 
 # -- attention ---------------------------------------------------------------------------------------
@@ -569,8 +659,9 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     ``scratch``: attention_scratch()'s, for few rows (a decoding step's): the rows' working
     arrays, made once instead of at every call."""
     alone, n_seen, cells = row_cells(mask) if seen is None else seen
-    _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, _NO_SCRATCH if scratch is None else scratch,
-                     f32(scale), f32(softcap), out, _attention_rows_at(k.dtype, v.dtype))
+    call, sizes = attention_call(q, k, v, n_head_kv, mask, alone, n_seen, cells,
+                                 _NO_SCRATCH if scratch is None else scratch, scale, softcap, out)
+    run_calls([call])  # (sizes held until it ran)
 
 
 def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -579,7 +670,6 @@ def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _row_cells(mask)
 
 
-@_jit
 def _scratch_floats(n_kv: int, d: int, dv: int) -> int:
     """Floats of one row's working arrays: its 64 lanes of dv sums, its n_kv scores, 64 lanes
     of a dot, its query rounded to F16."""
@@ -595,22 +685,30 @@ def attention_scratch(n_rows: int, n_kv: int, d: int, dv: int) -> np.ndarray:
 _NO_SCRATCH = np.zeros((0, 0), dtype=f32)  # each chunk of rows makes its own
 
 
-@njit(**KERNEL)
-def _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, scale, softcap, out, rows_at):
-    """attention_cells' rows ((head, token) pairs) through the row kernel at ``rows_at``
-    (_attention_rows_at, run by rows.run_rows)."""
-    if not (q.flags.c_contiguous and mask.flags.c_contiguous and out.flags.c_contiguous
-            and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize and alone.flags.c_contiguous
-            and n_seen.flags.c_contiguous and cells.flags.c_contiguous and scratch.flags.c_contiguous):
-        raise ValueError("attention: q, mask, out and the row cells must be C-contiguous, a cell's K and V values "
-                         "side by side")
+SIZES_CELLS = 10  # which of attention_call's sizes is the number of cells
+
+
+def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, alone: np.ndarray,
+                   n_seen: np.ndarray, cells: np.ndarray, scratch: np.ndarray, scale, softcap,
+                   out: np.ndarray) -> tuple[RowCall, np.ndarray]:
+    """attention_cells' rows ((head, token) pairs) as a call of the row kernel
+    _attention_rows_at (rows.RowCall), and the sizes it reads by address, which the caller holds
+    as long as the call: sizes[10] is the number of cells, which a plan may lower from step to
+    step (the mask and the row cells then laid out for that many)."""
+    if not (q.ndim == 3 and mask.ndim == 2 and out.ndim == 3 and k.ndim == 2 and v.ndim == 2
+            and c_rows(f32, q, mask, out, scratch) and c_rows(np.bool_, alone) and c_rows(np.int64, n_seen)
+            and c_rows(np.int32, cells) and k.dtype in (np.uint16, f32) and v.dtype in (np.uint16, f32)
+            and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize
+            and k.strides[0] % k.itemsize == 0 and v.strides[0] % v.itemsize == 0):
+        raise ValueError("attention: q, mask, out and the row cells must be C-contiguous, of their types, a cell's K and "
+                         "V values side by side")
     # the C function takes these shapes as given: every cell and row it reads or writes must be there
     n_head, n_tok, d = q.shape
     n_kv = mask.shape[1]
-    if not (mask.shape[0] >= n_tok and n_kv <= min(k.shape[0], v.shape[0])
+    if not (mask.shape[0] >= n_tok and n_kv <= min(k.shape[0], v.shape[0]) and n_head_kv > 0
             and k.shape[1] == n_head_kv * d and n_head % n_head_kv == 0 and v.shape[1] % n_head_kv == 0
             and out.shape[0] == n_tok and out.shape[1] == n_head and out.shape[2] * n_head_kv == v.shape[1]
-            and alone.shape[0] >= n_tok and n_seen.shape[0] >= n_tok and cells.shape[0] >= n_tok
+            and alone.shape[0] >= n_tok and n_seen.shape[0] >= n_tok and cells.ndim == 2 and cells.shape[0] >= n_tok
             and cells.shape[1] == n_kv):
         raise ValueError("attention: the shapes of q, k, v, mask, out and the row cells do not agree")
     slot = 0
@@ -618,12 +716,14 @@ def _attention_cells(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, sc
         slot = scratch.shape[1]
         if scratch.shape[0] < n_head * n_tok or slot < _scratch_floats(n_kv, d, out.shape[2]):
             raise ValueError("attention: the scratch is too small for these rows")
+    # (SIZES_CELLS: the cells' entry)
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
                       v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot], dtype=np.int64)
-    run_rows(rows_at, n_head * n_tok, (address(q), address(k), address(v), address(mask), address(out), address(alone),
-                                       address(n_seen), address(cells), address(sizes), address(scratch) if slot else UNUSED),
-             (np.float64(scale), np.float64(softcap)))
-    keep((sizes,))
+    call = rows_call(_attention_rows_at(k.dtype, v.dtype), n_head * n_tok,
+                     (address_of(q), address_of(k), address_of(v), address_of(mask), address_of(out), address_of(alone),
+                      address_of(n_seen), address_of(cells), address_of(sizes), address_of(scratch) if slot else 0),
+                     (float(f32(scale)), float(f32(softcap))))
+    return call, sizes
 
 
 @functools.cache

@@ -17,8 +17,8 @@ from numba.extending import overload
 
 from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
-from .rows import UNUSED, row_kernel, run_rows
-from .simd import KERNEL, address, pointer
+from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls
+from .simd import KERNEL, pointer
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
@@ -302,19 +302,23 @@ def fused_matmul(kind: int, w, x, out, f16) -> None:
     _decoder_kernels(int(kind))[0](w, x, out, f16)
 
 
-def decode_rows(kind: int, w, out, f16) -> None:
+def decode_rows_call(kind: int, w: np.ndarray, out: np.ndarray, f16: np.ndarray,
+                     ids: np.ndarray | None = None) -> RowCall:
+    """decode_rows as a call (rows.RowCall); with ``ids`` (int64, a row id per row of out, in
+    [0, rows of w) when the call runs: the caller checks them), the rows of w they name."""
+    if not (w.ndim == 2 and out.ndim == 2 and c_rows(np.uint8, w) and c_rows(np.float32, out, f16)
+            and (w.shape[0] == out.shape[0] if ids is None else c_rows(np.int64, ids) and ids.shape == out.shape[:1])
+            and f16.size == 65536):
+        raise ValueError("decode_rows: w and out must be C-contiguous, a row of out for each row of w (or id)")
+    return rows_call(_decoder_kernels(int(kind))[1], out.shape[0],
+                     (address_of(w), w.shape[1], address_of(out), out.shape[1], address_of(f16),
+                      0 if ids is None else address_of(ids), w.shape[0]))
+
+
+def decode_rows(kind: int, w: np.ndarray, out: np.ndarray, f16: np.ndarray) -> None:
     """Every row of w (uint8 [M, row_bytes], C-contiguous) decoded into the same row of out
     (float32 [M, K], C-contiguous)."""
-    _decode_rows(w, out, f16, _decoder_kernels(int(kind))[1])
-
-
-@njit(**KERNEL)
-def _decode_rows(w, out, f16, at):
-    if not (w.flags.c_contiguous and out.flags.c_contiguous and f16.flags.c_contiguous
-            and w.shape[0] == out.shape[0] and f16.size == 65536):
-        raise ValueError("decode_rows: w and out must be C-contiguous, a row of out for each row of w")
-    run_rows(at, w.shape[0], (address(w), w.shape[1], address(out), out.shape[1], address(f16), UNUSED, UNUSED,
-                              UNUSED, UNUSED, UNUSED), (0.0, 0.0))
+    run_calls([decode_rows_call(kind, w, out, f16)])
 
 
 @functools.cache
@@ -328,12 +332,15 @@ def _decoder_kernels(kind: int):
         for c in prange(n_chunks):
             _fused_chunk(kind, w, x, out, f16, c * per, min(m_rows, (c + 1) * per))
 
-    def rows(start, end, w_at, row_bytes, out_at, k, f16_at, i5, i6, i7, i8, i9, f0, f1):
-        w = carray(pointer(w_at, np.uint8), (end, row_bytes))
+    def rows(start, end, w_at, row_bytes, out_at, k, f16_at, ids_at, n_w_rows, i7, i8, i9, f0, f1):
+        """Rows start..end of out, each the decoded row of w at the same index, or at ids[row]
+        (ids_at not 0: GET_ROWS's, checked by the caller) of n_w_rows."""
+        w = carray(pointer(w_at, np.uint8), (n_w_rows if ids_at != 0 else end, row_bytes))
         out = carray(pointer(out_at, np.float32), (end, k))
         f16 = carray(pointer(f16_at, np.float32), (65536,))
         for m in range(start, end):
-            decode_row(kind, w[m], out[m], f16)
+            src = carray(pointer(ids_at, np.int64), (end,))[m] if ids_at != 0 else m
+            decode_row(kind, w[src], out[m], f16)
     name = Dec(kind).name
     return kernel_of_kind(fused, name, parallel=True, fastmath=True, **KERNEL), row_kernel(rows, name)
 

@@ -30,9 +30,9 @@ import numpy as np
 import numba
 from numba import carray, njit, prange, types
 
-from .activations import check_activations
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
+from .rows import RowCall, address_of, c_rows, product_call, row_kernel, serial_call
 from .simd import KERNEL, address, call_address, pointer
 
 
@@ -76,6 +76,26 @@ def _chunks(m_rows, n_chunks):
     return (m_rows + per - 1) // per, per
 
 
+def activation_bytes_width(k: int, offset: int) -> int:
+    """The width of _activation_bytes' rows for k activations."""
+    return (k + 63) // 64 * 64 + (k if offset else 0)
+
+
+@_jit
+def _activation_bytes_row(yq, n, offset, yb):
+    """Row n of _activation_bytes into yb's row n (every byte of it written)."""
+    k = yq.shape[1]
+    padded = (k + 63) // 64 * 64
+    for i in range(k):
+        yb[n, i] = np.int8(yq[n, i])
+    for i in range(k, yb.shape[1]):
+        yb[n, i] = 0
+    if offset:
+        sums = yb[n, padded:].view(np.int32)
+        for j in range(k // 4):
+            sums[j] = -offset * np.int32(yq[n, 4 * j] + yq[n, 4 * j + 1] + yq[n, 4 * j + 2] + yq[n, 4 * j + 3])
+
+
 @njit(**KERNEL)
 def _activation_bytes(yq, offset):
     """The quantized activations as int8 rows zero-padded to whole 64s; with an ``offset`` (not
@@ -83,15 +103,44 @@ def _activation_bytes(yq, offset):
     (blockdot.LANE_SUMS).  In the calling thread: a pass over the activations, a small part of a
     product's time, and a parallel loop here took a second more to compile than all of this."""
     n_cols, k = yq.shape
-    yb = np.zeros((n_cols, (k + 63) // 64 * 64 + (k if offset else 0)), dtype=np.int8)
+    yb = np.empty((n_cols, (k + 63) // 64 * 64 + (k if offset else 0)), dtype=np.int8)
     for n in range(n_cols):
-        for i in range(k):
-            yb[n, i] = np.int8(yq[n, i])
-        if offset:
-            sums = yb[n, (k + 63) // 64 * 64:].view(np.int32)
-            for j in range(k // 4):
-                sums[j] = -offset * np.int32(yq[n, 4 * j] + yq[n, 4 * j + 1] + yq[n, 4 * j + 2] + yq[n, 4 * j + 3])
+        _activation_bytes_row(yq, n, offset, yb)
     return yb
+
+
+def _activation_bytes_rows(start, end, yq_at, k, yb_at, width, offset, i5, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of _activation_bytes (a row kernel: rows.py)."""
+    yq = carray(pointer(yq_at, np.float32), (end, k))
+    yb = carray(pointer(yb_at, np.int8), (end, width))
+    for n in range(start, end):
+        _activation_bytes_row(yq, n, offset, yb)
+
+
+@functools.cache
+def activation_bytes_at() -> int:
+    return row_kernel(_activation_bytes_rows)
+
+
+def product_calls(kernel: ProductKernel, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray,
+                  yb: np.ndarray, out: np.ndarray, runs: np.ndarray) -> list[RowCall]:
+    """quant_product's work on quantized activations as calls (rows.RowCall): their bytes into
+    ``yb`` (activation_bytes_width wide), then the rows of w in quant_product's chunks.  The
+    caller has checked that w's rows hold yq's blocks, and holds every array as long as the
+    calls."""
+    (m_rows, row_bytes), (n_cols, k) = w.shape, yq.shape
+    if not (c_rows(np.uint8, w) and c_rows(np.float32, yq, yd, ys, out) and c_rows(np.int8, yb)
+            and c_rows(np.int64, runs) and yd.shape[0] == ys.shape[0] == n_cols and out.shape[0] == n_cols
+            and out.shape[1] >= m_rows and yb.shape == (n_cols, activation_bytes_width(k, kernel.lane_sums))
+            and runs.size >= 2 and runs[0] == 0 and runs[-1] == n_cols):
+        raise ValueError("a product's arrays must be C-contiguous, of agreeing shapes")
+    n_chunks, per = _chunks.py_func(m_rows, THREADS if n_cols == 1 else 64)
+    return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1],
+                                                         kernel.lane_sums)),
+            product_call(kernel.rows_at, m_rows, n_chunks, per,
+                         (address_of(w), m_rows, row_bytes, 0, 0, address_of(yb), n_cols, yb.shape[1], address_of(yd),
+                          yd.shape[1], address_of(ys), ys.shape[1], address_of(out), out.shape[1], address_of(runs),
+                          runs.size))]
 
 
 def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
@@ -101,7 +150,7 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     run..., N], checked by the caller) computed as a product of its columns alone would be -
     [0, N]: the whole batch."""
     rows_at, lane_sums = product_kernel(kind)
-    quant_product(w, NO_ROWS, 0, 0, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
+    quant_product(w, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -183,21 +232,11 @@ def _kernel_of(kind: int) -> ProductKernel:
     return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
 
 
-# no float activations for quant_product to quantize: yq, yd and ys hold them quantized
-NO_ROWS = np.empty((0, 0), dtype=np.float32)
-
-
 @njit(parallel=True, **KERNEL)
-def quant_product(w, x, quantize_at, kind, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
+def quant_product(w, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
     """exact_quant_matmul's parallel loop over chunks of rows, each a call of the C function at
-    ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column.  Float
-    activations ``x`` with rows (a decoding step's column or two) are first quantized into yq,
-    yd and ys (activations.quantize_q8 of ``kind``, the C function at ``quantize_at``) in this
-    thread: one call per product where a step would otherwise make three arrays and call twice."""
-    if x.shape[0]:
-        check_activations(x, kind, yq, yd, ys)
-        call_address(quantize_at, (0, x.shape[0], address(x), x.shape[1], kind, address(yq), address(yd), address(ys),
-                                   0, 0, 0, 0, 0.0, 0.0))
+    ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column.  (A decoding
+    step's products run as calls of a plan's table instead: product_calls.)"""
     m_rows, n_cols = w.shape[0], yq.shape[0]
     yb = _activation_bytes(yq, lane_sums)
     _check_contiguous(w, yd, ys, out, runs)

@@ -20,10 +20,11 @@ from collections.abc import Callable
 import numpy as np
 
 from ..types import Type
-from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize, quantize_rows_at
+from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize, quantize_call
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import NO_ROWS, THREADS, product_kernel, quant_product
+from .qdot import THREADS, activation_bytes_width, product_calls, product_kernel, quant_product
+from .rows import RowCall
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -71,6 +72,7 @@ class QuantProduct:
         if not w.flags.c_contiguous:  # a copy made here would not follow the tensor's bytes in a plan
             raise ValueError("QuantProduct: the weight rows must be C-contiguous")
         self.w = frozen(w)
+        self.qtype = qtype
         self.m_rows = w.shape[0]
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
         self.exact = qtype in EXACT
@@ -99,27 +101,31 @@ class QuantProduct:
             return None
         (rows_at, lane_sums), w, every = self.kernel, self.w, whole(out.shape[0])
         # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: quant_product(w, NO_ROWS, 0, 0, *acts, out, every if runs is None else frozen(runs),
+        return lambda acts, runs=None: quant_product(w, *acts, out, every if runs is None else frozen(runs),
                                                      THREADS, rows_at, lane_sums)
 
     def quantizes_in_call(self, x: np.ndarray) -> bool:
-        """Whether bound_quantizing takes activations x: weights of the exact kinds, float32
+        """Whether quantizing_calls takes activations x: weights of the exact kinds, float32
         rows one after another, at most SERIAL_ROWS of them (more are quantized once, in
         parallel, and shared by the products of one input)."""
         return (self.exact and self.m_rows > 0 and 0 < x.shape[0] <= SERIAL_ROWS and x.dtype == np.float32
                 and x.flags.c_contiguous)
 
-    def bound_quantizing(self, x: np.ndarray, out: np.ndarray) -> Callable[[], None] | None:
-        """A step computing out [N, M] (C-contiguous) = the product with the float32
-        activations x [N, K] as they are when it runs, quantized inside the kernel's call into
-        arrays made now: a decoding step's product is one call, with nothing allocated.  None
-        where quantizes_in_call says no."""
-        if not self.quantizes_in_call(x) or not out.flags.c_contiguous:
+    def quantizing_calls(self, x: np.ndarray, out: np.ndarray) -> tuple[list[RowCall], tuple] | None:
+        """A decoding step's product, out [N, M] (C-contiguous) = the product with the float32
+        activations x [N, K] as they are when the calls run, as calls (rows.RowCall) that a plan
+        runs in its table: x quantized into arrays made now, their bytes, the product into out;
+        with the arrays the calls read (the caller holds them as long as the calls).  None where
+        quantizes_in_call says no, or where x's rows are not as long as the weights'."""
+        if not self.quantizes_in_call(x) or self.qtype.row_size(x.shape[1]) != self.w.shape[1]:
+            return None
+        if not (out.dtype == np.float32 and out.flags.c_contiguous and out.shape == (x.shape[0], self.m_rows)):
             return None
         yq, yd, ys = activation_arrays(*x.shape, self.kind)
-        (rows_at, lane_sums), w, every, kind = self.kernel, self.w, whole(out.shape[0]), self.kind
-        quantize_at = quantize_rows_at()
-        return lambda: quant_product(w, x, quantize_at, kind, yq, yd, ys, out, every, THREADS, rows_at, lane_sums)
+        yb = np.empty((x.shape[0], activation_bytes_width(x.shape[1], self.kernel.lane_sums)), dtype=np.int8)
+        calls = [quantize_call(x, self.kind, yq, yd, ys),
+                 *product_calls(self.kernel, self.w, yq, yd, ys, yb, out, whole(x.shape[0]))]
+        return calls, (yq, yd, ys, yb)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``

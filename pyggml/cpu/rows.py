@@ -4,23 +4,30 @@ numba compiles a parallel loop's body into a kernel of its own and copies into i
 optimizes and compiles again - every function the body calls; a kernel that also takes a single
 row without the threads holds the row's code twice more.  Seconds of the wait for a new
 machine's first answer went to those copies (warmup.py).  So a row kernel here is a C function
-(numba.cfunc) over a range of rows, compiled once, and :func:`run_rows` is the parallel loop of
-every one of them: it calls a kernel by its address for a chunk of rows per thread, or once in
-the calling thread for a single row (less than waking the threads).
+(numba.cfunc) over a range of rows, compiled once, and :func:`run_table` is the one parallel loop
+of every one of them: it calls a kernel by its address for a chunk of rows per thread, or once
+in the calling thread for a single row (less than waking the threads).
 
-Every row kernel has the one signature ROW_KERNEL, so that ``run_rows`` is compiled once for
-all: ``(start, end, i0 .. i9, f0, f1)`` - the rows start..end, ten integers (addresses of
-C-contiguous arrays, sizes, flags; zeros where a kernel takes fewer) and two floats as doubles
-(a float32 passes exactly).  A kernel views its arrays with numba.carray, sized by ``end``:
-the rows it touches are there.  Each kernel's entry point is an njit function that
-checks its arrays and calls ``run_rows`` with the addresses (simd.address); the kernel's own
-address comes from Python at every call (a compiled function is cached on disk, an address
-is this process's).  An array an entry point makes itself must outlive the kernel's run:
-:func:`keep` it.
+Every row kernel has the one signature ROW_KERNEL: ``(start, end, i0 .. i9, f0, f1)`` - the
+rows start..end, ten integers (addresses of C-contiguous arrays, sizes, flags; zeros where a
+kernel takes fewer) and two floats as doubles (a float32 passes exactly); a product's rows
+(qdot.py) take sixteen integers, start and end among them.  A kernel views its arrays with
+numba.carray, sized by ``end``: the rows it touches are there.  The kernel's address is this
+process's (a compiled function is cached on disk, an address is not).
+
+A kernel's call is data: a :class:`RowCall` (its address, its rows, how they are cut into
+chunks, its arguments), made in Python by each kernel's ``*_call`` function, which checks the
+arrays it will read - their type, layout and shapes - once.  :func:`run_table`, one compiled
+function, runs a whole table of calls in order: a graph plan's steps are such calls, and a
+plan runs most of a decoding step as one table (plan.py) instead of a Python call per kernel,
+which cost as much as a decoding step's small kernels themselves.  Calling a kernel once is a
+table of one call (:func:`run_calls`).  A table holds addresses only: whoever holds it holds
+the arrays.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -33,42 +40,121 @@ INTS = 10
 # chunks of rows a parallel loop makes: a constant, not numba.get_num_threads() (which numba
 # cannot keep in its cache); many, so that each thread's share is close to even
 CHUNKS = 64
-UNUSED = np.intp(0)  # an integer a kernel does not take (not the constant 0: numba would type each
-                     # tuple with its own literals, and compile run_rows once per kernel)
 ROW_KERNEL = types.void(types.intp, types.intp, *[types.intp] * INTS, types.float64, types.float64)
-
-
-@njit(**KERNEL)
-def keep(arrays):
-    """Nothing, but a use of ``arrays`` (a tuple): called after run_rows, so that numba frees an
-    array its caller made, whose address a kernel read, after the kernel ran - numba frees a
-    value after its last use, and taking its address is not one that lasts.  A call, not
-    inlined: numba would drop an inlined use that computes nothing."""
-    return None
 
 
 def row_kernel(fn: Callable[..., None], kind_name: str | None = None) -> int:
     """The address of ``fn`` (a Python function of ROW_KERNEL's parameters) compiled as a C
     function; ``kind_name``: of the kind ``fn`` is made for (kinds.kernel_of_kind)."""
     # numba starts its threads when a parallel function is called from Python or compiled, not
-    # when an entry point loaded from its cache runs run_rows's parallel code: start them here
-    # (every entry point takes a kernel's address first)
+    # when compiled code loaded from its cache runs a parallel loop: start them here (every
+    # call is made with a kernel's address first)
     numba.get_num_threads()
     if kind_name is not None:
         return kernel_of_kind(fn, kind_name, cfunc=ROW_KERNEL, **KERNEL).address
     return cfunc(ROW_KERNEL, **KERNEL)(fn).address
 
 
+# a RowCall's form: how its C function takes its arguments
+ROWS = 0     # ROW_KERNEL: (start, end, INTS integers, two floats)
+PRODUCT = 1  # a product's rows (qdot.product_kernel): PRODUCT_INTS integers, start and end the 4th and 5th
+PRODUCT_INTS = 16
+
+
+class RowCall(NamedTuple):
+    """One call of a row kernel: the C function at ``at`` over rows 0..n_rows, in ``n_chunks``
+    chunks of ``per`` rows on the threads, or in one call in the calling thread (n_chunks 1);
+    ``ints``: its integer arguments (INTS for ROWS, PRODUCT_INTS for PRODUCT, zeros where start
+    and end go), ``floats``: two floats (ROWS only)."""
+    form: int
+    at: int
+    n_rows: int
+    n_chunks: int
+    per: int
+    ints: tuple
+    floats: tuple = (0.0, 0.0)
+
+
+def rows_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
+    """run_rows's call of the row kernel at ``at``: at most CHUNKS chunks, a single row in the
+    calling thread.  ``ints``: up to INTS integers (the rest are zeros)."""
+    n_chunks = min(n_rows, CHUNKS) if n_rows > 1 else 1
+    per = (n_rows + n_chunks - 1) // n_chunks if n_rows else 0
+    return RowCall(ROWS, at, n_rows, n_chunks, per, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
+
+
+def serial_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
+    """The row kernel at ``at`` over all n_rows in one call in the calling thread (for a few
+    rows: less than waking the others)."""
+    return RowCall(ROWS, at, n_rows, 1, n_rows, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
+
+
+def product_call(at: int, n_rows: int, n_chunks: int, per: int, ints: Sequence[int]) -> RowCall:
+    """A product's rows (PRODUCT form) in n_chunks chunks of ``per`` rows."""
+    return RowCall(PRODUCT, at, n_rows, n_chunks, per, _ints(ints, PRODUCT_INTS))
+
+
+def address_of(a: np.ndarray) -> int:
+    """The address of an array's first element (a row kernel's argument)."""
+    return a.__array_interface__["data"][0]
+
+
+def c_rows(dtype: type, *arrays: np.ndarray) -> bool:
+    """Whether every array is C-contiguous of ``dtype``: what a row kernel may view with
+    numba.carray."""
+    return all(a.dtype == dtype and a.flags.c_contiguous for a in arrays)
+
+
+def _ints(ints: Sequence[int], n: int) -> tuple:
+    if len(ints) > n:
+        raise ValueError(f"a row kernel takes at most {n} integers, not {len(ints)}")
+    return tuple(int(i) for i in ints) + (0,) * (n - len(ints))
+
+
+class Table:
+    """RowCalls as the arrays run_table reads; calling it runs them in order."""
+    __slots__ = ("heads", "ints", "floats")
+
+    def __init__(self, calls: Sequence[RowCall]) -> None:
+        n = len(calls)
+        self.heads = np.array([c[:5] for c in calls], dtype=np.int64).reshape(n, 5)
+        self.ints = np.zeros((n, PRODUCT_INTS), dtype=np.int64)
+        self.floats = np.zeros((n, 2), dtype=np.float64)
+        for i, c in enumerate(calls):
+            self.ints[i, :len(c.ints)] = c.ints
+            self.floats[i] = c.floats
+
+    def __call__(self) -> None:
+        run_table(self.heads, self.ints, self.floats)
+
+
+def run_calls(calls: Sequence[RowCall]) -> None:
+    """The calls, in order, now (a table made and dropped)."""
+    Table(calls)()
+
+
+@njit(inline="always", **KERNEL)
+def _call(heads, ints, floats, e, start, end):
+    """Entry e of a table over rows start..end, as its form takes its arguments."""
+    if heads[e, 0] == ROWS:
+        call_address(heads[e, 1], (start, end, ints[e, 0], ints[e, 1], ints[e, 2], ints[e, 3], ints[e, 4], ints[e, 5],
+                                   ints[e, 6], ints[e, 7], ints[e, 8], ints[e, 9], floats[e, 0], floats[e, 1]))
+    else:
+        call_address(heads[e, 1], (ints[e, 0], ints[e, 1], ints[e, 2], start, end, ints[e, 5], ints[e, 6], ints[e, 7],
+                                   ints[e, 8], ints[e, 9], ints[e, 10], ints[e, 11], ints[e, 12], ints[e, 13],
+                                   ints[e, 14], ints[e, 15]))
+
+
 @njit(parallel=True, **KERNEL)
-def run_rows(at, n_rows, ints, floats):
-    """The kernel at ``at`` over rows 0..n_rows in at most CHUNKS chunks (numba gives each thread
-    a contiguous range of them), or in one call in this thread for a single row (none for
-    none).  ``ints``: INTS integers, ``floats``: two floats."""
-    if n_rows <= 1:
-        if n_rows == 1:
-            call_address(at, (0, 1) + ints + floats)
-        return
-    n_chunks = min(n_rows, CHUNKS)
-    per = (n_rows + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        call_address(at, (c * per, min(n_rows, (c + 1) * per)) + ints + floats)
+def run_table(heads, ints, floats):
+    """Every call of a table (Table's arrays: heads [n, 5] of form, address, rows, chunks and rows
+    per chunk; ints [n, PRODUCT_INTS]; floats [n, 2]) in order, each over its chunks on the
+    threads, or in this thread for a single chunk."""
+    for e in range(heads.shape[0]):
+        n_rows, n_chunks, per = heads[e, 2], heads[e, 3], heads[e, 4]
+        if n_chunks <= 1:
+            if n_rows > 0:
+                _call(heads, ints, floats, e, 0, n_rows)
+            continue
+        for c in prange(n_chunks):
+            _call(heads, ints, floats, e, c * per, min(n_rows, (c + 1) * per))

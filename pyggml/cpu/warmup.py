@@ -30,10 +30,11 @@ import numpy as np
 from ..types import Type
 from . import kernel_cache, nn
 from .activations import activation_arrays, quantize
-from .fusion import scatter_row
+from .fusion import scatter_call
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
-from .qdot import NO_ROWS, THREADS, product_kernel, quant_product, quant_product_id
+from .qdot import THREADS, activation_bytes_at, product_kernel, quant_product, quant_product_id
+from .rows import run_calls
 from .qmatmul import frozen, product_format, whole
 
 f32 = np.float32
@@ -68,10 +69,10 @@ def _products() -> None:
     """quant_product, the parallel loop around every format's rows, which it calls by address:
     one kernel for all formats, compiled once.  Weights of no rows: no format's rows are called."""
     yq, yd, ys = _zero_activations(Type.Q8_0)
-    quant_product(_weights(Type.Q8_0, 0), NO_ROWS, 0, 0, yq, yd, ys, np.empty((2, 0), dtype=f32), whole(2), THREADS,
-                  0, 0)
-    out = np.zeros(2, dtype=f32)
-    scatter_row(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fused products' results
+    quant_product(_weights(Type.Q8_0, 0), yq, yd, ys, np.empty((2, 0), dtype=f32), whole(2), THREADS, 0, 0)
+    out = np.zeros((1, 2), dtype=f32)
+    scatter_call(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fused results
+    activation_bytes_at()  # (a decoding step's products, in a plan's table)
 
 
 def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products)
@@ -97,14 +98,18 @@ def _activations() -> None:
 
 
 def _norms() -> None:
+    """The row kernels of norms, RoPE and the cache writes (their calls made, not run: the
+    table that runs them is a part of its own), and RoPE's angles."""
     x = _x(2)
-    nn.rms_norm(x, 1e-6, np.empty_like(x))
+    nn.rms_norm_call(x, 1e-6, np.empty_like(x))
     row = x[:1]
-    nn.add_rms_norm_mul(row, row, True, np.empty_like(row), 1e-6, x[0], np.empty_like(row), np.empty_like(row))
+    nn.add_rms_norm_mul_call(row, row, True, np.empty_like(row), 1e-6, x[0].copy(), np.empty_like(row),
+                             np.empty_like(row))
     cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
     q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
-    nn.rope_rotate(q, np.empty_like(q), cos, sin, 16, True)
-    nn.set_rows_f16(x, np.arange(2, dtype=np.int64), np.zeros((4, x.shape[1]), dtype=np.uint16))  # KV cache writes
+    nn.rope_call(q, np.empty_like(q), cos, sin, 16, True)
+    nn.set_rows_f16_call(x, np.arange(2, dtype=np.int64), np.zeros((4, x.shape[1]), dtype=np.uint16))  # KV cache writes
+    nn.elementwise_call(nn.ADD, x, x, np.empty_like(x))  # residual adds, weights, scales
 
 
 def _f16() -> None:  # F16 tensors read as floats (kernels.reader): not the KV cache, which attention reads itself
@@ -112,22 +117,30 @@ def _f16() -> None:  # F16 tensors read as floats (kernels.reader): not the KV c
 
 
 def _attention() -> None:
+    """Attention's rows over an F16 cache (a call made, not run), and what a step derives from
+    its mask."""
     q = np.ones((1, 2, 64), dtype=f32)
     cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
     mask = np.zeros((2, 2), dtype=f32)
-    nn.attention_cells(q, cells, cells, 1, mask, f32(0.125), f32(0.0), np.empty((2, 1, 64), dtype=f32), None,
-                       nn.attention_scratch(2, 2, 64, 64))  # (a decoding step's rows keep theirs)
+    alone, n_seen, seen = nn.row_cells(mask)
+    nn.attention_call(q, cells, cells, 1, mask, alone, n_seen, seen, nn.attention_scratch(2, 2, 64, 64), f32(0.125),
+                      f32(0.0), np.empty((2, 1, 64), dtype=f32))
     nn.seen_cells(mask)
+
+
+def _table() -> None:
+    """rows.run_table, which runs every row kernel's calls: a table of none."""
+    run_calls([])
 
 
 def _swiglu() -> None:  # a feed-forward's gate (the plain SiLU of UNARY: when used)
     x = _x(2)
-    nn.swiglu(x, x, np.empty_like(x))
+    nn.swiglu_call(x, x, np.empty_like(x))
 
 
 def _geglu() -> None:
     x = _x(2)
-    nn.geglu(x, x, np.empty_like(x))
+    nn.geglu_call(x, x, np.empty_like(x))
 
 
 def _top_k() -> None:  # the sampler's (and TOP_K's)
@@ -136,14 +149,14 @@ def _top_k() -> None:  # the sampler's (and TOP_K's)
 
 
 def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own)
-    nn.softmax_rows(_x(2))
+    nn.softmax_call(_x(2))
 
 
 # what every model runs, and roughly how many seconds each part takes to compile on the 2-core
 # machine the project is developed on (the processes take the costliest first: the closer these
 # are, the closer the two processes finish together)
 LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 4.0), "activations": (_activations, 0.9),
-          "top_k": (_top_k, 1.0)}
+          "top_k": (_top_k, 1.0), "table": (_table, 1.0)}
 GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
 OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 1.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {

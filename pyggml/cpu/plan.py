@@ -1,0 +1,112 @@
+"""A CPU graph plan's steps run as tables: most of a decoding step in one compiled call.
+
+A binder (kernels.py) that can say what its node's kernels are as row-kernel calls
+(rows.RowCall: an address, rows, arguments resolved when the plan is made) returns a
+:class:`TableStep`.  The plan joins consecutive table steps into one :class:`TableRun`: one
+call of rows.run_table for all their kernels, instead of a Python call (and numba's checks of
+every argument) per kernel - which cost a decoding step about as much as its small kernels.
+Steps that cannot be tables (a kernel numpy runs, an op whose arrays change from step to step)
+run between the tables as Python functions, as before.
+
+What a kernel's call needs that changes from step to step and comes from the graph's inputs
+(the positions' RoPE angles, the cells a mask shows, the checked row ids of the cache writes)
+is computed in Python by the step's ``prepare``, into arrays the calls read by address.  A
+table runs the prepares of all its steps first: a graph's inputs are set before it runs, so
+this is the same as running each before its step - unless an earlier step of the same table
+writes what a prepare reads; the plan then starts a new table there (``reads``).
+
+Run alone (op by op, or timed by OpProfile), a table step runs its prepare and its own calls:
+the same kernels on the same arrays, so a plan gives the bits of the op-by-op path.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..tensor import Tensor
+from .buffer import CPUBuffer
+from .rows import RowCall, Table
+
+Span = tuple[int, int, int]  # a buffer's id, and the first and past-the-last bytes
+
+
+def span(t: Tensor) -> Span | None:
+    """The bytes a tensor's view may touch (None where it is not in host memory)."""
+    if not isinstance(t.buffer, CPUBuffer):
+        return None
+    if t.nelements() == 0:
+        return id(t.buffer), t.offset, t.offset
+    row = t.row_size() if t.nb[0] == t.type.type_size else (t.ne[0] - 1) * t.nb[0] + t.type.type_size
+    return id(t.buffer), t.offset, t.offset + row + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:]))
+
+
+def overlap(a: Span | None, b: Span | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+class TableStep:
+    """A step as row-kernel calls.  ``make_calls`` gives them (called once, when the plan's
+    tables are made or at the step's first run: every step of the plan is bound by then, and
+    scratch shared between steps is sized); ``prepare``: Python run before them at every run;
+    ``reads``: the tensors ``prepare`` reads; ``hold``: arrays the calls read that nothing
+    else holds."""
+    __slots__ = ("make_calls", "_calls", "prepare", "reads", "hold", "_table")
+
+    def __init__(self, make_calls: Callable[[], Sequence[RowCall]], prepare: Callable[[], None] | None = None,
+                 reads: Sequence[Tensor] = (), hold: tuple = ()) -> None:
+        self.make_calls, self._calls, self.prepare, self.reads, self.hold = make_calls, None, prepare, reads, hold
+        self._table = None
+
+    @property
+    def calls(self) -> Sequence[RowCall]:
+        if self._calls is None:
+            self._calls = list(self.make_calls())
+        return self._calls
+
+    def __call__(self) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        if self._table is None:
+            self._table = Table(self.calls)
+        self._table()
+
+
+class TableRun:
+    """Consecutive table steps of a plan: every prepare, then one table of all their calls."""
+    __slots__ = ("steps", "prepares", "_table")
+
+    def __init__(self, steps: list[TableStep]) -> None:
+        self.steps = steps
+        self.prepares = [s.prepare for s in steps if s.prepare is not None]
+        self._table = None
+
+    def __call__(self) -> None:
+        for prepare in self.prepares:
+            prepare()
+        if self._table is None:
+            self._table = Table([call for step in self.steps for call in step.calls])
+        self._table()
+
+
+def plan_runs(steps: Sequence[Callable[[], None]], outputs: Sequence[Sequence[Tensor]]) -> list[Callable[[], None]]:
+    """What a plan calls at each compute: its steps, consecutive table steps joined into
+    TableRuns.  ``outputs``: the nodes each step computes (a step whose prepare reads what an
+    earlier one of the run writes starts a new run)."""
+    runs: list[Callable[[], None]] = []
+    current: list[TableStep] = []
+    written: list[Span | None] = []
+    for step, outs in zip(steps, outputs):
+        if not isinstance(step, TableStep):
+            if current:
+                runs.append(TableRun(current))
+                current, written = [], []
+            runs.append(step)
+            continue
+        reads = [span(t) for t in step.reads]
+        if current and any(overlap(r, w) for r in reads for w in written):
+            runs.append(TableRun(current))
+            current, written = [], []
+        current.append(step)
+        written.extend(span(t) for t in outs)
+    if current:
+        runs.append(TableRun(current))
+    return runs
