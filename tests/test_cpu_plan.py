@@ -138,3 +138,41 @@ def test_row_ids_out_of_range_stop_a_table_before_it_runs(cpu):
         with pytest.raises(IndexError, match=f"{what}: index out of range"):
             cpu.graph_plan_compute(plan)
         np.testing.assert_array_equal(pg.tensor_array(cache), before)
+
+
+def test_a_pool_gives_values_whose_steps_are_done_the_same_arrays():
+    from pyggml.cpu.plan import ArrayPool
+    pool = ArrayPool()
+    small, large = (((4, 8), np.float32),), (((16, 8), np.float32),)
+    a1 = pool.use("a", small)     # step 1
+    b1 = pool.use("b", small)     # step 2: a still to be read
+    a3 = pool.use("a", small)     # step 3: a's last step
+    c4 = pool.use("c", small)     # step 4: a is done, b is not
+    d5 = pool.use("d", large)     # step 5: other shapes
+    b6 = pool.use("b", small)     # step 6
+    e7 = pool.use("e", small)     # step 7: b and c are done
+    (a,), (b,), (c,), (d,), (e,) = a1(), b1(), c4(), d5(), e7()
+    assert a3()[0] is a and b6()[0] is b
+    assert c is a and b is not a and d.shape == (16, 8)
+    assert e is b or e is c
+    with pytest.raises(RuntimeError):
+        pool.use("f", small)  # after the arrays were made
+
+
+def test_a_prompts_plan_holds_the_activations_of_a_few_products_not_of_every_layer(smollm2_path):
+    m = pg.Model(smollm2_path, n_ctx=256, progress=False)
+    cpu = _cpu_of(m)
+    plans = []
+    create = cpu.graph_plan_create
+
+    def spy(graph):
+        plans.append(create(graph))
+        return plans[-1]
+    cpu.graph_plan_create = spy
+    m.context.decode(m.tokenize("The capital of France is a city that many people visit every year, and"))
+    from pyggml.cpu.plan import ArrayPool
+    pool = next(h for s in plans[0].steps if isinstance(s, TableStep) for h in s.hold if isinstance(h, ArrayPool))
+    arrays = {id(a): a for made in pool._made.values() for a in made}
+    per_layer = sum(a.nbytes for a in arrays.values()) / m.model.hp.n_layer
+    assert len(pool._made) > 4 * m.model.hp.n_layer  # every product's bytes, every input's activations
+    assert len(arrays) <= 12 and per_layer < 20_000

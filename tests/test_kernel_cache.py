@@ -38,10 +38,10 @@ def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_p
 
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")
 def test_the_kernels_are_cached_in_the_folder_of_their_sources():
-    from pyggml.cpu import qdot
+    from pyggml.cpu import rows
     from pyggml.hub import cache_dir
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
-    assert os.path.commonpath([qdot.quant_product._cache._cache_path, folder]) == str(folder)
+    assert os.path.commonpath([rows.run_table._cache._cache_path, folder]) == str(folder)
 
 
 def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monkeypatch, capsys, smollm2_path):

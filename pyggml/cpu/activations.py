@@ -96,9 +96,7 @@ SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the call
 @functools.cache
 def quantize_rows_at() -> int:
     """The address of quantize_q8's row kernel (rows.ROW_KERNEL: start, end, x, k, kind, yq, yd,
-    ys - C-contiguous float32 arrays of activation_arrays' shapes): the products that quantize
-    their own activations (qdot.quant_product) call it too, so that their kernel does not
-    compile its code again."""
+    ys - C-contiguous float32 arrays of activation_arrays' shapes)."""
     return row_kernel(_quantize_rows)
 
 

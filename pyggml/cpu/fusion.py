@@ -36,11 +36,12 @@ from ..tensor import Tensor
 from ..types import Type
 from . import nn
 from .buffer import CPUBuffer, tensor_view
-from .kernels import Step, _shared_activations, column_runs, float_rows, reader
+from .kernels import Step, _shared_activations, column_runs, quant_table_step, reader
 from .kinds import EXACT
 from .plan import TableStep, overlap, span
 from .qmatmul import QuantProduct, product_format
-from .rows import RowCall, address_of, c_rows, row_kernel, serial_call
+from .activations import SERIAL_ROWS
+from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, serial_call
 from .simd import pointer
 
 def _runs(node: Tensor) -> Tensor | None:
@@ -143,28 +144,21 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     widths = [node.src[0].ne[1] for node in group]
     rows = np.ndarray((sum(widths), first.row_size()), dtype=np.uint8, buffer=first.buffer.data, offset=first.offset)
     product = QuantProduct(rows, first.type)
-    x = float_rows(b)
-    runs = column_runs(group[0], _runs(group[0]), b.ne[1]) if _runs(group[0]) is not None else None
-    # a few columns of one sequence are quantized in the kernel's call, more once for every product of b
-    acts = None if runs is None and product.quantizes_in_call(x) else _shared_activations(shared, b, product, reader(b))
+    runs_t = _runs(group[0])
+    runs = column_runs(group[0], runs_t, b.ne[1]) if runs_t is not None else None
     scratch = shared.setdefault("fused products' scratch", _Scratch())
     n_cols = b.ne[1]
     scratch.need(n_cols * rows.shape[0])
     outs = [tensor_view(node).reshape(-1, m) for node, m in zip(group, widths)]
     starts = np.cumsum([0, *widths])
-    if acts is None and c_rows(np.float32, *outs):  # a decoding step's: calls a plan's table runs
-        held: list = []
-
-        def calls() -> list[RowCall]:  # (the scratch is sized once every step is bound)
-            result = scratch.matrix(n_cols, rows.shape[0])
-            made = product.quantizing_calls(x, result)
-            if made is None:
-                raise ValueError(f"{group[0].op.name}: the activations' rows do not fit the weights' rows")
-            product_calls, arrays = made
-            at, ends = np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
-            held.extend([arrays, at, ends, outs])
-            return [*product_calls, scatter_call(result, at, ends)]
-        return TableStep(calls, hold=(held,))
+    if c_rows(np.float32, *outs):  # as calls of a plan's table, the results scattered by one more
+        at, ends = np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
+        table_step = quant_table_step(shared, product, group[0], b, runs_t,
+                                      lambda: scratch.matrix(n_cols, rows.shape[0]),  # (sized once all are bound)
+                                      lambda result: [scatter_call(result, at, ends)], hold=(outs, at, ends, scratch))
+        if table_step is not None:
+            return table_step
+    acts = _shared_activations(shared, b, product, reader(b))
     bound: list = []
 
     def step() -> None:
@@ -197,14 +191,14 @@ def _scatter_rows(start, end, result_at, width, at_at, ends_at, n_outs, i5, i6, 
 
 def scatter_call(result: np.ndarray, at: np.ndarray, ends: np.ndarray) -> RowCall:
     """A fused product's result [rows, width] into each node's tensor (at[i], as many rows,
-    ends[i + 1] - ends[i] wide) as a call (rows.RowCall), in the calling thread (a decoding
-    step's row or two): one call, not a copy each.  The caller holds the tensors at ``at``."""
+    ends[i + 1] - ends[i] wide) as a call (rows.RowCall): one call, not a copy each (in the
+    calling thread for a decoding step's row or two).  The caller holds the tensors at ``at``."""
     if not (result.ndim == 2 and c_rows(np.float32, result) and c_rows(np.int64, at, ends)
             and ends.shape == (at.size + 1,) and ends[0] == 0 and (np.diff(ends) >= 0).all()
             and ends[-1] <= result.shape[1]):
         raise ValueError("scatter: a float32 matrix, and int64 addresses and ends that cut its rows")
-    return serial_call(_scatter_at(), result.shape[0], (address_of(result), result.shape[1], address_of(at),
-                                                        address_of(ends), at.size))
+    return (serial_call if result.shape[0] <= SERIAL_ROWS else rows_call)(
+        _scatter_at(), result.shape[0], (address_of(result), result.shape[1], address_of(at), address_of(ends), at.size))
 
 
 @functools.cache

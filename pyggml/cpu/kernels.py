@@ -32,10 +32,11 @@ from ..types import Type
 from . import nn
 from .buffer import tensor_rows, tensor_view
 from .kinds import DECODER
-from .plan import TableStep
+from .activations import SERIAL_ROWS, activation_shapes, quantize_call
+from .plan import ArrayPool, TableStep
 from .qdecode import F16_TABLE, decode_rows_call, f16_values
-from .qdot import exact_quant_matmul_id
-from .qmatmul import QuantProduct, dequantize_rows, frozen
+from .qdot import activation_bytes_width, exact_quant_matmul_id, product_calls
+from .qmatmul import QuantProduct, dequantize_rows, frozen, whole
 from .qmatmul import supports as quant_supported
 from .rows import RowCall
 
@@ -345,7 +346,7 @@ def _shared_value(shared: dict, key: tuple, make: Callable[[], object]) -> Calla
 
 def float_rows(t: Tensor) -> np.ndarray:
     """An F32 tensor's values as rows [rows, ne0] (a view when its rows lie one after another,
-    else an empty array: QuantProduct.quantizing_calls then declines)."""
+    else an empty array: quant_table_step then declines)."""
     if t.type != Type.F32 or not t.is_contiguous():
         return np.empty((0, max(t.ne[0], 1)), dtype=f32)
     return tensor_view(t).reshape(-1, t.ne[0])
@@ -357,6 +358,51 @@ def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read)
     width = b.ne[0]
     return _shared_value(shared, ("activations", id(b), product.activation_key),
                          lambda: product.activations(x().reshape(-1, width)))
+
+
+def _checked_runs(node: Tensor, t: Tensor, n_cols: int, shared: dict) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """MUL_MAT's runs (column_runs') as int64 in an array of the plan's that table calls read,
+    and what fills and checks it before they run (for the first step of the plan that reads t;
+    the others None)."""
+    key = ("checked runs", id(t), n_cols)
+    if key in shared:
+        return shared[key], None
+    runs = column_runs(node, t, n_cols)
+    checked = shared[key] = np.empty(t.nelements(), dtype=np.int64)
+
+    def prepare() -> None:
+        checked[...] = runs()
+    return checked, prepare
+
+
+def quant_table_step(shared: dict, product: QuantProduct, node: Tensor, b: Tensor, runs_t: Tensor | None,
+                     out: Callable[[], np.ndarray], then: Callable[[np.ndarray], list[RowCall]] | None = None,
+                     hold: tuple = ()) -> TableStep | None:
+    """A product of exact weights (``product``) with the F32 rows of b into ``out()`` (made when
+    the plan's tables are, C-contiguous [columns, M] or wider), as calls of a plan's table: b
+    quantized by the first product of the plan that reads it in this form, into arrays of the
+    plan's (plan.ArrayPool) that the others read; the activations' bytes; the rows; then
+    ``then(out)``'s calls.  None where the calls cannot take it (other weights, b not rows one
+    after another, runs computed in the graph)."""
+    x = float_rows(b)
+    n_cols, k = x.shape
+    if not (product.exact and product.m_rows > 0 and n_cols > 0 and product.qtype.row_size(k) == product.w.shape[1]
+            and (runs_t is None or runs_t.op == Op.NONE)):
+        return None
+    pool = shared.setdefault("activation pool", ArrayPool())
+    key = ("table activations", id(b), product.activation_key)
+    quantizes = key not in shared  # (binding follows the plan's order)
+    shared[key] = True
+    acts = pool.use(key, tuple((shape, f32) for shape in activation_shapes(n_cols, k, product.kind)))
+    yb = pool.use(object(), (((n_cols, activation_bytes_width(k, product.kernel.lane_sums)), np.int8),))
+    runs, prepare = _checked_runs(node, runs_t, n_cols, shared) if runs_t is not None else (whole(n_cols), None)
+
+    def calls() -> list[RowCall]:
+        (yq, yd, ys), (y_bytes,), result = acts(), yb(), out()
+        quantize = [quantize_call(x, product.kind, yq, yd, ys, threads=n_cols > SERIAL_ROWS)] if quantizes else []
+        return [*quantize, *product_calls(product.kernel, product.w, yq, yd, ys, y_bytes, result, runs),
+                *(then(result) if then is not None else [])]
+    return TableStep(calls, prepare, reads=(runs_t,) if runs_t is not None else (), hold=(pool, x, product, hold))
 
 
 def column_runs(node: Tensor, t: Tensor, n_cols: int) -> Callable[[], np.ndarray]:
@@ -383,12 +429,12 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
         w = tensor_rows(a)   # [a3, a2, M, row_bytes]
         if a.ne[2] == 1 and a.ne[3] == 1 and w[0, 0].flags.c_contiguous:
             product = QuantProduct(w[0, 0], a.type)
-            if out.flags.c_contiguous and runs is None:
-                x_rows, out_rows = float_rows(b), out.reshape(-1, a.ne[1])
-                made = product.quantizing_calls(x_rows, out_rows)
-                if made is not None:  # a decoding step's product: calls a plan runs in its table
-                    calls, arrays = made
-                    return TableStep(lambda: calls, hold=(arrays, product, x_rows, out_rows))
+            if out.flags.c_contiguous:
+                out_rows = out.reshape(-1, a.ne[1])
+                table_step = quant_table_step(shared, product, node, b, node.src[2] if runs is not None else None,
+                                              lambda: out_rows)
+                if table_step is not None:
+                    return table_step
             acts = _shared_activations(shared, b, product, x)
             if out.flags.c_contiguous:
                 flat = out.reshape(-1, a.ne[1])

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ..tensor import Tensor
 from .buffer import CPUBuffer
 from .rows import RowCall, Table
@@ -110,3 +112,49 @@ def plan_runs(steps: Sequence[Callable[[], None]], outputs: Sequence[Sequence[Te
     if current:
         runs.append(TableRun(current))
     return runs
+
+
+class ArrayPool:
+    """Arrays for values that pass between the steps of a plan (a product's quantized
+    activations, read by every product of one input): each lives from the first step that uses
+    it to the last, and one whose steps are all done is used again by a later value of the same
+    shapes - a prompt's plan would otherwise hold every layer's.  The steps ask while they are
+    bound (``use``, in the order they run) and get their arrays when every step is bound."""
+
+    def __init__(self) -> None:
+        self._uses: dict[object, list] = {}  # key: [specs, first use, last use]
+        self._clock = 0
+        self._made: dict[object, tuple] | None = None
+
+    def use(self, key: object, specs: tuple[tuple[tuple[int, ...], type], ...]) -> Callable[[], tuple]:
+        """The arrays of ``key`` (shape and dtype of each: ``specs``) for the step being bound,
+        as a function to call once every step is."""
+        if self._made is not None:
+            raise RuntimeError("ArrayPool: a use after the arrays were made")
+        self._clock += 1
+        if key in self._uses:
+            if self._uses[key][0] != specs:
+                raise ValueError(f"ArrayPool: {key!r} asked for with other shapes")
+            self._uses[key][2] = self._clock
+        else:
+            self._uses[key] = [specs, self._clock, self._clock]
+        return lambda: self._arrays(key)
+
+    def _arrays(self, key: object) -> tuple:
+        if self._made is None:
+            self._made = self._assign()
+        return self._made[key]
+
+    def _assign(self) -> dict[object, tuple]:
+        made: dict[object, tuple] = {}
+        free: dict[tuple, list[tuple]] = {}
+        live: list[tuple[int, tuple, tuple]] = []  # (last use, specs, arrays)
+        for key, (specs, first, last) in sorted(self._uses.items(), key=lambda item: item[1][1]):
+            for done in [x for x in live if x[0] < first]:
+                live.remove(done)
+                free.setdefault(done[1], []).append(done[2])
+            spare = free.get(specs)
+            arrays = spare.pop() if spare else tuple(np.empty(shape, dtype=dtype) for shape, dtype in specs)
+            made[key] = arrays
+            live.append((last, specs, arrays))
+        return made

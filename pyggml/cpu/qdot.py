@@ -32,7 +32,7 @@ from numba import carray, njit, prange, types
 
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
-from .rows import RowCall, address_of, c_rows, product_call, row_kernel, serial_call
+from .rows import RowCall, address_of, c_rows, product_call, row_kernel, run_calls, serial_call
 from .simd import KERNEL, address, call_address, pointer
 
 
@@ -124,15 +124,17 @@ def activation_bytes_at() -> int:
 
 def product_calls(kernel: ProductKernel, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray,
                   yb: np.ndarray, out: np.ndarray, runs: np.ndarray) -> list[RowCall]:
-    """quant_product's work on quantized activations as calls (rows.RowCall): their bytes into
-    ``yb`` (activation_bytes_width wide), then the rows of w in quant_product's chunks.  The
-    caller has checked that w's rows hold yq's blocks, and holds every array as long as the
-    calls."""
+    """A product of weight rows w with quantized activations (yq, yd, ys) into out, as calls
+    (rows.RowCall): the activations' bytes into ``yb`` (activation_bytes_width wide), then the
+    rows of w in chunks - one per thread for a single column; for more, chunks whose rows stay in
+    cache from column to column.  The caller has checked that w's rows hold yq's blocks, and
+    checks the runs' values (rising from 0 to the columns) before the calls run; it holds every
+    array as long as the calls."""
     (m_rows, row_bytes), (n_cols, k) = w.shape, yq.shape
-    if not (c_rows(np.uint8, w) and c_rows(np.float32, yq, yd, ys, out) and c_rows(np.int8, yb)
-            and c_rows(np.int64, runs) and yd.shape[0] == ys.shape[0] == n_cols and out.shape[0] == n_cols
-            and out.shape[1] >= m_rows and yb.shape == (n_cols, activation_bytes_width(k, kernel.lane_sums))
-            and runs.size >= 2 and runs[0] == 0 and runs[-1] == n_cols):
+    if not (w.ndim == 2 and yq.ndim == 2 and c_rows(np.uint8, w) and c_rows(np.float32, yq, yd, ys, out)
+            and c_rows(np.int8, yb) and c_rows(np.int64, runs) and runs.ndim == 1 and runs.size >= 2
+            and yd.shape[0] == ys.shape[0] == n_cols and out.shape[0] == n_cols and out.shape[1] >= m_rows
+            and yb.shape == (n_cols, activation_bytes_width(k, kernel.lane_sums))):
         raise ValueError("a product's arrays must be C-contiguous, of agreeing shapes")
     n_chunks, per = _chunks.py_func(m_rows, THREADS if n_cols == 1 else 64)
     return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1],
@@ -147,10 +149,13 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     """out[n, m] = vec_dot(w[m], y[n]) for quantized weight rows w (uint8 [M, row_bytes]) of
     format ``kind`` (a kinds.Fmt) and activations quantized by activations.quantize_q8 (yq [N,
     K] integers, yd/ys per block); each run of columns (runs: int64 [first column of each
-    run..., N], checked by the caller) computed as a product of its columns alone would be -
-    [0, N]: the whole batch."""
-    rows_at, lane_sums = product_kernel(kind)
-    quant_product(w, yq, yd, ys, out, runs, THREADS, rows_at, lane_sums)
+    run..., N]) computed as a product of its columns alone would be - [0, N]: the whole batch."""
+    if not (runs.ndim == 1 and runs.size >= 2 and runs[0] == 0 and runs[-1] == yq.shape[0]
+            and (np.diff(runs) >= 0).all()):
+        raise ValueError("a product's runs must rise from 0 to its columns")
+    kernel = product_kernel(kind)
+    yb = np.empty((yq.shape[0], activation_bytes_width(yq.shape[1], kernel.lane_sums)), dtype=np.int8)
+    run_calls(product_calls(kernel, w, yq, yd, ys, yb, out, runs))
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -185,7 +190,7 @@ def _kernel_of(kind: int) -> ProductKernel:
     format only: ``kind`` is a constant of it (the rows' code and the functions it calls choose
     their code when compiled), so a model compiles the formats it has, not all thirteen.
 
-    The parallel loops around it (quant_product, quant_product_id) are one kernel for every
+    The parallel loops around it (rows.run_table, quant_product_id) are one kernel for every
     format, which calls it by its address, given at every call (a compiled kernel is cached on
     disk; an address is this process's): numba would copy a called function's code into each
     kernel that calls it, and optimize and compile it again there - twice for a parallel loop,
@@ -230,23 +235,6 @@ def _kernel_of(kind: int) -> ProductKernel:
 
     rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), **KERNEL)
     return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
-
-
-@njit(parallel=True, **KERNEL)
-def quant_product(w, yq, yd, ys, out, runs, threads, rows_at, lane_sums):
-    """exact_quant_matmul's parallel loop over chunks of rows, each a call of the C function at
-    ``rows_at`` (product_kernel's), at most ``threads`` chunks for a single column.  (A decoding
-    step's products run as calls of a plan's table instead: product_calls.)"""
-    m_rows, n_cols = w.shape[0], yq.shape[0]
-    yb = _activation_bytes(yq, lane_sums)
-    _check_contiguous(w, yd, ys, out, runs)
-    # one column: a chunk per thread (numba gives each thread one contiguous range anyway, and
-    # each chunk is a call); more: chunks whose rows stay in cache from column to column
-    n_chunks, per = _chunks(m_rows, threads if n_cols == 1 else 64)
-    for c in prange(n_chunks):
-        call_address(rows_at, (address(w), m_rows, w.shape[1], c * per, min(m_rows, (c + 1) * per), address(yb), n_cols,
-                               yb.shape[1], address(yd), yd.shape[1], address(ys), ys.shape[1], address(out), out.shape[1],
-                               address(runs), runs.size))
 
 
 @njit(parallel=True, **KERNEL)

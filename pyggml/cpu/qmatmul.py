@@ -20,11 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ..types import Type
-from .activations import SERIAL_ROWS, activation_arrays, activation_values, quantize, quantize_call
+from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import THREADS, activation_bytes_width, product_calls, product_kernel, quant_product
-from .rows import RowCall
+from .qdot import exact_quant_matmul, product_kernel
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -95,37 +94,12 @@ class QuantProduct:
 
     def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
         """``self(acts, out, runs)`` for this ``out`` (C-contiguous) as one kernel call, its
-        arguments found now (a plan's step, made once and run at every step); None where
-        __call__ has more to do than call the kernel."""
+        arguments found now; None where __call__ has more to do than call the kernel.  (A
+        plan's products are calls of its table instead: kernels.quant_table_step.)"""
         if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
-        (rows_at, lane_sums), w, every = self.kernel, self.w, whole(out.shape[0])
-        # runs reach the kernel read-only, as whole()'s: numba compiles it once per kind of array
-        return lambda acts, runs=None: quant_product(w, *acts, out, every if runs is None else frozen(runs),
-                                                     THREADS, rows_at, lane_sums)
-
-    def quantizes_in_call(self, x: np.ndarray) -> bool:
-        """Whether quantizing_calls takes activations x: weights of the exact kinds, float32
-        rows one after another, at most SERIAL_ROWS of them (more are quantized once, in
-        parallel, and shared by the products of one input)."""
-        return (self.exact and self.m_rows > 0 and 0 < x.shape[0] <= SERIAL_ROWS and x.dtype == np.float32
-                and x.flags.c_contiguous)
-
-    def quantizing_calls(self, x: np.ndarray, out: np.ndarray) -> tuple[list[RowCall], tuple] | None:
-        """A decoding step's product, out [N, M] (C-contiguous) = the product with the float32
-        activations x [N, K] as they are when the calls run, as calls (rows.RowCall) that a plan
-        runs in its table: x quantized into arrays made now, their bytes, the product into out;
-        with the arrays the calls read (the caller holds them as long as the calls).  None where
-        quantizes_in_call says no, or where x's rows are not as long as the weights'."""
-        if not self.quantizes_in_call(x) or self.qtype.row_size(x.shape[1]) != self.w.shape[1]:
-            return None
-        if not (out.dtype == np.float32 and out.flags.c_contiguous and out.shape == (x.shape[0], self.m_rows)):
-            return None
-        yq, yd, ys = activation_arrays(*x.shape, self.kind)
-        yb = np.empty((x.shape[0], activation_bytes_width(x.shape[1], self.kernel.lane_sums)), dtype=np.int8)
-        calls = [quantize_call(x, self.kind, yq, yd, ys),
-                 *product_calls(self.kernel, self.w, yq, yd, ys, yb, out, whole(x.shape[0]))]
-        return calls, (yq, yd, ys, yb)
+        fmt, w, every = self.fmt, self.w, whole(out.shape[0])
+        return lambda acts, runs=None: exact_quant_matmul(fmt, w, *acts, out, every if runs is None else runs)
 
     def __call__(self, acts, out: np.ndarray, runs: np.ndarray | None = None) -> None:
         """out [N, M] (C-contiguous float32) = the product with ``activations(x)``; with ``runs``

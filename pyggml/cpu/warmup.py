@@ -33,9 +33,9 @@ from .activations import activation_arrays, quantize
 from .fusion import scatter_call
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
-from .qdot import THREADS, activation_bytes_at, product_kernel, quant_product, quant_product_id
+from .qdot import activation_bytes_at, product_kernel, quant_product_id
 from .rows import run_calls
-from .qmatmul import frozen, product_format, whole
+from .qmatmul import frozen, product_format
 
 f32 = np.float32
 K = 256  # a row length every format's block divides
@@ -66,13 +66,11 @@ def _product(fmt: Fmt) -> None:
 
 
 def _products() -> None:
-    """quant_product, the parallel loop around every format's rows, which it calls by address:
-    one kernel for all formats, compiled once.  Weights of no rows: no format's rows are called."""
-    yq, yd, ys = _zero_activations(Type.Q8_0)
-    quant_product(_weights(Type.Q8_0, 0), yq, yd, ys, np.empty((2, 0), dtype=f32), whole(2), THREADS, 0, 0)
+    """What every format's rows need around them in a plan: the activations' bytes, the fused
+    products' results scattered (run_table calls every format's rows by address: the table part)."""
     out = np.zeros((1, 2), dtype=f32)
-    scatter_call(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fused results
-    activation_bytes_at()  # (a decoding step's products, in a plan's table)
+    scatter_call(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    activation_bytes_at()
 
 
 def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products)
@@ -158,7 +156,7 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 4.0), "activations": (_activations, 0.9),
           "top_k": (_top_k, 1.0), "table": (_table, 1.0)}
 GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
-OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 1.6), "experts": (_experts, 1.8)}
+OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 0.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
     "product": (Fmt, _product, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7),  # a K-quant block is larger IR
     "decoder": (Dec, _decoder, lambda d: 0.5), "fused": (Dec, _fused, lambda d: 1.2)}
