@@ -29,10 +29,10 @@ import numpy as np
 
 from ..types import Type
 from . import kernel_cache, nn
-from .activations import activation_arrays, quantize
+from .activations import activation_arrays, quantize_call
 from .fusion import scatter_call
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
-from .qdecode import F16_TABLE, decode_rows, f16_values, fused_matmul
+from .qdecode import F16_TABLE, decode_rows_call, f16_values, fused_matmul
 from .qdot import activation_bytes_at, product_kernel, quant_product_id
 from .rows import run_calls
 from .qmatmul import frozen, product_format
@@ -81,7 +81,7 @@ def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products
 
 def _decoder(dec: Dec) -> None:
     qtype = Type[dec.name]
-    decode_rows(dec, _weights(qtype, 2), np.empty((2, K), dtype=f32), F16_TABLE)
+    decode_rows_call(dec, _weights(qtype, 2), np.empty((2, K), dtype=f32), F16_TABLE)  # (made, not run: _activations)
 
 
 def _fused(dec: Dec) -> None:
@@ -90,9 +90,10 @@ def _fused(dec: Dec) -> None:
 
 
 def _activations() -> None:
-    for kind in (Act.Q8_0, Act.Q8_1, Act.Q8_K):
-        quantize(_x(2), int(kind))  # a row or two: in this thread
-        quantize(_x(4), int(kind))  # more: in parallel (both through quantize_rows_at, the products' too)
+    """The quantizer's rows (a call made, not run: rows.run_table, which runs every call, is the
+    table part - a part that ran a call would compile it again in its own process)."""
+    x = _x(2)
+    quantize_call(x, int(Act.Q8_0), *activation_arrays(2, K, int(Act.Q8_0)))
 
 
 def _norms() -> None:
