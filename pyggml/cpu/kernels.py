@@ -277,7 +277,7 @@ def bind_rope(node: Tensor, shared: dict) -> Step:
                              p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors.reshape(-1), ff is not None)
 
     xv = _row_view(a)
-    if xv is not None and direct and a.ne[::-1] == out.shape and pos.op == Op.NONE and (ff is None or ff.op == Op.NONE):
+    if xv is not None and direct and a.ne[::-1] == out.shape:
         # as a table's call: the angles in arrays of the plan's, computed by the first ROPE of
         # the plan (before its table runs) and read by the others with the same positions
         key = ("rope table", id(pos), id(ff), p)
@@ -386,8 +386,7 @@ def quant_table_step(shared: dict, product: QuantProduct, node: Tensor, b: Tenso
     after another, runs computed in the graph)."""
     x = float_rows(b)
     n_cols, k = x.shape
-    if not (product.exact and product.m_rows > 0 and n_cols > 0 and product.qtype.row_size(k) == product.w.shape[1]
-            and (runs_t is None or runs_t.op == Op.NONE)):
+    if not (product.exact and product.m_rows > 0 and n_cols > 0 and product.qtype.row_size(k) == product.w.shape[1]):
         return None
     pool = shared.setdefault("activation pool", ArrayPool())
     key = ("table activations", id(b), product.activation_key)
@@ -523,7 +522,7 @@ def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray | None
     (a decoding step's: one sequence's token, the cache read in place, the mask an input); None
     elsewhere."""
     q, k, v, mask = node.src[:4]
-    if (scratch is None or keys is None or values is None or mask is None or mask.op != Op.NONE
+    if (scratch is None or keys is None or values is None or mask is None
             or mask.type != Type.F32 or q.type != Type.F32 or q.ne[3] != 1):
         return None
     qv, out = tensor_view(q)[0], tensor_view(node)[0]
@@ -628,7 +627,7 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
     a, idx = node.src[0], node.src[1]
     out_rows = _row_view(node)
     if (quant_supported(a.type) and a.type.is_quantized and a.ne[2] == a.ne[3] == 1 and idx.ne[1] == idx.ne[2] == 1
-            and idx.op == Op.NONE and out_rows is not None and tensor_rows(a)[0, 0].flags.c_contiguous):
+            and out_rows is not None and tensor_rows(a)[0, 0].flags.c_contiguous):
         # an embedding's rows for a step's tokens, as a table's call (the ids checked before it runs)
         w, (ids, prepare) = tensor_rows(a)[0, 0], _checked_ids(idx, a.ne[1], "GET_ROWS", shared)
         return TableStep(lambda: [decode_rows_call(DECODER[a.type], w, out_rows, F16_TABLE, ids[0, 0, 0])], prepare,
@@ -651,28 +650,21 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
 
 def bind_set_rows(node: Tensor, shared: dict) -> Step:
     src, idx, dst = node.src[0], node.src[1], node.src[2]
-    index = _row_ids(idx, dst.ne[1], "SET_ROWS", shared)  # [1, i2, i1, n]
-    x = reader(src)            # [s3, s2, n, ne0]
     r2, r3 = src.ne[2] // idx.ne[1], src.ne[3] // idx.ne[2]
     quantized = node.type.is_quantized
     out = tensor_rows(node) if quantized else tensor_view(node)
-    # the KV cache's writes (F32 rows into F16 ones, both contiguous): one numba loop per
-    # matrix, its arrays made here
+    # the KV cache's writes (F32 rows into F16 ones, both contiguous): a table's calls, one per
+    # matrix, the ids checked before the table runs
     if node.type == Type.F16 and src.type == Type.F32:
         halves, rows_in = out.view(np.uint16), tensor_view(src)
         matrices = [(rows_in[i3, i2], halves[i3, i2], i3 // r3, i2 // r2)
                     for i3 in range(src.ne[3]) for i2 in range(src.ne[2])]
         if all(a.flags.c_contiguous and b.flags.c_contiguous for a, b, _, _ in matrices):
-            if idx.op == Op.NONE:  # as a table's calls, the ids checked before the table runs
-                ids, prepare = _checked_ids(idx, dst.ne[1], "SET_ROWS", shared)
-                return TableStep(lambda: [nn.set_rows_f16_call(rows, ids[0, j3, j2], cache_rows)
-                                          for rows, cache_rows, j3, j2 in matrices], prepare, reads=(idx,))
-
-            def write_halves() -> None:
-                ids = index()  # int64, C-contiguous: each [0, j3, j2] a contiguous row
-                for rows, cache_rows, j3, j2 in matrices:
-                    nn.set_rows_f16(rows, ids[0, j3, j2], cache_rows)
-            return write_halves
+            ids, prepare = _checked_ids(idx, dst.ne[1], "SET_ROWS", shared)  # (int64, each [0, j3, j2] a row)
+            return TableStep(lambda: [nn.set_rows_f16_call(rows, ids[0, j3, j2], cache_rows)
+                                      for rows, cache_rows, j3, j2 in matrices], prepare, reads=(idx,))
+    index = _row_ids(idx, dst.ne[1], "SET_ROWS", shared)  # [1, i2, i1, n]
+    x = reader(src)            # [s3, s2, n, ne0]
 
     def step() -> None:
         ids = index()
