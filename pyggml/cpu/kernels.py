@@ -593,17 +593,17 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
 
 
 def _row_ids(t: Tensor, n_rows: int, what: str, shared: dict) -> Callable[[], np.ndarray]:
-    """The row ids in t as int64, checked at every step to lie in [0, n_rows); converted and
-    checked once per step for all the nodes that read t (a decode step's cache writes: two
-    SET_ROWS per layer, all at the step's cells)."""
-    view = tensor_view(t)
+    """For a step that runs in Python: the row ids in t as int64, checked at every step to lie in
+    [0, n_rows) - by the first step of the plan that reads t (_checked_ids), whose array the
+    others read (a decode step's cache writes: two SET_ROWS per layer, all at the step's cells)."""
+    ids, prepare = _checked_ids(t, n_rows, what, shared)
+    if prepare is None:
+        return lambda: ids
 
-    def ids() -> np.ndarray:
-        v = view.astype(np.int64)
-        if v.size and (v.min() < 0 or v.max() >= n_rows):
-            raise IndexError(f"{what}: index out of range [0, {n_rows}) in {t.name or 'indices'}")
-        return v
-    return _shared_value(shared, ("row ids", id(t), n_rows), ids)
+    def checked() -> np.ndarray:
+        prepare()
+        return ids
+    return checked
 
 
 def _checked_ids(t: Tensor, n_rows: int, what: str, shared: dict) -> tuple[np.ndarray, Callable[[], None] | None]:
