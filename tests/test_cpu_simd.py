@@ -291,6 +291,49 @@ def test_attention_with_a_steps_row_cells_and_scratch_gives_the_same_bits():
         nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got, None, nn.attention_scratch(n_head, 32, d, d))
 
 
+def test_row_cells_and_seen_cells_of_a_batch_of_sequences():
+    """What attention derives from a batch's mask, against the definitions read row by row: a
+    sequence of three tokens (causal), one of a single token, and a row that sees nothing; the
+    cells read end at the last one some row shows, in whole 64s."""
+    mask = np.full((5, 192), -np.inf, dtype=np.float32)
+    for t in range(3):  # sequence A: cells 0..9 before it, then its own tokens at 100..102
+        mask[t, :10] = 0.0
+        mask[t, 100:101 + t] = 0.0
+    mask[3, 20:25] = -1.5  # sequence B's single token (a finite bias: shown)
+    alone, n_seen, cells = nn.row_cells(mask)
+    for t in range(5):
+        shown = [c for c in range(192) if mask[t, c] != -np.inf]
+        others = {c for u in range(5) if u != t for c in range(192) if mask[u, c] != -np.inf}
+        assert n_seen[t] == len(shown) and cells[t, :len(shown)].tolist() == shown
+        assert alone[t] == (not others.intersection(shown))
+    assert alone.tolist() == [False, False, False, True, True]
+    assert nn.seen_cells(mask) == 128  # the last shown cell is 102
+    assert nn.seen_cells(mask[4:]) == 192  # no row shows a cell: all of them
+    assert nn.seen_cells(mask[3:4]) == 64
+
+
+def test_attention_rows_sharing_a_slot_of_the_scratch_give_the_same_bits():
+    """Past 64 (head, token) rows, a chunk's rows share one slot of attention's working arrays,
+    one after another: the same bits as each head's rows, a slot each."""
+    rng = np.random.default_rng(5)
+    n_head, n_kv_heads, d, n_tok, cells = 9, 3, 64, 12, 64
+    k = (rng.standard_normal((cells, n_kv_heads * d)) * 2).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal((cells, n_kv_heads * d)).astype(np.float16).view(np.uint16)
+    q = rng.standard_normal((n_head, n_tok, d)).astype(np.float32)
+    mask = np.full((n_tok, cells), -np.inf, dtype=np.float32)
+    for t in range(n_tok):
+        mask[t, :40 + t] = 0.0
+    assert nn.attention_scratch(n_head * n_tok, cells, d, d).shape[0] < n_head * n_tok  # slots shared
+    got = np.empty((n_tok, n_head, d), dtype=np.float32)
+    nn.attention_cells(q, k, v, n_kv_heads, mask, 0.125, 0.0, got)
+    group = n_head // n_kv_heads
+    for h in range(n_head):
+        one = np.empty((n_tok, 1, d), dtype=np.float32)
+        kv = slice(h // group * d, (h // group + 1) * d)
+        nn.attention_cells(q[h:h + 1], k[:, kv], v[:, kv], 1, mask, 0.125, 0.0, one)
+        assert same_bits(got[:, h:h + 1], one), h
+
+
 def test_the_integer_dots_are_capped_by_pyggml_dots(monkeypatch):
     """PYGGML_DOTS caps the integer dot instructions the products compile to (the tests of the
     lesser paths use it); a name it does not know is an error, not a silent default."""

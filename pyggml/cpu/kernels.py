@@ -516,13 +516,13 @@ class _MaskCells:
             sizes[nn.SIZES_CELLS] = seen
 
 
-def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray | None, keys: list[np.ndarray] | None,
+def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray, keys: list[np.ndarray] | None,
                           values: list[np.ndarray] | None) -> TableStep | None:
     """FLASH_ATTN_EXT as a table's call, where its arrays stay where they are from step to step
     (a decoding step's: one sequence's token, the cache read in place, the mask an input); None
     elsewhere."""
     q, k, v, mask = node.src[:4]
-    if (scratch is None or keys is None or values is None or mask is None
+    if (keys is None or values is None or mask is None
             or mask.type != Type.F32 or q.type != Type.F32 or q.ne[3] != 1):
         return None
     qv, out = tensor_view(q)[0], tensor_view(node)[0]
@@ -539,11 +539,6 @@ def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray | None
                      hold=(sizes, cut, scratch, qv, out, keys, values))  # (the call has their addresses only)
 
 
-# up to this many (head, token) rows an attention step keeps its rows' working arrays (a
-# decoding step's; ~17 KB a row at head size 64)
-SCRATCH_ROWS = 64
-
-
 def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     """Attention with the rounding of llama.cpp's unfused path over an F16 cache (KQ =
     mul_mat(K, Q), softmax, mul_mat(V, KQ)), as nn.attention_cells computes it, reading the
@@ -556,14 +551,13 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
     (keys, fixed_keys), (values, fixed_values) = _cells_by_cell(k), _cells_by_cell(v)
     qv = reader(q)
     direct = out.flags.c_contiguous
-    # a decoding step's few rows keep their working arrays from step to step (and layer to layer)
+    # the rows' working arrays (a slot per chunk of rows), kept from step to step; the steps of
+    # a plan run one after another: its layers share them
     n_rows, d, dv = q.ne[2] * n_tokens, q.ne[0], v.ne[0]
-    scratch = None
-    if n_rows <= SCRATCH_ROWS:  # (the steps of a plan run one after another: its layers share one)
-        key = ("attention scratch", n_rows, n_kv, d, dv)
-        scratch = shared.get(key)
-        if scratch is None:
-            scratch = shared[key] = nn.attention_scratch(n_rows, n_kv, d, dv)
+    key = ("attention scratch", n_rows, n_kv, d, dv)
+    scratch = shared.get(key)
+    if scratch is None:
+        scratch = shared[key] = nn.attention_scratch(n_rows, n_kv, d, dv)
     table_step = _attention_table_step(node, shared, scratch, fixed_keys, fixed_values)
     if table_step is not None:
         return table_step

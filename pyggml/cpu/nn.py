@@ -24,7 +24,7 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
-from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls, serial_call
+from .rows import RowCall, address_of, c_rows, chunking, row_kernel, rows_call, run_calls, serial_call
 from .simd import (EXP_RANGE, KERNEL, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64,
                    fma32, half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
@@ -108,12 +108,6 @@ def _rms_row(x, r, eps, out):
         out[r, i] = x[r, i] * scale
 
 
-def _rms_rows(start, end, x_at, out_at, n, i3, i4, i5, i6, i7, i8, i9, eps, f1):
-    x, out = rows_of(x_at, end, n), rows_of(out_at, end, n)
-    for r in range(start, end):
-        _rms_row(x, r, eps, out)
-
-
 def _same_rows(what: str, *arrays: np.ndarray) -> None:
     """That a row kernel may view ``arrays`` as rows of one shape: 2-d, C-contiguous float32."""
     if not (arrays[0].ndim == 2 and c_rows(f32, *arrays) and all(a.shape == arrays[0].shape for a in arrays)):
@@ -123,7 +117,9 @@ def _same_rows(what: str, *arrays: np.ndarray) -> None:
 def rms_norm_call(x: np.ndarray, eps: float, out: np.ndarray) -> RowCall:
     """rms_norm(x, eps, out) as a call (rows.RowCall)."""
     _same_rows("rms_norm", x, out)
-    return rows_call(_kernel(_rms_rows), x.shape[0], (address_of(x), address_of(out), x.shape[1]), (eps, 0.0))
+    return rows_call(_kernel(_norm_rows), x.shape[0],  # (neither an add nor a weight)
+                     (address_of(x), address_of(x), address_of(x), address_of(x), address_of(out), address_of(out),
+                      x.shape[1], 0, 0), (eps, 0.0))
 
 
 def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
@@ -180,8 +176,9 @@ def elementwise_call(op: int, a: np.ndarray, b: np.ndarray | None, out: np.ndarr
                      (scale, bias))
 
 
-def _add_rms_norm_mul_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, out_at, n, add, i8, i9, eps, f1):
-    """Rows start..end of add_rms_norm_mul."""
+def _norm_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, out_at, n, add, mul, i9, eps, f1):
+    """Rows start..end of add_rms_norm_mul (``mul``: times the weight; without it, out is normed:
+    rms_norm's rows, one kernel for both)."""
     a, b, summed = rows_of(a_at, end, n), rows_of(b_at, end, n), rows_of(summed_at, end, n)
     normed, out, w = rows_of(normed_at, end, n), rows_of(out_at, end, n), rows_of(w_at, 1, n)
     for r in range(start, end):
@@ -189,8 +186,9 @@ def _add_rms_norm_mul_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, o
             for i in range(n):
                 summed[r, i] = a[r, i] + b[r, i]
         _rms_row(summed, r, eps, normed)
-        for i in range(n):
-            out[r, i] = normed[r, i] * w[0, i]
+        if mul:
+            for i in range(n):
+                out[r, i] = normed[r, i] * w[0, i]
 
 
 def add_rms_norm_mul_call(a: np.ndarray, b: np.ndarray, add: bool, summed: np.ndarray, eps: float, w: np.ndarray,
@@ -199,9 +197,9 @@ def add_rms_norm_mul_call(a: np.ndarray, b: np.ndarray, add: bool, summed: np.nd
     _same_rows("add_rms_norm_mul", a, b, summed, normed, out)
     if not (c_rows(f32, w) and w.size == summed.shape[1]):
         raise ValueError("add_rms_norm_mul: the weight must be a C-contiguous float32 row of the rows' width")
-    return serial_call(_kernel(_add_rms_norm_mul_rows), summed.shape[0],
+    return serial_call(_kernel(_norm_rows), summed.shape[0],
                        (address_of(a), address_of(b), address_of(summed), address_of(w), address_of(normed),
-                        address_of(out), summed.shape[1], int(add)), (eps, 0.0))
+                        address_of(out), summed.shape[1], int(add), 1), (eps, 0.0))
 
 
 def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out) -> None:
@@ -342,13 +340,24 @@ def _yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base):
         / (f32(2.0) * f32(math.log(base)))
 
 
+def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+               attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int, freq_factors: np.ndarray,
+               has_factors: bool) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin per position (int64 [n_pos]) and pair, [n_pos, n_dims/2] each, as
+    ggml_rope_cache_init; freq_factors: float32 [n_dims/2] where has_factors."""
+    if has_factors and freq_factors.size < n_dims // 2:
+        raise ValueError(f"rope: {freq_factors.size} frequency factors for {n_dims} dimensions")
+    cos = np.empty((pos.size, n_dims // 2), dtype=f32)  # (made here: nothing for numba to compile)
+    sin = np.empty_like(cos)
+    _rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig,
+                freq_factors, has_factors, cos, sin)
+    return cos, sin
+
+
 @njit(**KERNEL)
-def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
-               n_ctx_orig, freq_factors, has_factors):
-    """cos and sin per position and pair, [n_pos, n_dims/2] each, as ggml_rope_cache_init."""
+def _rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
+                n_ctx_orig, freq_factors, has_factors, cos, sin):
     half = n_dims // 2
-    cos = np.empty((pos.size, half), dtype=np.float32)
-    sin = np.empty((pos.size, half), dtype=np.float32)
     theta_scale = f32(math.pow(f32(freq_base), f32(-2.0) / f32(n_dims)))
     low = max(f32(0.0), f32(math.floor(_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, f32(freq_base)))))
     high = min(f32(n_dims - 1), f32(math.ceil(_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, f32(freq_base)))))
@@ -367,7 +376,6 @@ def rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, beta
             cos[t, i] = f32(math.cos(th)) * mscale
             sin[t, i] = f32(math.sin(th)) * mscale
             theta = theta * theta_scale
-    return cos, sin
 
 
 @_jit
@@ -541,41 +549,6 @@ def _sum_lanes(acc, out, single):
 
 
 @_jit
-def _alone_rows(mask):
-    """Rows that share no visible cell with another row: the only token of their sequence in
-    the batch (rows of one sequence always share cells, those of others never do)."""
-    n_tok, n_kv = mask.shape
-    seen_by = np.zeros(n_kv, dtype=np.int32)
-    for t in range(n_tok):
-        for c in range(n_kv):
-            if mask[t, c] != -np.inf:
-                seen_by[c] += 1
-    alone = np.ones(n_tok, dtype=np.bool_)
-    for t in range(n_tok):
-        for c in range(n_kv):
-            if mask[t, c] != -np.inf and seen_by[c] > 1:
-                alone[t] = False
-                break
-    return alone
-
-
-@_jit
-def _seen_by_row(mask):
-    """Per row of mask [n_tokens, n_kv], how many cells it shows and which, in ascending order."""
-    n_tok, n_kv = mask.shape
-    counts = np.zeros(n_tok, dtype=np.int64)
-    cells = np.empty((n_tok, n_kv), dtype=np.int32)
-    for t in range(n_tok):
-        m = 0
-        for c in range(n_kv):
-            if mask[t, c] != -np.inf:
-                cells[t, m] = c
-                m += 1
-        counts[t] = m
-    return counts, cells
-
-
-@_jit
 def _softmax_seen(w, n, cells, m):
     """``_softmax_row`` of w[:n] whose cells other than cells[:m] (ascending) were -inf and hold
     the 0 their exponential is: the exponentials of the cells seen only, each 16-lane group that
@@ -616,27 +589,13 @@ def _softmax_seen(w, n, cells, m):
 _softmax_seen_call = njit(**KERNEL)(_softmax_seen.py_func)
 
 
-@njit(**KERNEL)
-def _row_cells(mask):
-    """_alone_rows and _seen_by_row of a mask, outside the parallel loop of attention_cells
-    (where numba would make each of their arrays a parallel loop of its own)."""
-    n_seen, seen = _seen_by_row(mask)
-    return _alone_rows(mask), n_seen, seen
-
-
-@njit(**KERNEL)
-def seen_cells(mask):
+def seen_cells(mask: np.ndarray) -> int:
     """How many leading cells attention reads: up to the last one some row of ``mask`` [n_tokens,
     n_kv] shows, in whole 64s (cells past it have probability 0; whole 64s keep every sum's lanes
     as over the whole cache); all of them when no row shows any."""
-    n_tok, n_kv = mask.shape
-    last = -1
-    for t in range(n_tok):
-        for c in range(n_kv - 1, last, -1):
-            if math.isfinite(mask[t, c]):
-                last = c
-                break
-    return n_kv if last < 0 else min(n_kv, (last // 64 + 1) * 64)
+    n_kv = mask.shape[1]
+    shown = np.flatnonzero(np.isfinite(mask).any(axis=0))
+    return n_kv if shown.size == 0 else min(n_kv, (int(shown[-1]) // 64 + 1) * 64)
 
 
 def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, scale,
@@ -656,33 +615,42 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     hides are skipped: their probability is exactly 0.
 
     ``seen``: row_cells(mask), where the caller has it (a step's layers share one mask);
-    ``scratch``: attention_scratch()'s, for few rows (a decoding step's): the rows' working
-    arrays, made once instead of at every call."""
+    ``scratch``: attention_scratch()'s for these rows, where the caller keeps one from call to
+    call (made here otherwise)."""
     alone, n_seen, cells = row_cells(mask) if seen is None else seen
-    call, sizes = attention_call(q, k, v, n_head_kv, mask, alone, n_seen, cells,
-                                 _NO_SCRATCH if scratch is None else scratch, scale, softcap, out)
+    if scratch is None:
+        scratch = attention_scratch(q.shape[0] * q.shape[1], mask.shape[1], q.shape[2], out.shape[2])
+    call, sizes = attention_call(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, scale, softcap, out)
     run_calls([call])  # (sizes held until it ran)
 
 
 def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What attention_cells derives from a mask [n_tokens, n_kv] (C-contiguous float32): which
-    rows are alone in their sequence, how many cells each row sees, and which."""
-    return _row_cells(mask)
+    """What attention_cells derives from a mask [n_tokens, n_kv]: which rows are alone in their
+    sequence - share no cell they see with another row (rows of one sequence always share cells,
+    those of others never do) -, how many cells each row sees, and which, in ascending order.
+    (numpy, once per step for every layer: nothing here for numba to compile.)"""
+    shown = mask != -np.inf
+    n_seen = shown.sum(axis=1, dtype=np.int64)
+    alone = ~(shown & (shown.sum(axis=0) > 1)).any(axis=1)
+    cells = np.zeros(mask.shape, dtype=np.int32)
+    rows, cols = np.nonzero(shown)  # row by row, each row's cells ascending
+    firsts = np.cumsum(n_seen) - n_seen
+    cells[rows, np.arange(rows.size) - firsts[rows]] = cols
+    return alone, n_seen, cells
 
 
 def _scratch_floats(n_kv: int, d: int, dv: int) -> int:
-    """Floats of one row's working arrays: its 64 lanes of dv sums, its n_kv scores, 64 lanes
-    of a dot, its query rounded to F16."""
+    """Floats of one slot of working arrays: 64 lanes of dv sums, n_kv scores, 64 lanes of a
+    dot, a query rounded to F16."""
     return 64 * dv + n_kv + 64 + d
 
 
 def attention_scratch(n_rows: int, n_kv: int, d: int, dv: int) -> np.ndarray:
-    """Working arrays for attention_cells over at most n_rows rows of at most n_kv cells (zeroed:
-    each row leaves its lanes' sums zeroed again)."""
-    return np.zeros((n_rows, _scratch_floats(n_kv, d, dv)), dtype=f32)
-
-
-_NO_SCRATCH = np.zeros((0, 0), dtype=f32)  # each chunk of rows makes its own
+    """Working arrays for attention_cells over at most n_rows (head, token) rows of at most n_kv
+    cells: a slot for each chunk of rows the threads take (rows.chunking; one a row for a
+    decoding step's few), each used by its rows one after another - zeroed, as each row leaves
+    its lanes' sums (made in Python: nothing for numba to compile in the kernel)."""
+    return np.zeros((chunking(n_rows)[0], _scratch_floats(n_kv, d, dv)), dtype=f32)
 
 
 SIZES_CELLS = 10  # which of attention_call's sizes is the number of cells
@@ -694,9 +662,10 @@ def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, 
     """attention_cells' rows ((head, token) pairs) as a call of the row kernel
     _attention_rows_at (rows.RowCall), and the sizes it reads by address, which the caller holds
     as long as the call: sizes[10] is the number of cells, which a plan may lower from step to
-    step (the mask and the row cells then laid out for that many)."""
+    step (the mask and the row cells then laid out for that many).  ``scratch``:
+    attention_scratch()'s, for at least these rows and cells."""
     if not (q.ndim == 3 and mask.ndim == 2 and out.ndim == 3 and k.ndim == 2 and v.ndim == 2
-            and c_rows(f32, q, mask, out, scratch) and c_rows(np.bool_, alone) and c_rows(np.int64, n_seen)
+            and c_rows(f32, q, mask, out, scratch) and scratch.ndim == 2 and c_rows(np.bool_, alone) and c_rows(np.int64, n_seen)
             and c_rows(np.int32, cells) and k.dtype in (np.uint16, f32) and v.dtype in (np.uint16, f32)
             and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize
             and k.strides[0] % k.itemsize == 0 and v.strides[0] % v.itemsize == 0):
@@ -711,17 +680,16 @@ def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, 
             and alone.shape[0] >= n_tok and n_seen.shape[0] >= n_tok and cells.ndim == 2 and cells.shape[0] >= n_tok
             and cells.shape[1] == n_kv):
         raise ValueError("attention: the shapes of q, k, v, mask, out and the row cells do not agree")
-    slot = 0
-    if scratch.size:
-        slot = scratch.shape[1]
-        if scratch.shape[0] < n_head * n_tok or slot < _scratch_floats(n_kv, d, out.shape[2]):
-            raise ValueError("attention: the scratch is too small for these rows")
-    # (SIZES_CELLS: the cells' entry)
+    n_chunks, per = chunking(n_head * n_tok)
+    slot = scratch.shape[1]
+    if scratch.shape[0] < n_chunks or slot < _scratch_floats(n_kv, d, out.shape[2]):
+        raise ValueError("attention: the scratch is too small for these rows")
+    # (SIZES_CELLS: the cells' entry; the last, how many rows use a slot of the scratch: a chunk's)
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
-                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot], dtype=np.int64)
+                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot, max(per, 1)], dtype=np.int64)
     call = rows_call(_attention_rows_at(k.dtype, v.dtype), n_head * n_tok,
                      (address_of(q), address_of(k), address_of(v), address_of(mask), address_of(out), address_of(alone),
-                      address_of(n_seen), address_of(cells), address_of(sizes), address_of(scratch) if slot else 0),
+                      address_of(n_seen), address_of(cells), address_of(sizes), address_of(scratch)),
                      (float(f32(scale)), float(f32(softcap))))
     return call, sizes
 
@@ -734,14 +702,15 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
 
     def attention_rows(start, end, q_at, k_at, v_at, mask_at, out_at, alone_at, n_seen_at, seen_at, sizes_at,
                        scratch_at, scale, softcap):
-        """attention_cells' rows start..end (head h, token t at h * n_tokens + t), each with its
-        own row of the scratch at ``scratch_at`` (sizes[11] floats a row), or one set of working
-        arrays made here for all of them (scratch_at 0): the C function's own code, not a
-        function it inlines (numba would copy that one's code).  No array expressions in it:
-        numba makes each a parallel loop of its own."""
-        sizes = carray(pointer(sizes_at, np.int64), (12,))
+        """attention_cells' rows start..end (head h, token t at h * n_tokens + t), row r with the
+        working arrays of slot r // sizes[12] of the scratch at ``scratch_at`` (sizes[11] floats
+        a slot: a chunk's rows share one, one after another): the C function's own code, not a
+        function it inlines (numba would copy that one's code).  No array expressions or
+        allocations in it: numba makes each a parallel loop, or a function, of its own."""
+        sizes = carray(pointer(sizes_at, np.int64), (13,))
         n_head, n_tok, d, k_cells, k_stride, k_width = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]
         v_cells, v_stride, v_width, n_head_kv, n_kv, slot = sizes[6], sizes[7], sizes[8], sizes[9], sizes[10], sizes[11]
+        per_slot = sizes[12]
         q = carray(pointer(q_at, np.float32), (n_head, n_tok, d))
         k = carray(pointer(k_at, kt), (k_cells, k_stride))[:, :k_width]
         v = carray(pointer(v_at, vt), (v_cells, v_stride))[:, :v_width]
@@ -751,19 +720,13 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
         n_seen = carray(pointer(n_seen_at, np.int64), (n_tok,))
         seen = carray(pointer(seen_at, np.int32), (n_tok, n_kv))
         dv = v_width // n_head_kv
-        if scratch_at == 0:
-            q16 = np.empty(d, dtype=np.float32)
-            s = np.empty(n_kv, dtype=np.float32)
-            lanes = np.empty(64, dtype=np.float32)
-            acc = np.zeros((64, dv), dtype=np.float32)  # _sum_lanes leaves it zeroed
         scale32, softcap32 = f32(scale), f32(softcap)
         for r in range(start, end):
-            if scratch_at != 0:  # (attention_scratch's layout: _scratch_floats)
-                at = scratch_at + 4 * r * slot
-                acc = carray(pointer(at, np.float32), (64, dv))
-                s = carray(pointer(at + 4 * 64 * dv, np.float32), (n_kv,))
-                lanes = carray(pointer(at + 4 * (64 * dv + n_kv), np.float32), (64,))
-                q16 = carray(pointer(at + 4 * (64 * dv + n_kv + 64), np.float32), (d,))
+            at = scratch_at + 4 * (r // per_slot) * slot  # (attention_scratch's layout: _scratch_floats)
+            acc = carray(pointer(at, np.float32), (64, dv))  # zeroed: _sum_lanes leaves it so
+            s = carray(pointer(at + 4 * 64 * dv, np.float32), (n_kv,))
+            lanes = carray(pointer(at + 4 * (64 * dv + n_kv), np.float32), (64,))
+            q16 = carray(pointer(at + 4 * (64 * dv + n_kv + 64), np.float32), (d,))
             t = r % n_tok
             _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale32, softcap32, out, alone[t], n_seen[t],
                            seen[t], q16, s, lanes, acc)
@@ -850,62 +813,51 @@ def _worse(va, ia, vb, ib):
 
 
 @_jit
-def _sift_down(hv, hi, k, at):
-    """Restore the heap (its worst entry at 0) below ``at``."""
-    while True:
-        child = 2 * at + 1
-        if child >= k:
-            return
-        if child + 1 < k and _worse(hv[child + 1], hi[child + 1], hv[child], hi[child]):
-            child += 1
-        if not _worse(hv[child], hi[child], hv[at], hi[at]):
-            return
-        hv[at], hv[child] = hv[child], hv[at]
-        hi[at], hi[child] = hi[child], hi[at]
-        at = child
+def _insert(hv, hi, at, v, j):
+    """Put (v, j) in its place among the entries before ``at`` (ranked, best first), moving the
+    worse ones down over the entry at ``at``."""
+    while at > 0 and _worse(hv[at - 1], hi[at - 1], v, j):
+        hv[at], hi[at] = hv[at - 1], hi[at - 1]
+        at -= 1
+    hv[at], hi[at] = v, j
 
 
-@njit(**KERNEL)
-def top_k_rows(x, k, out):
+def top_k_rows(x: np.ndarray, k: int, out: np.ndarray) -> None:
     """out[r, :k] = the indices of the k largest values of row r of x [rows, n] (k <= n), largest
-    first, equal values lowest index first; NaN ranks below every number.  One pass per row
-    against a heap of the k best so far: a value enters only when it beats the heap's worst.
-    In this thread: a sampler's row, or an expert router's few values per token."""
-    for r in range(x.shape[0]):
-        _top_k_row(x[r], k, out[r])
+    first, equal values lowest index first; NaN ranks below every number.  One pass per row,
+    the k best so far kept ranked: a value enters only when it beats the worst of them (rare once
+    they are warm: at most n * k moves for a row). In this thread: a sampler's row, or an expert
+    router's few values per token."""
+    if not (x.ndim == 2 and out.ndim == 2 and out.shape[0] >= x.shape[0] and 0 < k <= min(x.shape[1], out.shape[1])):
+        raise ValueError(f"top_k: k = {k} of rows {x.shape} into {out.shape}")
+    _top_k_rows(x, k, out, np.empty(k, dtype=f32), np.empty(k, dtype=np.int64))  # (the k best: made here)
 
 
 @njit(**KERNEL)
-def _top_k_row(x, k, out):
-    """top_k_rows of one row."""
+def _top_k_rows(x, k, out, hv, hi):
+    for r in range(x.shape[0]):
+        _top_k_row(x[r], k, out[r], hv, hi)
+
+
+@_jit
+def _top_k_row(x, k, out, hv, hi):
+    """top_k_rows of one row, its k best so far ranked in values hv and indices hi."""
     n = x.shape[0]
-    hv = np.empty(k, dtype=np.float32)
-    hi = np.empty(k, dtype=np.int64)
     for i in range(k):
         v = x[i]
-        hv[i], hi[i] = (v if v == v else f32(-np.inf)), i
-    for at in range(k // 2 - 1, -1, -1):
-        _sift_down(hv, hi, k, at)
+        _insert(hv, hi, i, v if v == v else f32(-np.inf), i)
     i = k
     while i < n:
-        # most values beat no entry once the heap is warm: a group of 16 is looked at one by
-        # one only when one of them does (the test over the group vectorizes)
+        # most values beat no entry once the k are warm: a group of 16 is looked at one by one
+        # only when one of them does (the test over the group vectorizes)
         end = min(i + 16, n)
-        if end - i == 16 and not _any_above(x, i, hv[0]):
+        if end - i == 16 and not _any_above(x, i, hv[k - 1]):
             i = end
             continue
         for j in range(i, end):
             v = x[j]
-            if v > hv[0]:  # strictly: an equal value comes later, so it ranks below
-                hv[0], hi[0] = v, j
-                _sift_down(hv, hi, k, 0)
+            if v > hv[k - 1]:  # strictly: an equal value comes later, so it ranks below
+                _insert(hv, hi, k - 1, v, j)
         i = end
-    for i in range(1, k):  # best first: insertion sort of the k (few) entries
-        v, j = hv[i], hi[i]
-        at = i
-        while at > 0 and _worse(hv[at - 1], hi[at - 1], v, j):
-            hv[at], hi[at] = hv[at - 1], hi[at - 1]
-            at -= 1
-        hv[at], hi[at] = v, j
     for i in range(k):
         out[i] = hi[i]

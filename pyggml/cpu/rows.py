@@ -75,11 +75,17 @@ class RowCall(NamedTuple):
     floats: tuple = (0.0, 0.0)
 
 
-def rows_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
-    """run_rows's call of the row kernel at ``at``: at most CHUNKS chunks, a single row in the
-    calling thread.  ``ints``: up to INTS integers (the rest are zeros)."""
+def chunking(n_rows: int) -> tuple[int, int]:
+    """How rows_call cuts n_rows: (chunks, rows per chunk) - at most CHUNKS chunks, a single
+    row in the calling thread."""
     n_chunks = min(n_rows, CHUNKS) if n_rows > 1 else 1
-    per = (n_rows + n_chunks - 1) // n_chunks if n_rows else 0
+    return n_chunks, (n_rows + n_chunks - 1) // n_chunks if n_rows else 0
+
+
+def rows_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
+    """The call of the row kernel at ``at`` over n_rows rows, cut as chunking() says.  ``ints``:
+    up to INTS integers (the rest are zeros)."""
+    n_chunks, per = chunking(n_rows)
     return RowCall(ROWS, at, n_rows, n_chunks, per, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
 
 

@@ -116,15 +116,13 @@ def _f16() -> None:  # F16 tensors read as floats (kernels.reader): not the KV c
 
 
 def _attention() -> None:
-    """Attention's rows over an F16 cache (a call made, not run), and what a step derives from
-    its mask."""
+    """Attention's rows over an F16 cache (a call made, not run)."""
     q = np.ones((1, 2, 64), dtype=f32)
     cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
     mask = np.zeros((2, 2), dtype=f32)
     alone, n_seen, seen = nn.row_cells(mask)
     nn.attention_call(q, cells, cells, 1, mask, alone, n_seen, seen, nn.attention_scratch(2, 2, 64, 64), f32(0.125),
                       f32(0.0), np.empty((2, 1, 64), dtype=f32))
-    nn.seen_cells(mask)
 
 
 def _table() -> None:
@@ -154,8 +152,8 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 # what every model runs, and roughly how many seconds each part takes to compile on the 2-core
 # machine the project is developed on (the processes take the costliest first: the closer these
 # are, the closer the two processes finish together)
-LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 4.0), "activations": (_activations, 0.9),
-          "top_k": (_top_k, 1.0), "table": (_table, 1.0)}
+LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 3.0), "activations": (_activations, 0.9),
+          "top_k": (_top_k, 0.8), "table": (_table, 1.2)}
 GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
 OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 0.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
