@@ -1,6 +1,8 @@
 """Prompt and generation speed of real models, and peak memory (prints figures; asserts nothing).
 
-For each model: prompt processing tokens/s (a 128-token prompt), generation tokens/s
+For each model: prompt processing tokens/s (a 128-token prompt: the mean of 3 passes after a
+first one, as llama-bench measures; the first pass, in which pyggml builds the graph and plan of a
+new prompt length, in the last column), generation tokens/s
 (greedy, 64 tokens), peak resident memory, and the part of it the model accounts for against
 the GGUF size plus the KV cache: the peak less what the engine's process holds before it loads
 a model (the interpreter, numpy, numba, its JIT and our kernels, tokenizers, jinja2;
@@ -45,6 +47,22 @@ def resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+PROMPT_REPS = 3  # timed prompt passes after the first (llama-bench: a warm-up run, then the mean of its repetitions)
+
+
+def timed_prompt(clear, decode) -> tuple[float, float]:
+    """Seconds of a prompt's first pass (for pyggml, a new length builds its graph and plan
+    then) and the mean of PROMPT_REPS passes after it, each from an empty cache (``clear``):
+    llama-bench's measure, which leaves its warm-up run out."""
+    times = []
+    for _ in range(1 + PROMPT_REPS):
+        clear()
+        t0 = time.perf_counter()
+        decode()
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.fmean(times[1:])
+
+
 def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: bool = False) -> dict:
     import jinja2.sandbox  # noqa: F401 - the libraries tokenizers and chat templates use belong to the runtime
     import tokenizers  # noqa: F401
@@ -63,16 +81,14 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: boo
     load_s = time.perf_counter() - t0
     ids = (m.tokenize(PROMPT) + list(range(3, 3 + n_prompt)))[:n_prompt]  # (a synthetic vocabulary has few words)
     list(m.generate(ids[:8], max_tokens=4, temperature=0))  # compile the kernels of both paths first
+    first, warm = timed_prompt(m.context.clear, lambda: m.context.decode(ids))
     m.context.clear()
-    m.timings.reset()
-    t0 = time.perf_counter()
-    m.context.decode(ids)
-    pp = len(ids) / (time.perf_counter() - t0)
     m.timings.reset()
     out = list(m.generate(ids, max_tokens=n_gen, temperature=0))
     t = m.timings
     tg = t.gen_tokens / t.gen_seconds if t.gen_seconds else float("nan")
-    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": len(out),
+    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": len(ids) / warm, "first_prompt_tps": len(ids) / first,
+              "gen_tps": tg, "n_gen": len(out),
               "gguf_bytes": os.path.getsize(m.path), "kv_bytes": m.context.kv.nbytes(), "runtime_rss": runtime,
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if profile:
@@ -145,15 +161,14 @@ def run_pyggml_untokenized(path: str, threads: int, n_gen: int, n_prompt: int, r
     ids = list(range(3, 3 + n_prompt))
     ctx.decode(ids[:8])
     ctx.decode([int(ctx.decode([5], n_top=1).ids[0, 0])], n_top=1)  # compile the kernels of both paths first
-    ctx.clear()
-    t0 = time.perf_counter()
-    top = ctx.decode(ids, n_top=1)
-    pp = len(ids) / (time.perf_counter() - t0)
+    first, warm = timed_prompt(ctx.clear, lambda: ctx.decode(ids, n_top=1))
+    top = ctx.decode([5], n_top=1)
     t0 = time.perf_counter()
     for _ in range(n_gen):
         top = ctx.decode([int(top.ids[0, 0])], n_top=1)
     tg = n_gen / (time.perf_counter() - t0)
-    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n_gen,
+    result = {"engine": "pyggml", "load_s": load_s, "prompt_tps": n_prompt / warm, "first_prompt_tps": n_prompt / first,
+              "gen_tps": tg, "n_gen": n_gen,
               "gguf_bytes": os.path.getsize(path), "kv_bytes": ctx.kv.nbytes(), "runtime_rss": runtime,
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if profile:
@@ -174,10 +189,7 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
     llm = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t0
     ids = llm.tokenize(PROMPT.encode(), add_bos=True)[:n_prompt]
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    pp = len(ids) / (time.perf_counter() - t0)
+    first, warm = timed_prompt(llm.reset, lambda: llm.eval(ids))
     t0 = time.perf_counter()
     n = 0
     for _ in llm.generate(ids, temp=0.0, reset=True):
@@ -187,7 +199,8 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
         if n > n_gen:
             break
     tg = (n - 1) / (time.perf_counter() - t0)
-    return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": pp, "gen_tps": tg, "n_gen": n - 1,
+    return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": len(ids) / warm, "first_prompt_tps": len(ids) / first,
+            "gen_tps": tg, "n_gen": n - 1,
             "gguf_bytes": os.path.getsize(path), "runtime_rss": runtime,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -239,7 +252,7 @@ def rounds_of(n: int, run) -> dict | None:
     if not runs:
         return None
     result = dict(runs[0])
-    for key in ("prompt_tps", "gen_tps"):
+    for key in ("prompt_tps", "first_prompt_tps", "gen_tps"):
         values = sorted(r[key] for r in runs)
         result[key] = statistics.median(values)
         result[key + "_range"] = (values[0], values[-1])
@@ -294,7 +307,7 @@ def main() -> None:
         print("llama-cpp-python is not installed: pyggml figures only")
     print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
     print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
-          f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16}")
+          f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16} {'1st prompt t/s':>15}")
     models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe())] if a.synthetic_moe else [])
     for alias in models:
         results = [rounds_of(a.rounds, lambda i: child("pyggml", alias, a.threads, a.n, a.prompt_tokens,
@@ -308,7 +321,7 @@ def main() -> None:
             model = r["peak_rss"] - r["runtime_rss"]
             print(f"{label:<12} {r['engine']:<10} {r['load_s']:>7.2f} {r['prompt_tps']:>11.1f} {r['gen_tps']:>8.1f} "
                   f"{r['peak_rss'] / 2**20:>12.0f} {r['runtime_rss'] / 2**20:>11.0f} {model / 2**20:>9.0f} "
-                  f"{model / (r['gguf_bytes'] + kv):>16.2f}")
+                  f"{model / (r['gguf_bytes'] + kv):>16.2f} {r['first_prompt_tps']:>15.1f}")
         if a.rounds > 1:
             for r in filter(None, results):
                 (p0, p1), (g0, g1) = r["prompt_tps_range"], r["gen_tps_range"]

@@ -87,8 +87,9 @@ def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
 
 @pytest.mark.parametrize("k", [1, 7, 40, 256, 257, 999])
 def test_top_k_indices_is_the_head_of_the_full_order(k):
-    """Largest first, equal values lowest index first - by a heap pass up to 256, by a partition
-    beyond: both the first k of a stable sort of the whole row, many values equal."""
+    """Largest first, equal values lowest index first - by a pass keeping the k best up to 256
+    (numpy's argmax for 1), by a partition beyond: both the first k of a stable sort of the whole
+    row, many values equal."""
     from pyggml.cpu.kernels import top_k_indices
     rng = np.random.default_rng(k)
     for _ in range(20):
@@ -98,8 +99,8 @@ def test_top_k_indices_is_the_head_of_the_full_order(k):
 
 
 @pytest.mark.parametrize("k", [1, 40, 256])
-def test_the_heap_pass_skips_groups_of_16_only_when_none_enters(k):
-    """The heap pass looks at a group of 16 values only when one beats the heap's worst: rows
+def test_the_top_k_pass_skips_groups_of_16_only_when_none_enters(k):
+    """The top-k pass looks at a group of 16 values only when one beats the worst of the k: rows
     of any length (a tail of fewer than 16), ascending (every value enters), equal values
     straddling groups, NaN (below every number) - the first k of the full order every time."""
     from pyggml.cpu import nn

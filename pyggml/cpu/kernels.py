@@ -755,7 +755,7 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     return step
 
 
-# up to this k a heap pass (nn.top_k_rows) beats a partition and a sort
+# up to this k a pass keeping the k best ranked (nn.top_k_rows) beats a partition and a sort
 HEAP_TOP_K = 256
 
 

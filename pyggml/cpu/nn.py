@@ -830,6 +830,11 @@ def top_k_rows(x: np.ndarray, k: int, out: np.ndarray) -> None:
     router's few values per token."""
     if not (x.ndim == 2 and out.ndim == 2 and out.shape[0] >= x.shape[0] and 0 < k <= min(x.shape[1], out.shape[1])):
         raise ValueError(f"top_k: k = {k} of rows {x.shape} into {out.shape}")
+    if k == 1:  # greedy sampling's: numpy's argmax (the first of equal values) where no row's largest is NaN
+        best = x.argmax(axis=1)
+        if not np.isnan(x[np.arange(x.shape[0]), best]).any():
+            out[:x.shape[0], 0] = best
+            return
     _top_k_rows(x, k, out, np.empty(k, dtype=f32), np.empty(k, dtype=np.int64))  # (the k best: made here)
 
 
