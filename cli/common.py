@@ -33,6 +33,15 @@ def compile_kernels_once() -> None:
         warmup.compile_in_parallel(todo)
 
 
+def freeze_loaded_objects() -> None:
+    """Leave what loading made (a model's ~10^5 objects, live as long as this process) out of
+    the cyclic garbage collector's full passes: each new prompt length builds a graph and a plan,
+    whose allocations set off such passes, ~50 ms each over everything loaded (gc.freeze: for the
+    tools' own processes; a program embedding pyggml.Model decides for itself)."""
+    import gc
+    gc.freeze()
+
+
 def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kwargs: Any):
     """pyggml.Model(**kwargs), with every user-facing problem turned into one line and exit 1;
     ``show_placement`` prints the plan before loading, ``dry_run`` exits there."""
@@ -44,7 +53,9 @@ def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kw
         if dry_run:
             raise _DryRun
     try:
-        return Model(on_plan=on_plan, **kwargs)
+        model = Model(on_plan=on_plan, **kwargs)
+        freeze_loaded_objects()
+        return model
     except _DryRun:
         sys.exit(0)
     except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError) as e:  # RPCError included

@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from .common import fail, load_model_or_exit, model_options, setup_logging
+from .common import fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging
 from .rpc_server import LOCAL_HOSTS
 
 CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
@@ -73,6 +73,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         try:
             m = Model(**model_args, on_plan=click.echo if loading["show_placement"] else None)
             state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
+            freeze_loaded_objects()
         except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             state.load_error = str(e)
             click.echo(f"error: {e}", err=True)
