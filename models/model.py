@@ -113,7 +113,7 @@ class Model:
                 _tokenizer_of(self.model.gguf)
         finally:
             if compiling is not None:
-                compiling.wait()
+                compiling.wait_for_first_answer()
         tk = self.tokenizer
         self.chat_template = ChatTemplate(self.model.gguf.get("tokenizer.chat_template"), self.model.hp.arch,
                                           tk.token_text(tk.bos_id) if tk.bos_id is not None else "",

@@ -5,6 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pyggml.cpu.kernel_cache import kernel_digest, kernel_sources
@@ -54,7 +55,7 @@ def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monke
     events = []
 
     class Started:
-        def wait(self) -> None:
+        def wait_for_first_answer(self) -> None:
             events.append("waited")
 
     def start(parts):
@@ -96,12 +97,13 @@ def test_a_model_compiles_the_formats_it_has_and_no_other():
     from pyggml.cpu.warmup import GATES, LAYERS, parts_for_tensors
     smollm2 = [("token_embd.weight", Type.Q8_0, (576, 49152)), ("output_norm.weight", Type.F32, (576,)),
                ("blk.0.attn_q.weight", Type.Q4_1, (576, 576)), ("blk.0.ffn_down.weight", Type.Q4_1, (1536, 576))]
-    assert parts_for_tensors(smollm2, "swiglu") == [*LAYERS, "swiglu", "decoder:Q8_0", "product:Q8_0", "products",
-                                                    "product:Q4_1"]
+    assert parts_for_tensors(smollm2, "swiglu") == [*LAYERS, "swiglu", "decoder:Q8_0", "product:Q8_0", "tiles:Q8_0",
+                                                    "products", "product:Q4_1", "tiles:Q4_1"]
     other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
              ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
-    assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "products", "product:Q4_K", "softmax",
-                                        "product:Q6_K", "experts", "f16", "fused:F16", "decoder:F16"]
+    assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "tiles:Q4_K_X8", "products", "product:Q4_K",
+                                        "tiles:Q4_K", "softmax", "product:Q6_K", "tiles:Q6_K", "experts", "f16",
+                                        "fused:F16", "decoder:F16"]
 
 
 LOADS_WITHOUT_COMPILING = """
@@ -148,6 +150,40 @@ def test_parts_compile_in_other_processes_into_the_cache_and_are_marked(tmp_path
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_a_first_answer_waits_for_all_but_the_tiled_rows_which_a_thread_then_loads(tmp_path, monkeypatch):
+    """Compiling.wait_for_first_answer waits for the parts a first step runs, not for the
+    formats' tiled rows (compiled last): their products take a column at a time by the format's
+    slot until a thread of the process - one it waits for before it exits - loads each tiled
+    rows as it is marked and puts them in the slot."""
+    import threading
+    from pyggml.cpu import kernel_cache, qdot, warmup
+    from pyggml.cpu.kinds import Fmt
+    monkeypatch.setattr(kernel_cache, "FOLDER", tmp_path)
+    monkeypatch.setattr(qdot, "_DEFERRED", set())
+    monkeypatch.setattr(qdot, "_SLOTS", np.zeros_like(qdot._SLOTS))
+    parts = ["norms", "product:Q4_1", "tiles:Q4_1"]
+    warmup.mark_compiled(["norms", "product:Q4_1"])
+    released = threading.Event()
+
+    class Process:  # compiling the tiled rows until released
+        def poll(self):
+            return 0 if released.is_set() else None
+
+        def wait(self, timeout=None):
+            released.wait()
+
+    compiling = warmup.Compiling([Process()], str(tmp_path / "claims"), 60.0, parts)
+    compiling.wait_for_first_answer()  # returns with the tiled rows still compiling
+    fmt = int(Fmt.Q4_1)
+    assert fmt in qdot._DEFERRED and qdot._SLOTS[fmt] == qdot.column_rows(fmt).rows_at
+    thread = next(t for t in threading.enumerate() if t.name == "pyggml-tiles")
+    assert not thread.daemon  # (the process waits for it before it exits)
+    warmup.mark_compiled(["tiles:Q4_1"])
+    released.set()
+    thread.join(60)
+    assert fmt not in qdot._DEFERRED and qdot._SLOTS[fmt] == qdot.product_kernel(fmt).rows_at
+
+
 def test_each_part_is_compiled_by_the_first_process_to_claim_it(tmp_path, monkeypatch):
     """start_compiling's processes all go through every part and each compiles those it claims
     first (a file in the call's folder), so that a process with cheap parts goes on to the next
@@ -166,16 +202,21 @@ def test_each_part_is_compiled_by_the_first_process_to_claim_it(tmp_path, monkey
 def test_a_compiling_process_compiles_the_products_at_o3_and_the_other_parts_at_o1(monkeypatch):
     """The products and their activations' quantizer ran a decoding step 15% slower at -O1; the
     other parts are as fast at -O1 and compile sooner.  A compiling process sets NUMBA_OPT
-    (which numba reads again before each compile) per part, unless the user set it."""
+    (which numba reads again before each compile) per part, unless the user set it; it lowers
+    its priority before the first deferred part."""
     from pyggml.cpu import warmup
     levels = {}
     monkeypatch.delenv("NUMBA_OPT", raising=False)  # (restored after the test, whatever the calls set)
+    niced = []
+    monkeypatch.setattr(os, "nice", lambda inc: niced.append((inc, sorted(levels))))
     monkeypatch.setattr(warmup, "part", lambda name: ((lambda: levels.__setitem__(name, os.environ["NUMBA_OPT"])), 1.0))
     monkeypatch.setattr(warmup, "mark_compiled", lambda names: None)
-    warmup._compile_and_mark(["attention", "products", "norms", "product:Q4_1", "activations", "experts", "top_k"],
-                             levels=True)
+    warmup._compile_and_mark(["attention", "products", "norms", "product:Q4_1", "activations", "experts", "top_k",
+                              "tiles:Q4_1", "tiles:Q8_0"], levels=True)
     assert levels == {"attention": "1", "products": "3", "norms": "1", "product:Q4_1": "3", "activations": "3",
-                      "experts": "3", "top_k": "1"}
+                      "experts": "3", "top_k": "1", "tiles:Q4_1": "3", "tiles:Q8_0": "3"}
+    # the deferred parts (a format's tiled rows, compiled while the model answers) at the lowest priority
+    assert niced == [(warmup.DEFERRED_NICE, sorted(p for p in levels if not p.startswith("tiles:")))]
 
 
 KERNELS_AFTER_WARM_UP = """

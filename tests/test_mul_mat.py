@@ -184,3 +184,44 @@ def test_mul_mat_id_with_runs_gives_each_run_its_bits_alone(name):
     got = product(0, n_tokens, True)
     for t0, t1 in zip(runs[:-1], runs[1:]):
         assert np.array_equal(got[t0:t1], product(t0, t1, False)), (name, t0, t1)
+
+
+@pytest.mark.parametrize("qtype,m", [(Type.Q4_0, 40), (Type.Q4_1, 40), (Type.Q5_0, 40), (Type.Q5_1, 40),
+                                     (Type.Q8_0, 40), (Type.Q4_K, 40), (Type.Q4_K, 38), (Type.Q5_K, 40),
+                                     (Type.Q6_K, 40)], ids=lambda v: getattr(v, "name", str(v)))
+def test_products_a_column_at_a_time_give_the_tiled_bits_and_take_the_tiled_rows_when_ready(qtype, m, monkeypatch):
+    """On a new machine a model answers before its formats' tiled rows are compiled: until then
+    its products take a column at a time (qdot.column_rows) through the format's slot, which
+    tiles_ready then points at the tiled rows - calls made before (a plan's) run those from then
+    on.  Every column's bits are the same either way: batches of every tile width and tail, with
+    runs (whose columns take the K-quants' batch formats, repacked Q4_K's gemm at 40 rows)."""
+    from pyggml.cpu import qdot
+    from pyggml.cpu.activations import quantize
+    from pyggml.cpu.kinds import VEC_DOT
+    from pyggml.cpu.rows import PRODUCT, PRODUCT_BY_SLOT, Table
+    monkeypatch.setattr(qdot, "_DEFERRED", set())
+    monkeypatch.setattr(qdot, "_SLOTS", np.zeros_like(qdot._SLOTS))
+    k = 512
+    _, _, raw = weight(qtype, m, k, seed=7)
+    fmt = int(qmatmul.product_format(qtype, m))
+    rng = np.random.default_rng(9)
+    for runs in ([0, 1], [0, 2], [0, 7], [0, 13], RUNS):
+        n = runs[-1]
+        acts = quantize(rng.standard_normal((n, k)).astype(np.float32), int(VEC_DOT[qtype]))
+        runs = np.array(runs, np.int64)
+        tiled = np.empty((n, m), np.float32)
+        qdot.exact_quant_matmul(fmt, raw, *acts, tiled, runs)
+        qdot.tiles_deferred(fmt)
+        out = np.full((n, m), np.nan, np.float32)
+        yb = np.empty((n, qdot.activation_bytes_width(k, qdot.lane_sums(fmt))), np.int8)
+        calls = qdot.product_calls(fmt, raw, *acts, yb, out, runs)
+        assert calls[-1].form == (PRODUCT if n == 1 else PRODUCT_BY_SLOT)  # (one column: always column_rows)
+        table = Table(calls)
+        table()
+        assert np.array_equal(out, tiled), (qtype.name, runs.tolist())
+        qdot.tiles_ready(fmt)
+        assert qdot._SLOTS[fmt] == qdot.product_kernel(fmt).rows_at and fmt not in qdot._DEFERRED
+        out[...] = np.nan
+        table()  # the same calls, now the tiled rows
+        assert np.array_equal(out, tiled), (qtype.name, runs.tolist())
+        assert qdot.product_calls(fmt, raw, *acts, yb, out, runs)[-1].form == PRODUCT

@@ -35,7 +35,7 @@ from .kinds import DECODER
 from .activations import SERIAL_ROWS, activation_shapes, quantize_call
 from .plan import ArrayPool, TableStep
 from .qdecode import F16_TABLE, decode_rows_call, f16_values
-from .qdot import activation_bytes_width, exact_quant_matmul_id, product_calls
+from .qdot import activation_bytes_width, exact_quant_matmul_id, lane_sums, product_calls
 from .qmatmul import QuantProduct, dequantize_rows, frozen, whole
 from .qmatmul import supports as quant_supported
 from .rows import RowCall
@@ -393,13 +393,13 @@ def quant_table_step(shared: dict, product: QuantProduct, node: Tensor, b: Tenso
     quantizes = key not in shared  # (binding follows the plan's order)
     shared[key] = True
     acts = pool.use(key, tuple((shape, f32) for shape in activation_shapes(n_cols, k, product.kind)))
-    yb = pool.use(object(), (((n_cols, activation_bytes_width(k, product.kernel.lane_sums)), np.int8),))
+    yb = pool.use(object(), (((n_cols, activation_bytes_width(k, lane_sums(product.fmt))), np.int8),))
     runs, prepare = _checked_runs(node, runs_t, n_cols, shared) if runs_t is not None else (whole(n_cols), None)
 
     def calls() -> list[RowCall]:
         (yq, yd, ys), (y_bytes,), result = acts(), yb(), out()
         quantize = [quantize_call(x, product.kind, yq, yd, ys, threads=n_cols > SERIAL_ROWS)] if quantizes else []
-        return [*quantize, *product_calls(product.kernel, product.w, yq, yd, ys, y_bytes, result, runs),
+        return [*quantize, *product_calls(product.fmt, product.w, yq, yd, ys, y_bytes, result, runs),
                 *(then(result) if then is not None else [])]
     return TableStep(calls, prepare, reads=(runs_t,) if runs_t is not None else (), hold=(pool, x, product, hold))
 

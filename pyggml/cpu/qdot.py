@@ -52,6 +52,24 @@ def _tile_rows(kind, fmt, n_cols, w, start, end, yb, yd, ys, n, out):
 
 
 @_jit
+def _column(kind, fmt, w, start, end, yb, yd, ys, n, out):
+    """Rows start..end, two at a time (an odd last row with itself), times column n."""
+    y, d, s = yb[n], yd[n], ys[n]
+    for m in range(start, end, 2):
+        m1 = min(m + 1, end - 1)
+        out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
+
+
+@_jit
+def _product_arrays(w_at, m_rows, row_bytes, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width, out_at, m_out,
+                    runs_at, n_runs):
+    """A product's arrays as its rows' C functions take them by address."""
+    return (carray(pointer(w_at, np.uint8), (m_rows, row_bytes)), carray(pointer(yb_at, np.int8), (n_cols, yb_width)),
+            carray(pointer(yd_at, np.float32), (n_cols, yd_width)), carray(pointer(ys_at, np.float32), (n_cols, ys_width)),
+            carray(pointer(out_at, np.float32), (n_cols, m_out)), carray(pointer(runs_at, np.int64), (n_runs,)))
+
+
+@_jit
 def _tile_width(fmts, n):
     """How many columns from n a tile takes: the widest of TILE_WIDE, TILE_MID and TILE_NARROW
     whose columns exist and share a format, else 1."""
@@ -122,27 +140,32 @@ def activation_bytes_at() -> int:
     return row_kernel(_activation_bytes_rows)
 
 
-def product_calls(kernel: ProductKernel, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray,
-                  yb: np.ndarray, out: np.ndarray, runs: np.ndarray) -> list[RowCall]:
-    """A product of weight rows w with quantized activations (yq, yd, ys) into out, as calls
-    (rows.RowCall): the activations' bytes into ``yb`` (activation_bytes_width wide), then the
-    rows of w in chunks - one per thread for a single column; for more, chunks whose rows stay in
-    cache from column to column.  The caller has checked that w's rows hold yq's blocks, and
-    checks the runs' values (rising from 0 to the columns) before the calls run; it holds every
-    array as long as the calls."""
+def product_calls(kind: int, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray, yb: np.ndarray,
+                  out: np.ndarray, runs: np.ndarray) -> list[RowCall]:
+    """A product of weight rows w in format ``kind`` (a kinds.Fmt) with quantized activations
+    (yq, yd, ys) into out, as calls (rows.RowCall): the activations' bytes into ``yb``
+    (activation_bytes_width wide), then the rows of w in chunks - one per thread for a single
+    column; for more, chunks whose rows stay in cache from column to column, by the format's
+    tiled rows (or, while those compile, the rows that take a column at a time: tiles_deferred).
+    The caller has checked that w's rows hold yq's blocks, and checks the runs' values (rising
+    from 0 to the columns) before the calls run; it holds every array as long as the calls."""
     (m_rows, row_bytes), (n_cols, k) = w.shape, yq.shape
+    sums = lane_sums(kind)
     if not (w.ndim == 2 and yq.ndim == 2 and c_rows(np.uint8, w) and c_rows(np.float32, yq, yd, ys, out)
             and c_rows(np.int8, yb) and c_rows(np.int64, runs) and runs.ndim == 1 and runs.size >= 2
             and yd.shape[0] == ys.shape[0] == n_cols and out.shape[0] == n_cols and out.shape[1] >= m_rows
-            and yb.shape == (n_cols, activation_bytes_width(k, kernel.lane_sums))):
+            and yb.shape == (n_cols, activation_bytes_width(k, sums))):
         raise ValueError("a product's arrays must be C-contiguous, of agreeing shapes")
     n_chunks, per = _chunks.py_func(m_rows, THREADS if n_cols == 1 else 64)
-    return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1],
-                                                         kernel.lane_sums)),
-            product_call(kernel.rows_at, m_rows, n_chunks, per,
-                         (address_of(w), m_rows, row_bytes, 0, 0, address_of(yb), n_cols, yb.shape[1], address_of(yd),
-                          yd.shape[1], address_of(ys), ys.shape[1], address_of(out), out.shape[1], address_of(runs),
-                          runs.size))]
+    ints = (address_of(w), m_rows, row_bytes, 0, 0, address_of(yb), n_cols, yb.shape[1], address_of(yd), yd.shape[1],
+            address_of(ys), ys.shape[1], address_of(out), out.shape[1], address_of(runs), runs.size)
+    if n_cols == 1:
+        rows = product_call(column_rows(kind).rows_at, m_rows, n_chunks, per, ints)
+    elif kind in _DEFERRED:  # the kernel in the format's slot when the table runs
+        rows = product_call(address_of(_SLOTS[kind:kind + 1]), m_rows, n_chunks, per, ints, by_slot=True)
+    else:
+        rows = product_call(product_kernel(kind).rows_at, m_rows, n_chunks, per, ints)
+    return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1], sums)), rows]
 
 
 def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
@@ -153,9 +176,8 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
     if not (runs.ndim == 1 and runs.size >= 2 and runs[0] == 0 and runs[-1] == yq.shape[0]
             and (np.diff(runs) >= 0).all()):
         raise ValueError("a product's runs must rise from 0 to its columns")
-    kernel = product_kernel(kind)
-    yb = np.empty((yq.shape[0], activation_bytes_width(yq.shape[1], kernel.lane_sums)), dtype=np.int8)
-    run_calls(product_calls(kernel, w, yq, yd, ys, yb, out, runs))
+    yb = np.empty((yq.shape[0], activation_bytes_width(yq.shape[1], lane_sums(kind))), dtype=np.int8)
+    run_calls(product_calls(kind, w, yq, yd, ys, yb, out, runs))
 
 
 def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
@@ -164,8 +186,8 @@ def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> Non
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    rows_at, lane_sums = product_kernel(kind)
-    quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums)
+    rows_at = _SLOTS[kind] if kind in _DEFERRED else product_kernel(kind).rows_at
+    quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums(kind))
 
 
 # the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
@@ -179,9 +201,62 @@ class ProductKernel(NamedTuple):
     lane_sums: int
 
 
+def lane_sums(kind: int) -> int:
+    """The offset whose lane sums a format's activation bytes carry (blockdot.LANE_SUMS; 0: none)."""
+    return LANE_SUMS.get(Fmt(kind), 0)
+
+
 def product_kernel(kind: int) -> ProductKernel:
-    """The product kernel of one weight format (kinds.Fmt)."""
+    """The product kernel of one weight format (kinds.Fmt): its tiled rows, for any columns."""
     return _kernel_of(int(kind))  # an int: numba types an IntEnum constant as no literal
+
+
+def column_rows(kind: int) -> ProductKernel:
+    """A weight format's rows that take a column at a time: a decoding step's (one column), and
+    every product's while the tiled rows compile (tiles_deferred).  The same bits as the tiled
+    rows: a tile only shares each block's unpacking between its columns."""
+    return _columns_of(int(kind))
+
+
+# Per format, the address of the rows a deferred product's calls run (rows.PRODUCT_BY_SLOT):
+# column_rows' while the tiled rows compile in other processes, theirs once this process has
+# them.  A new machine's first answer thus waits for neither the tiled rows' compile (about
+# half of a model's) nor a plan built again after it.
+_SLOTS = np.zeros(max(Fmt) + 1, dtype=np.int64)
+_DEFERRED: set[int] = set()
+
+
+def tiles_deferred(kind: int) -> None:
+    """Products of this format run column_rows (by the format's slot) until tiles_ready."""
+    kind = int(kind)
+    _SLOTS[kind] = column_rows(kind).rows_at
+    _DEFERRED.add(kind)
+
+
+def tiles_ready(kind: int) -> None:
+    """The format's tiled rows (compiled, or loaded from the cache) in its slot: what the calls
+    made while they were deferred run from then on, and what new calls take."""
+    kind = int(kind)
+    _SLOTS[kind] = product_kernel(kind).rows_at  # (an aligned 8-byte store: a running table reads one or the other)
+    _DEFERRED.discard(kind)
+
+
+@functools.cache
+def _columns_of(kind: int) -> ProductKernel:
+    """column_rows, as _kernel_of's C function for one format."""
+    def rows_columns(w_at, m_rows, row_bytes, start, end, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width,
+                     out_at, m_out, runs_at, n_runs):
+        """rows_chunk's products a column at a time (two rows at a time, an odd last row with
+        itself), each column in its run's format."""
+        w, yb, yd, ys, out, runs = _product_arrays(w_at, m_rows, row_bytes, yb_at, n_cols, yb_width, yd_at, yd_width,
+                                                   ys_at, ys_width, out_at, m_out, runs_at, n_runs)
+        for r in range(n_runs - 1):
+            r0, r1 = runs[r], runs[r + 1]
+            for n in range(r0, r1):
+                _column(kind, column_format(kind, n - r0, r1 - r0, TILED_MIN_COLS), w, start, end, yb, yd, ys, n, out)
+
+    rows = kernel_of_kind(rows_columns, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), **KERNEL)
+    return ProductKernel(rows.address, lane_sums(kind))
 
 
 @functools.cache
@@ -206,12 +281,8 @@ def _kernel_of(kind: int) -> ProductKernel:
         the number of columns) - a tile may span runs: its columns' sums are apart.  The C
         function's own code, not a function it inlines: numba would copy that one's code (and
         run its passes again) for every format."""
-        w = carray(pointer(w_at, np.uint8), (m_rows, row_bytes))
-        yb = carray(pointer(yb_at, np.int8), (n_cols, yb_width))
-        yd = carray(pointer(yd_at, np.float32), (n_cols, yd_width))
-        ys = carray(pointer(ys_at, np.float32), (n_cols, ys_width))
-        out = carray(pointer(out_at, np.float32), (n_cols, m_out))
-        runs = carray(pointer(runs_at, np.int64), (n_runs,))
+        w, yb, yd, ys, out, runs = _product_arrays(w_at, m_rows, row_bytes, yb_at, n_cols, yb_width, yd_at, yd_width,
+                                                   ys_at, ys_width, out_at, m_out, runs_at, n_runs)
         fmts = np.empty(n_cols, dtype=np.int64)
         for r in range(n_runs - 1):
             r0, r1 = runs[r], runs[r + 1]
@@ -227,14 +298,11 @@ def _kernel_of(kind: int) -> ProductKernel:
             elif width == TILE_NARROW:
                 _tile_rows(kind, fmt, TILE_NARROW, w, start, end, yb, yd, ys, n, out)
             else:
-                y, d, s = yb[n], yd[n], ys[n]
-                for m in range(start, end, 2):
-                    m1 = min(m + 1, end - 1)
-                    out[n, m], out[n, m1] = row_pair_dots(kind, fmt, w[m], w[m1], y, d, s)
+                _column(kind, fmt, w, start, end, yb, yd, ys, n, out)
             n += width
 
     rows = kernel_of_kind(rows_chunk, Fmt(kind).name, cfunc=types.void(*[types.intp] * 16), **KERNEL)
-    return ProductKernel(rows.address, LANE_SUMS.get(Fmt(kind), 0))
+    return ProductKernel(rows.address, lane_sums(kind))
 
 
 @njit(parallel=True, **KERNEL)

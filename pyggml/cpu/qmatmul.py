@@ -23,7 +23,7 @@ from ..types import Type
 from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .qdot import exact_quant_matmul, product_kernel
+from .qdot import exact_quant_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
 FUSED_MAX_COLS = 16
@@ -76,8 +76,7 @@ class QuantProduct:
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
         self.exact = qtype in EXACT
         if self.exact:
-            self.fmt = int(product_format(qtype, self.m_rows))
-            self.kernel = product_kernel(self.fmt)  # qdot.exact_quant_matmul's, for this format
+            self.fmt = int(product_format(qtype, self.m_rows))  # (its kernels made when a product is: qdot)
         else:
             self.dec = int(DECODER[qtype])
 

@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import cfunc, njit, prange, types
+from numba import carray, cfunc, njit, prange, types
 
 from .kinds import kernel_of_kind
-from .simd import KERNEL, call_address
+from .simd import KERNEL, call_address, pointer
 
 INTS = 10
 # chunks of rows a parallel loop makes: a constant, not numba.get_num_threads() (which numba
@@ -58,6 +58,7 @@ def row_kernel(fn: Callable[..., None], kind_name: str | None = None) -> int:
 # a RowCall's form: how its C function takes its arguments
 ROWS = 0     # ROW_KERNEL: (start, end, INTS integers, two floats)
 PRODUCT = 1  # a product's rows (qdot.product_kernel): PRODUCT_INTS integers, start and end the 4th and 5th
+PRODUCT_BY_SLOT = 2  # PRODUCT, its address the address of an int64 that holds the function's when the call runs
 PRODUCT_INTS = 16
 
 
@@ -95,9 +96,10 @@ def serial_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[floa
     return RowCall(ROWS, at, n_rows, 1, n_rows, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
 
 
-def product_call(at: int, n_rows: int, n_chunks: int, per: int, ints: Sequence[int]) -> RowCall:
-    """A product's rows (PRODUCT form) in n_chunks chunks of ``per`` rows."""
-    return RowCall(PRODUCT, at, n_rows, n_chunks, per, _ints(ints, PRODUCT_INTS))
+def product_call(at: int, n_rows: int, n_chunks: int, per: int, ints: Sequence[int], by_slot: bool = False) -> RowCall:
+    """A product's rows (PRODUCT form) in n_chunks chunks of ``per`` rows; ``by_slot``: ``at`` is
+    the address of a slot (int64) holding the function's address (qdot's deferred tiles)."""
+    return RowCall(PRODUCT_BY_SLOT if by_slot else PRODUCT, at, n_rows, n_chunks, per, _ints(ints, PRODUCT_INTS))
 
 
 def address_of(a: np.ndarray) -> int:
@@ -142,11 +144,14 @@ def run_calls(calls: Sequence[RowCall]) -> None:
 @njit(inline="always", **KERNEL)
 def _call(heads, ints, floats, e, start, end):
     """Entry e of a table over rows start..end, as its form takes its arguments."""
+    at = heads[e, 1]
+    if heads[e, 0] == PRODUCT_BY_SLOT:
+        at = carray(pointer(at, np.int64), (1,))[0]
     if heads[e, 0] == ROWS:
-        call_address(heads[e, 1], (start, end, ints[e, 0], ints[e, 1], ints[e, 2], ints[e, 3], ints[e, 4], ints[e, 5],
+        call_address(at, (start, end, ints[e, 0], ints[e, 1], ints[e, 2], ints[e, 3], ints[e, 4], ints[e, 5],
                                    ints[e, 6], ints[e, 7], ints[e, 8], ints[e, 9], floats[e, 0], floats[e, 1]))
     else:
-        call_address(heads[e, 1], (ints[e, 0], ints[e, 1], ints[e, 2], start, end, ints[e, 5], ints[e, 6], ints[e, 7],
+        call_address(at, (ints[e, 0], ints[e, 1], ints[e, 2], start, end, ints[e, 5], ints[e, 6], ints[e, 7],
                                    ints[e, 8], ints[e, 9], ints[e, 10], ints[e, 11], ints[e, 12], ints[e, 13],
                                    ints[e, 14], ints[e, 15]))
 

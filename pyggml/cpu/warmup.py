@@ -3,7 +3,8 @@
 The kernels are compiled once per machine and loaded from numba's on-disk cache after that
 (kernel_cache.py).  Each kernel is a *part* here, named so that another process can compile
 it: the layers' kernels (``norms``, ``attention``, ``activations``, ...) and, for each weight
-format a model has, its product's rows (``product:Q4_1``), its decoder (``decoder:Q8_0``, the
+format a model has, its product's rows (``product:Q4_1`` a column at a time, ``tiles:Q4_1``
+tiled), its decoder (``decoder:Q8_0``, the
 row lookups of an embedding) and so on - a product compiles the code of its own format only
 (qdot.py), so a model compiles the formats it has, not all of them, and the parallel loop that
 calls every format's rows is one part (``products``) compiled once.
@@ -12,7 +13,9 @@ calls every format's rows is one part (``products``) compiled once.
 time per process), each part marked done in the cache folder when it is; :func:`missing` says
 which are not done yet; :func:`parts_for_tensors` what a model's weights need.  pyggml.Model
 starts compiling what its file needs before it loads, and waits for it before its first step
-(compile_for_model); the first answer then loads every kernel from the cache.
+(compile_for_model) - for all but the formats' tiled rows, which go on compiling while it
+answers (Compiling.wait_for_first_answer); the first answer then loads every kernel from the
+cache.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +37,8 @@ from .activations import activation_arrays, quantize_call
 from .fusion import scatter_call
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
 from .qdecode import F16_TABLE, decode_rows_call, f16_values, fused_matmul
-from .qdot import activation_bytes_at, product_kernel, quant_product_id
+from . import qdot
+from .qdot import activation_bytes_at, column_rows, product_kernel, quant_product_id
 from .rows import run_calls
 from .qmatmul import frozen, product_format
 
@@ -61,7 +66,15 @@ def _zero_activations(qtype: Type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _product(fmt: Fmt) -> None:
-    """A format's rows (a C function): the parallel loops around them are parts of their own."""
+    """A format's rows that take a column at a time (a C function): a decoding step's, and every
+    product's until its tiled rows are compiled.  The parallel loops around them are parts of
+    their own."""
+    column_rows(fmt)
+
+
+def _tiles(fmt: Fmt) -> None:
+    """A format's tiled rows (about twice the column rows' compile): a first answer does not
+    wait for them (Compiling.wait_for_first_answer)."""
     product_kernel(fmt)
 
 
@@ -157,7 +170,8 @@ LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 3.0), "activations":
 GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
 OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 0.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
-    "product": (Fmt, _product, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7),  # a K-quant block is larger IR
+    "product": (Fmt, _product, lambda f: 0.5 if f <= Fmt.Q8_0 else 0.9),  # a K-quant block is larger IR
+    "tiles": (Fmt, _tiles, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7),
     "decoder": (Dec, _decoder, lambda d: 0.5), "fused": (Dec, _fused, lambda d: 1.2)}
 
 
@@ -191,8 +205,9 @@ def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate
             parts[f"decoder:{DECODER[qtype].name}"] = None
         if len(ne) < 2 or qtype not in DECODER:
             continue
-        if qtype in EXACT:  # the format's rows, and the loop around them
-            parts[f"product:{product_format(qtype, ne[1]).name}"] = None
+        if qtype in EXACT:  # the format's rows (a column at a time, and tiled), and the loop around them
+            fmt = product_format(qtype, ne[1]).name
+            parts[f"product:{fmt}"] = parts[f"tiles:{fmt}"] = None
             parts["experts" if len(ne) == 3 else "products"] = None
         else:  # decoded and dotted: few columns fused, many decoded for BLAS
             parts[f"fused:{DECODER[qtype].name}"] = None
@@ -209,7 +224,7 @@ def parts_for_file(path: str | os.PathLike, gate: str | None = None) -> list[str
 
 def every_part() -> list[str]:
     """Every part: what a server that does not know its models' weights compiles."""
-    return [*LAYERS, *GATES, *OTHERS, *(f"product:{f.name}" for f in Fmt if f <= Fmt.Q4_K_X8),
+    return [*LAYERS, *GATES, *OTHERS, *(f"{kind}:{f.name}" for kind in ("product", "tiles") for f in Fmt if f <= Fmt.Q4_K_X8),
             *(f"decoder:{d.name}" for d in Dec),
             *(f"fused:{DECODER[t].name}" for t in VEC_DOT if t not in EXACT)]  # the weights decoded and dotted
 
@@ -236,16 +251,30 @@ def mark_compiled(names: Iterable[str]) -> None:
             (folder / _mark_name(name)).touch()
 
 
+def deferred(name: str) -> bool:
+    """Whether a first answer leaves part ``name`` to compile on: a format's tiled rows, which
+    its products do without until then (qdot.tiles_deferred)."""
+    return name.startswith("tiles:")
+
+
 class Compiling:
     """Processes compiling parts into the cache (start_compiling's), and the folder where they
     claim them."""
 
-    def __init__(self, procs: list[subprocess.Popen], claims: str, timeout: float) -> None:
+    def __init__(self, procs: list[subprocess.Popen], claims: str, timeout: float, parts: Iterable[str] = ()) -> None:
         self.procs, self.claims, self.deadline = procs, claims, time.monotonic() + timeout
+        self.parts = list(parts)
 
-    def wait(self) -> None:
+    def wait(self, parts: Iterable[str] | None = None) -> None:
         """Until every process is done (past the timeout, they are stopped: what they did not
-        compile is compiled in this process when first used)."""
+        compile is compiled in this process when first used); with ``parts``, until those are
+        marked compiled (or no process is left)."""
+        if parts is not None:
+            parts = list(parts)
+            while (missing(parts) and time.monotonic() < self.deadline
+                   and any(proc.poll() is None for proc in self.procs)):
+                time.sleep(0.02)
+            return
         for proc in self.procs:
             try:
                 proc.wait(max(0.0, self.deadline - time.monotonic()))
@@ -254,20 +283,44 @@ class Compiling:
                 proc.wait()
         shutil.rmtree(self.claims, ignore_errors=True)
 
+    def wait_for_first_answer(self) -> None:
+        """Until the parts a model's first step needs are compiled.  The formats' tiled rows
+        (deferred parts, compiled last) go on compiling: until each is done its products take
+        a column at a time (the same bits), and a thread of this process then loads it for
+        them (qdot.tiles_deferred, tiles_ready) - on a new machine, the first answer comes
+        seconds sooner.  The process waits for that thread before it exits, so that what the
+        processes compile is not lost."""
+        later = [p for p in self.parts if deferred(p)]
+        self.wait([p for p in self.parts if not deferred(p)])
+        if not later:
+            self.wait()
+            return
+        kinds = [Fmt[p.partition(":")[2]] for p in later]
+        for kind in kinds:
+            qdot.tiles_deferred(kind)
+
+        def finish() -> None:
+            for part, kind in zip(later, kinds):
+                self.wait([part])
+                qdot.tiles_ready(kind)  # (loaded from the cache; compiled here if a process failed)
+            self.wait()
+        threading.Thread(target=finish, name="pyggml-tiles", daemon=False).start()
+
 
 def start_compiling(parts: Iterable[str], timeout: float = 600.0) -> Compiling:
     """Compile ``parts`` in one process per core this process may run on, each writing numba's
     cache and marking its parts; this process loads them from the cache as it uses them.  Every
-    process goes through the parts costliest first and takes the next one no other process has
+    process goes through the parts - those a first answer waits for first (not deferred()),
+    costliest first - and takes the next one no other process has
     claimed (a file in a folder of this call's), so that none waits idle while another still has
     parts to compile, whatever the parts really cost on this machine."""
-    parts = sorted(parts, key=lambda p: -part(p)[1])
+    parts = sorted(parts, key=lambda p: (deferred(p), -part(p)[1]))  # what a first answer waits for first
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, min(len(parts), cores))
     claims = tempfile.mkdtemp(prefix="pyggml-compiling-")
     return Compiling([subprocess.Popen([sys.executable, "-m", "pyggml.cpu.warmup", "--claims", claims, *parts],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for _ in range(n)], claims, timeout)
+                      for _ in range(n)], claims, timeout, parts)
 
 
 def compile_in_parallel(parts: Iterable[str], timeout: float = 600.0) -> None:
@@ -317,21 +370,31 @@ def _claim(folder: str, name: str) -> bool:
 # which ran a decoding step 15% slower at -O1; -O1 for the others, as fast at either level
 # (bench/generate.py --profile) and compiled sooner.  Any level gives the same bits: numba
 # allows LLVM no fast-math.
-FULL_OPT = ("products", "experts", "activations", "product:")
+FULL_OPT = ("products", "experts", "activations", "product:", "tiles:")
 
 
 def _opt_level(name: str) -> str:
     return "3" if name.startswith(FULL_OPT) else "1"
 
 
+# how much less of the CPU a compiling process asks for once at the deferred parts (os.nice):
+# the model's process is answering by then, and its parallel loops wait for every thread
+DEFERRED_NICE = 19
+
+
 def _compile_and_mark(names: list[str], claims: str | None = None, levels: bool = False) -> None:
     """Compile and mark the parts ``names`` (those this process claims first in ``claims``);
     with ``levels``, each at its own LLVM level (_opt_level), set in this process's environment,
-    which numba reads again before each compile: for a compiling process only."""
+    which numba reads again before each compile, and the deferred parts at the lowest priority
+    (DEFERRED_NICE): for a compiling process only."""
+    niced = False
     for name in names:
         if claims is None or _claim(claims, name):
             if levels:
                 os.environ["NUMBA_OPT"] = _opt_level(name)
+                if deferred(name) and not niced and hasattr(os, "nice"):
+                    os.nice(DEFERRED_NICE)
+                    niced = True
             part(name)[0]()
             mark_compiled([name])
 
