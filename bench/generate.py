@@ -199,8 +199,8 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
         if n > n_gen:
             break
     tg = (n - 1) / (time.perf_counter() - t0)
-    return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": len(ids) / warm, "first_prompt_tps": len(ids) / first,
-            "gen_tps": tg, "n_gen": n - 1,
+    return {"engine": "llama.cpp", "load_s": load_s, "prompt_tps": len(ids) / warm,
+            "first_prompt_tps": len(ids) / first, "gen_tps": tg, "n_gen": n - 1,
             "gguf_bytes": os.path.getsize(path), "runtime_rss": runtime,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

@@ -212,7 +212,7 @@ def test_a_compiling_process_compiles_the_products_at_o3_and_the_other_parts_at_
     monkeypatch.setattr(warmup, "part", lambda name: ((lambda: levels.__setitem__(name, os.environ["NUMBA_OPT"])), 1.0))
     monkeypatch.setattr(warmup, "mark_compiled", lambda names: None)
     warmup._compile_and_mark(["attention", "products", "norms", "product:Q4_1", "activations", "experts", "top_k",
-                              "tiles:Q4_1", "tiles:Q8_0"], levels=True)
+                              "tiles:Q4_1", "tiles:Q8_0"], levels=True, nice_deferred=True)
     assert levels == {"attention": "1", "products": "3", "norms": "1", "product:Q4_1": "3", "activations": "3",
                       "experts": "3", "top_k": "1", "tiles:Q4_1": "3", "tiles:Q8_0": "3"}
     # the deferred parts (a format's tiled rows, compiled while the model answers) at the lowest priority

@@ -665,8 +665,9 @@ def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, 
     step (the mask and the row cells then laid out for that many).  ``scratch``:
     attention_scratch()'s, for at least these rows and cells."""
     if not (q.ndim == 3 and mask.ndim == 2 and out.ndim == 3 and k.ndim == 2 and v.ndim == 2
-            and c_rows(f32, q, mask, out, scratch) and scratch.ndim == 2 and c_rows(np.bool_, alone) and c_rows(np.int64, n_seen)
-            and c_rows(np.int32, cells) and k.dtype in (np.uint16, f32) and v.dtype in (np.uint16, f32)
+            and c_rows(f32, q, mask, out, scratch) and scratch.ndim == 2 and c_rows(np.bool_, alone)
+            and c_rows(np.int64, n_seen) and c_rows(np.int32, cells)
+            and k.dtype in (np.uint16, f32) and v.dtype in (np.uint16, f32)
             and k.strides[1] == k.itemsize and v.strides[1] == v.itemsize
             and k.strides[0] % k.itemsize == 0 and v.strides[0] % v.itemsize == 0):
         raise ValueError("attention: q, mask, out and the row cells must be C-contiguous, of their types, a cell's K and "

@@ -64,9 +64,12 @@ def _column(kind, fmt, w, start, end, yb, yd, ys, n, out):
 def _product_arrays(w_at, m_rows, row_bytes, yb_at, n_cols, yb_width, yd_at, yd_width, ys_at, ys_width, out_at, m_out,
                     runs_at, n_runs):
     """A product's arrays as its rows' C functions take them by address."""
-    return (carray(pointer(w_at, np.uint8), (m_rows, row_bytes)), carray(pointer(yb_at, np.int8), (n_cols, yb_width)),
-            carray(pointer(yd_at, np.float32), (n_cols, yd_width)), carray(pointer(ys_at, np.float32), (n_cols, ys_width)),
-            carray(pointer(out_at, np.float32), (n_cols, m_out)), carray(pointer(runs_at, np.int64), (n_runs,)))
+    return (carray(pointer(w_at, np.uint8), (m_rows, row_bytes)),
+            carray(pointer(yb_at, np.int8), (n_cols, yb_width)),
+            carray(pointer(yd_at, np.float32), (n_cols, yd_width)),
+            carray(pointer(ys_at, np.float32), (n_cols, ys_width)),
+            carray(pointer(out_at, np.float32), (n_cols, m_out)),
+            carray(pointer(runs_at, np.int64), (n_runs,)))
 
 
 @_jit
@@ -164,7 +167,7 @@ def product_calls(kind: int, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: 
     elif kind in _DEFERRED:  # the kernel in the format's slot when the table runs
         rows = product_call(address_of(_SLOTS[kind:kind + 1]), m_rows, n_chunks, per, ints, by_slot=True)
     else:
-        rows = product_call(product_kernel(kind).rows_at, m_rows, n_chunks, per, ints)
+        rows = product_call(_batch_rows_at(kind), m_rows, n_chunks, per, ints)
     return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1], sums)), rows]
 
 
@@ -186,8 +189,7 @@ def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> Non
     times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
     [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
     columns alone (the kernels for a batch depend on its size)."""
-    rows_at = _SLOTS[kind] if kind in _DEFERRED else product_kernel(kind).rows_at
-    quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums(kind))
+    quant_product_id(w, yq, yd, ys, experts, starts, out, _batch_rows_at(kind), lane_sums(kind))
 
 
 # the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
@@ -239,6 +241,12 @@ def tiles_ready(kind: int) -> None:
     kind = int(kind)
     _SLOTS[kind] = product_kernel(kind).rows_at  # (an aligned 8-byte store: a running table reads one or the other)
     _DEFERRED.discard(kind)
+
+
+def _batch_rows_at(kind: int) -> int:
+    """The address of the rows a product of several columns runs now: the tiled rows, or while
+    they are deferred the slot's (a call made now and run now; a table's reads the slot itself)."""
+    return int(_SLOTS[kind]) if kind in _DEFERRED else product_kernel(kind).rows_at
 
 
 @functools.cache

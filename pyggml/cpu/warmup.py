@@ -224,7 +224,8 @@ def parts_for_file(path: str | os.PathLike, gate: str | None = None) -> list[str
 
 def every_part() -> list[str]:
     """Every part: what a server that does not know its models' weights compiles."""
-    return [*LAYERS, *GATES, *OTHERS, *(f"{kind}:{f.name}" for kind in ("product", "tiles") for f in Fmt if f <= Fmt.Q4_K_X8),
+    exact = [f.name for f in Fmt if f <= Fmt.Q4_K_X8]
+    return [*LAYERS, *GATES, *OTHERS, *(f"{kind}:{f}" for kind in ("product", "tiles") for f in exact),
             *(f"decoder:{d.name}" for d in Dec),
             *(f"fused:{DECODER[t].name}" for t in VEC_DOT if t not in EXACT)]  # the weights decoded and dotted
 
@@ -382,19 +383,20 @@ def _opt_level(name: str) -> str:
 DEFERRED_NICE = 19
 
 
-def _compile_and_mark(names: list[str], claims: str | None = None, levels: bool = False) -> None:
+def _compile_and_mark(names: list[str], claims: str | None = None, levels: bool = False,
+                      nice_deferred: bool = False) -> None:
     """Compile and mark the parts ``names`` (those this process claims first in ``claims``);
     with ``levels``, each at its own LLVM level (_opt_level), set in this process's environment,
-    which numba reads again before each compile, and the deferred parts at the lowest priority
-    (DEFERRED_NICE): for a compiling process only."""
+    which numba reads again before each compile; with ``nice_deferred``, the deferred parts at
+    the lowest priority (DEFERRED_NICE).  Both for a compiling process only."""
     niced = False
     for name in names:
         if claims is None or _claim(claims, name):
             if levels:
                 os.environ["NUMBA_OPT"] = _opt_level(name)
-                if deferred(name) and not niced and hasattr(os, "nice"):
-                    os.nice(DEFERRED_NICE)
-                    niced = True
+            if nice_deferred and deferred(name) and not niced and hasattr(os, "nice"):
+                os.nice(DEFERRED_NICE)
+                niced = True
             part(name)[0]()
             mark_compiled([name])
 
@@ -402,6 +404,6 @@ def _compile_and_mark(names: list[str], claims: str | None = None, levels: bool 
 if __name__ == "__main__":
     args, levels = sys.argv[1:], "NUMBA_OPT" not in os.environ  # the user's NUMBA_OPT holds for every part
     if args[:1] == ["--claims"]:
-        _compile_and_mark(args[2:], args[1], levels)
+        _compile_and_mark(args[2:], args[1], levels, nice_deferred=True)  # (start_compiling's processes)
     else:
         _compile_and_mark(args, levels=levels)
