@@ -1,6 +1,8 @@
 """Compute graphs: the ops needed for some outputs, in an order that respects dependencies."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from .opdefs import Op
 from .tensor import Tensor, TensorFlag
 
@@ -19,24 +21,25 @@ class Graph:
 
     def build_forward_expand(self, tensor: Tensor) -> Graph:
         """Add ``tensor`` and everything it depends on (depth first, sources before users)."""
-        stack: list[tuple[Tensor, int]] = [(tensor, 0)]
-        while stack:  # iterative DFS: deep models would overflow Python's recursion limit
-            t, i = stack.pop()
-            if i == 0 and id(t) in self._seen:
-                continue
-            srcs = [s for s in t.src if s is not None]
-            if i < len(srcs):
-                stack.append((t, i + 1))
-                if id(srcs[i]) not in self._seen:
-                    stack.append((srcs[i], 0))
-                continue
-            if id(t) in self._seen:
-                continue
-            self._seen.add(id(t))
-            if t.op == Op.NONE and not (t.flags & TensorFlag.PARAM):
-                self.leafs.append(t)
+        seen = self._seen
+        if id(tensor) in seen:
+            return self
+        # iterative DFS (deep models would overflow Python's recursion limit): each entry is a
+        # tensor and its sources still to look at; a tensor is added once all of them are
+        stack: list[tuple[Tensor, Iterator[Tensor | None]]] = [(tensor, iter(tensor.src))]
+        while stack:
+            t, sources = stack[-1]
+            for s in sources:
+                if s is not None and id(s) not in seen:
+                    stack.append((s, iter(s.src)))
+                    break
             else:
-                self.nodes.append(t)
+                stack.pop()
+                seen.add(id(t))
+                if t.op == Op.NONE and not (t.flags & TensorFlag.PARAM):
+                    self.leafs.append(t)
+                else:
+                    self.nodes.append(t)
         return self
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -133,8 +134,8 @@ class OpParams:
     def pack(self, op_params: np.ndarray) -> None:
         """Write the fields into a tensor's int32 slots."""
         floats = op_params.view(np.float32)
-        for f, (slot, kind) in zip(dataclasses.fields(self), self.SLOTS):
-            value = getattr(self, f.name)
+        for name, slot, kind in _layout(type(self)):
+            value = getattr(self, name)
             if kind == "f":
                 floats[slot] = value
             else:
@@ -163,6 +164,13 @@ class OpParams:
 
     def values(self) -> tuple:
         return dataclasses.astuple(self)
+
+
+@functools.cache
+def _layout(cls: type) -> tuple[tuple[str, int, str], ...]:
+    """A record class's fields with their slots and kinds (a graph packs hundreds of records:
+    dataclasses.fields() is not free)."""
+    return tuple((f.name, slot, kind) for f, (slot, kind) in zip(dataclasses.fields(cls), cls.SLOTS))
 
 
 # field annotations (strings, with postponed evaluation) that unpack turns into enums

@@ -28,6 +28,8 @@ class TensorFlag(enum.IntFlag):
     PARAM = 4
 
 
+NO_FLAGS = TensorFlag(0)
+
 class Tensor:
     __slots__ = ("type", "ne", "nb", "op", "op_params", "src", "view_src", "view_offs",
                  "buffer", "offset", "name", "flags", "__weakref__")
@@ -35,16 +37,18 @@ class Tensor:
     def __init__(self, type: Type, ne: Sequence[int], nb: Sequence[int] | None = None, *,
                  op: "int" = 0, src: Sequence[Tensor | None] = (), view_src: Tensor | None = None,
                  view_offs: int = 0, name: str = "") -> None:
-        self.type = as_type(type)
-        ne = tuple(int(n) for n in ne) + (1,) * (MAX_DIMS - len(ne))
-        if len(ne) != MAX_DIMS or any(n < 0 for n in ne):
+        self.type = type if type.__class__ is Type else as_type(type)
+        ne = tuple(map(int, ne)) + (1,) * (MAX_DIMS - len(ne))
+        if len(ne) != MAX_DIMS or min(ne) < 0:
             raise ValueError(f"invalid tensor shape {ne}")
         if ne[0] % self.type.block_size:
             raise ValueError(f"{self.type.name} tensor: ne[0]={ne[0]} is not a multiple of the "
                              f"block size {self.type.block_size}")
         self.ne: tuple[int, int, int, int] = ne  # type: ignore[assignment]
         self.nb: tuple[int, int, int, int] = tuple(nb) if nb is not None else contiguous_strides(self.type, ne)  # type: ignore[assignment]
-        self.op = Op(op)
+        # (a model's graph makes hundreds of tensors for every new batch shape: no enum
+        # construction where the value already is one)
+        self.op = op if op.__class__ is Op else Op(op)
         self.op_params = np.zeros(MAX_OP_PARAMS, dtype=np.int32)
         self.src: list[Tensor | None] = list(src)
         self.view_src = view_src
@@ -52,7 +56,7 @@ class Tensor:
         self.buffer: Buffer | None = None
         self.offset = 0
         self.name = name
-        self.flags = TensorFlag(0)
+        self.flags = NO_FLAGS
         if view_src is not None:  # a view of allocated data is allocated too
             root = view_src
             self.view_src = root
@@ -79,7 +83,7 @@ class Tensor:
         """Bytes spanned from the first to one past the last element, whatever the strides
         (ggml_nbytes): one element plus every stride walked to the last, or for a block type
         the first row's blocks plus the other strides."""
-        if any(n == 0 for n in self.ne):
+        if 0 in self.ne:
             return 0
         if self.type.block_size == 1:
             size = self.type.type_size + (self.ne[0] - 1) * self.nb[0]
@@ -94,8 +98,16 @@ class Tensor:
 
     def is_contiguous(self) -> bool:
         """Rows packed without gaps; strides of dimensions of size 1 do not matter."""
-        want = contiguous_strides(self.type, self.ne)
-        return self.nb[0] == want[0] and all(n == 1 or s == w for n, s, w in zip(self.ne[1:], self.nb[1:], want[1:]))
+        ne, nb = self.ne, self.nb
+        size = self.type.type_size
+        if nb[0] != size:
+            return False
+        want = size * (ne[0] // self.type.block_size)  # contiguous_strides, dimension by dimension
+        for i in range(1, MAX_DIMS):
+            if ne[i] != 1 and nb[i] != want:
+                return False
+            want *= ne[i]
+        return True
 
     def is_view(self) -> bool:
         return self.view_src is not None

@@ -5,6 +5,7 @@ import numpy as np
 
 from ..backend import Buffer, BufferType, Device
 from ..tensor import Tensor
+from ..types import Type
 
 
 class CPUBufferType(BufferType):
@@ -38,10 +39,29 @@ class CPUBufferType(BufferType):
         return self.device
 
 
+MAX_VIEWS = 8192  # views a buffer keeps (see CPUBuffer.view)
+
+
 class CPUBuffer(Buffer):
     def __init__(self, buft: BufferType, data: np.ndarray) -> None:
         super().__init__(buft, data.size)
         self.data = data
+        self._views: dict[tuple, np.ndarray] = {}
+
+    def view(self, type: Type, offset: int, ne: tuple[int, ...], nb: tuple[int, ...]) -> np.ndarray:
+        """The numpy view of a plain-typed tensor's bytes at ``offset``, shaped ne[::-1] with its
+        strides (numpy checks that it lies in the buffer).  Views are kept, a bounded number:
+        every graph plan views a model's weights again, and each of its tensors several times
+        (as a node's output and as its users' sources), and a view costs microseconds to make.
+        No caller changes a view's shape or flags in place, which is what makes sharing safe."""
+        key = (type, offset, ne, nb)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=type.np_dtype, buffer=self.data,
+                                                 offset=offset, strides=(nb[3], nb[2], nb[1], nb[0]))
+        return view
 
     def _span(self, tensor: Tensor, offset: int, size: int | None) -> slice:
         size = tensor.nbytes() - offset if size is None else size
@@ -77,6 +97,7 @@ class CPUBuffer(Buffer):
         self.data[:] = value
 
     def free(self) -> None:
+        self._views.clear()
         self.data = np.zeros(0, dtype=np.uint8)
         self.size = 0
 
@@ -87,9 +108,7 @@ def tensor_view(t: Tensor) -> np.ndarray:
     buf = t.buffer
     if not isinstance(buf, CPUBuffer):
         raise ValueError(f"tensor {t.name or '?'} is not in host memory")
-    ne, nb = t.ne, t.nb
-    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=t.type.np_dtype, buffer=buf.data, offset=t.offset,
-                      strides=(nb[3], nb[2], nb[1], nb[0]))
+    return buf.view(t.type, t.offset, t.ne, t.nb)
 
 
 def tensor_rows(t: Tensor) -> np.ndarray:

@@ -38,7 +38,7 @@ from . import nn
 from .buffer import CPUBuffer, tensor_view
 from .kernels import Step, _shared_activations, column_runs, quant_table_step, reader
 from .kinds import EXACT
-from .plan import TableStep, overlap, span
+from .plan import Span, TableStep, overlap, span
 from .qmatmul import QuantProduct, product_format
 from .activations import SERIAL_ROWS
 from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, serial_call
@@ -82,15 +82,16 @@ def _same_kernel(run: list[tuple[int, Tensor]]) -> bool:
     return all(product_format(qtype, node.src[0].ne[1]) == product_format(qtype, rows) for _, node in run)
 
 
-def _safe_to_hoist(nodes: Sequence[Tensor], first: int, pos: int, node: Tensor) -> bool:
+def _safe_to_hoist(nodes: Sequence[Tensor], first: int, pos: int, node: Tensor,
+                   span_of: Callable[[Tensor], Span | None]) -> bool:
     """Whether node (at ``pos``) may compute at ``first``: no node in between touches its
-    result, nor writes its input."""
-    out, inputs = span(node), [span(t) for t in (node.src[1], _runs(node)) if t is not None]
+    result, nor writes its input.  ``span_of``: plan.span (kept per tensor by the caller)."""
+    out, inputs = span_of(node), [span_of(t) for t in (node.src[1], _runs(node)) if t is not None]
     for other in nodes[first + 1:pos]:
-        mine = span(other)
+        mine = span_of(other)
         if overlap(mine, out) or any(overlap(mine, inp) for inp in inputs):
             return False
-        if any(src is not None and overlap(span(src), out) for src in other.src):
+        if any(src is not None and overlap(span_of(src), out) for src in other.src):
             return False
     return True
 
@@ -105,11 +106,18 @@ def product_groups(nodes: Sequence[Tensor]) -> dict[int, list[Tensor]]:
             key = (id(node.src[1]), id(_runs(node)), a.type, a.ne[0], id(a.buffer))
             by_input.setdefault(key, []).append((pos, node))
     groups: dict[int, list[Tensor]] = {}
+    spans: dict[int, Span | None] = {}  # (the nodes between a group's members are checked for each)
+
+    def span_of(t: Tensor) -> Span | None:
+        s = spans.get(id(t), spans)
+        if s is spans:
+            s = spans[id(t)] = span(t)
+        return s
     for members in by_input.values():
         for run in _adjacent_runs(members):
             while len(run) > 1:
                 first = min(pos for pos, _ in run)
-                keep = [(pos, n) for pos, n in run if pos == first or _safe_to_hoist(nodes, first, pos, n)]
+                keep = [(pos, n) for pos, n in run if pos == first or _safe_to_hoist(nodes, first, pos, n, span_of)]
                 if len(keep) == len(run):
                     break
                 # a node that cannot move splits the run where it lies in memory: keep the
@@ -152,7 +160,7 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
     outs = [tensor_view(node).reshape(-1, m) for node, m in zip(group, widths)]
     starts = np.cumsum([0, *widths])
     if c_rows(np.float32, *outs):  # as calls of a plan's table, the results scattered by one more
-        at, ends = np.array([out.ctypes.data for out in outs], dtype=np.int64), starts.astype(np.int64)
+        at, ends = np.array([address_of(out) for out in outs], dtype=np.int64), starts.astype(np.int64)
         table_step = quant_table_step(shared, product, group[0], b, runs_t,
                                       lambda: scratch.matrix(n_cols, rows.shape[0]),  # (sized once all are bound)
                                       lambda result: [scatter_call(result, at, ends)], hold=(outs, at, ends, scratch))

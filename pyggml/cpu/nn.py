@@ -117,9 +117,9 @@ def _same_rows(what: str, *arrays: np.ndarray) -> None:
 def rms_norm_call(x: np.ndarray, eps: float, out: np.ndarray) -> RowCall:
     """rms_norm(x, eps, out) as a call (rows.RowCall)."""
     _same_rows("rms_norm", x, out)
+    x_at, out_at = address_of(x), address_of(out)
     return rows_call(_kernel(_norm_rows), x.shape[0],  # (neither an add nor a weight)
-                     (address_of(x), address_of(x), address_of(x), address_of(x), address_of(out), address_of(out),
-                      x.shape[1], 0, 0), (eps, 0.0))
+                     (x_at, x_at, x_at, x_at, out_at, out_at, x.shape[1], 0, 0), (eps, 0.0))
 
 
 def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
@@ -171,8 +171,9 @@ def elementwise_call(op: int, a: np.ndarray, b: np.ndarray | None, out: np.ndarr
         if b is None or not (b.ndim == 2 and c_rows(f32, b) and b.shape[1] == a.shape[1] and b.shape[0] in (1, a.shape[0])):
             raise ValueError("elementwise: b must be C-contiguous float32 rows of a's shape, or one row")
         step = a.shape[1] if b.shape[0] > 1 else 0
+    a_at = address_of(a)
     return rows_call(_kernel(_elementwise_rows), a.shape[0],
-                     (address_of(a), address_of(a if b is None else b), address_of(out), a.shape[1], step, op),
+                     (a_at, a_at if b is None else address_of(b), address_of(out), a.shape[1], step, op),
                      (scale, bias))
 
 

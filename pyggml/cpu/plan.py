@@ -33,12 +33,15 @@ Span = tuple[int, int, int]  # a buffer's id, and the first and past-the-last by
 
 def span(t: Tensor) -> Span | None:
     """The bytes a tensor's view may touch (None where it is not in host memory)."""
-    if not isinstance(t.buffer, CPUBuffer):
+    buffer = t.buffer
+    if not isinstance(buffer, CPUBuffer):
         return None
-    if t.nelements() == 0:
-        return id(t.buffer), t.offset, t.offset
-    row = t.row_size() if t.nb[0] == t.type.type_size else (t.ne[0] - 1) * t.nb[0] + t.type.type_size
-    return id(t.buffer), t.offset, t.offset + row + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:]))
+    (ne0, ne1, ne2, ne3), (nb0, nb1, nb2, nb3), start = t.ne, t.nb, t.offset
+    if not (ne0 and ne1 and ne2 and ne3):
+        return id(buffer), start, start
+    size = t.type.type_size
+    row = ne0 // t.type.block_size * size if nb0 == size else (ne0 - 1) * nb0 + size
+    return id(buffer), start, start + row + (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
 
 
 def overlap(a: Span | None, b: Span | None) -> bool:

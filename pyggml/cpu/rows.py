@@ -65,8 +65,8 @@ PRODUCT_INTS = 16
 class RowCall(NamedTuple):
     """One call of a row kernel: the C function at ``at`` over rows 0..n_rows, in ``n_chunks``
     chunks of ``per`` rows on the threads, or in one call in the calling thread (n_chunks 1);
-    ``ints``: its integer arguments (INTS for ROWS, PRODUCT_INTS for PRODUCT, zeros where start
-    and end go), ``floats``: two floats (ROWS only)."""
+    ``ints``: its PRODUCT_INTS integer arguments (the first INTS for ROWS; zeros past those a
+    kernel takes, and where a product's start and end go), ``floats``: two floats (ROWS only)."""
     form: int
     at: int
     n_rows: int
@@ -114,9 +114,13 @@ def c_rows(dtype: type, *arrays: np.ndarray) -> bool:
 
 
 def _ints(ints: Sequence[int], n: int) -> tuple:
+    """``ints`` as PRODUCT_INTS Python ints (a table's row: zeros past the n a kernel takes)."""
     if len(ints) > n:
         raise ValueError(f"a row kernel takes at most {n} integers, not {len(ints)}")
-    return tuple(int(i) for i in ints) + (0,) * (n - len(ints))
+    return tuple(map(int, ints)) + _ZEROS[len(ints)]
+
+
+_ZEROS = [(0,) * (PRODUCT_INTS - i) for i in range(PRODUCT_INTS + 1)]
 
 
 class Table:
@@ -126,11 +130,8 @@ class Table:
     def __init__(self, calls: Sequence[RowCall]) -> None:
         n = len(calls)
         self.heads = np.array([c[:5] for c in calls], dtype=np.int64).reshape(n, 5)
-        self.ints = np.zeros((n, PRODUCT_INTS), dtype=np.int64)
-        self.floats = np.zeros((n, 2), dtype=np.float64)
-        for i, c in enumerate(calls):
-            self.ints[i, :len(c.ints)] = c.ints
-            self.floats[i] = c.floats
+        self.ints = np.array([c.ints for c in calls], dtype=np.int64).reshape(n, PRODUCT_INTS)
+        self.floats = np.array([c.floats for c in calls], dtype=np.float64).reshape(n, 2)
 
     def __call__(self) -> None:
         run_table(self.heads, self.ints, self.floats)
