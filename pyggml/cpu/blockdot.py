@@ -24,7 +24,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kinds import Fmt, literal_kind
-from .simd import KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, splat
+from .simd import (KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, pair_products,
+                   scaled_dot4, splat)
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V4I, V8I, V16I, V32B = (ir.VectorType(F32, 8), ir.VectorType(I32, 4), ir.VectorType(I32, 8), ir.VectorType(I32, 16),
@@ -244,12 +245,13 @@ def _q4_k_scales(builder, base):
     return builder.zext(scales, V8I), builder.zext(mins, V8I)
 
 
-def _q4_k_dots(builder, base, col, five: bool = False):
-    """A Q4_K (or Q5_K) block's integers: the 8 lanes of each sub-block's sum of q x y (not yet
-    times its scale), the 8 sub-block scales, and the 8 sub-blocks' min x (their activations' sum)."""
+def _q4_k_sums(builder, base, col, five: bool = False):
+    """A Q4_K (or Q5_K) block's integers: each sub-block's 8 lanes of q x y, each times the
+    sub-block's scale (simd.scaled_dot4: ggml's vpmaddwd by the scales), and the 8 sub-blocks'
+    min x (their activations' sum)."""
     scales, mins = _q4_k_scales(builder, base)
     qh = load_at(builder, base, 16, V32B) if five else None  # bit s of byte l: sub-block s, value l
-    dots = []
+    subs = []
     for pair in range(4):  # 32 bytes: the low nibbles are sub-block 2 pair, the high 2 pair + 1
         packed = load_at(builder, base, (48 if five else 16) + 32 * pair, V32B)
         for half, q in enumerate((builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4)))):
@@ -257,38 +259,15 @@ def _q4_k_dots(builder, base, col, five: bool = False):
             if five:
                 fifth = builder.and_(builder.lshr(qh, _splat(V32B, s)), _splat(V32B, 1))
                 q = builder.or_(q, builder.shl(fifth, _splat(V32B, 4)))
-            dots.append(dot4(builder, q, col["y"][s], False, DOTS))
-    return dots, scales, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+            scale = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
+            subs.append(scaled_dot4(builder, q, col["y"][s], scale, DOTS))
+    return subs, builder.mul(_pair_sums(builder, col["bsums"]), mins)
 
 
-def _q4_k_sums(builder, base, col, five: bool = False):
-    """_q4_k_dots with each sub-block's lanes times its scale (vec_dot keeps the lanes apart)."""
-    dots, scales, min_terms = _q4_k_dots(builder, base, col, five)
-    subs = [builder.mul(d, builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))) for s, d in enumerate(dots)]
-    return subs, min_terms
-
-
-def _scaled_sums(builder, base, col, five: bool = False):
-    """A Q4_K (or Q5_K) block's per-sub-block integers for the kernels that sum a block's lanes
-    (the repacked and tiled ones): each sub-block's q x y summed over its lanes, times its scale
-    (i32 x 8), and the mins' terms.  The lanes are summed before the scales multiply them - the
-    same integers with one vector multiply instead of eight."""
-    dots, scales, min_terms = _q4_k_dots(builder, base, col, five)
-    return builder.mul(_lane_sums8(builder, dots), scales), min_terms
-
-
-def _lane_sums8(builder, vecs):
-    """IR: an i32 x 8 whose element i is the sum of the 8 elements of vecs[i] (exact): three
-    rounds of adding the even and the odd elements of two vectors' concatenation.  Of any
-    power-of-two count of vectors of n elements, the same rounds give a vector of n elements
-    where each vector's sums stay in its own stretch, in order (vecs[i]'s n / count sums of
-    neighbouring elements at i * n / count)."""
-    n = vecs[0].type.count
-    even = ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2)))
-    odd = ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2)))
+def _summed(builder, vecs):
+    """IR: the lane-by-lane sum of integer vectors (exact in any order)."""
     while len(vecs) > 1:
-        vecs = [builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
-                for a, b in zip(vecs[::2], vecs[1::2])]
+        vecs = [builder.add(a, b) for a, b in zip(vecs[::2], vecs[1::2])] + vecs[len(vecs) - len(vecs) % 2:]
     return vecs[0]
 
 
@@ -301,9 +280,7 @@ def _q45_k(five: bool) -> Format:
 
     def block(builder, base, col, accs):
         subs, min_terms = _q4_k_sums(builder, base, col, five)
-        lanes = subs[0]
-        for sub in subs[1:]:
-            lanes = builder.add(lanes, sub)
+        lanes = _summed(builder, subs)
         scale = splat(builder, builder.fmul(half_at(builder, base, 0), col["d"]))
         acc = _fma(builder, scale, builder.sitofp(lanes, V8F), accs[0])
         dmin = builder.fmul(builder.fneg(col["d"]), half_at(builder, base, 2))
@@ -325,11 +302,28 @@ def _q45_k(five: bool) -> Format:
     return Format(176 if five else 144, init, _k_shared, block, finish)
 
 
+def _sums_of_eight(builder, vecs):
+    """IR: eight i32 x 8 vectors -> an i32 x 8 whose element i is the sum of vecs[i] (exact):
+    two rounds of pairwise sums within each 128-bit half (the pattern of AVX2's vphaddd), then
+    the halves added."""
+    def hadd(a, b):
+        lo = ir.Constant(V8I, [0, 2, 8, 10, 4, 6, 12, 14])
+        hi = ir.Constant(V8I, [1, 3, 9, 11, 5, 7, 13, 15])
+        return builder.add(builder.shuffle_vector(a, b, lo), builder.shuffle_vector(a, b, hi))
+    quads = [hadd(hadd(vecs[i], vecs[i + 1]), hadd(vecs[i + 2], vecs[i + 3])) for i in (0, 4)]
+    # quads[j]: vecs 4j .. 4j + 3's sums of their low 128 bits, then of their high 128 bits
+    low = builder.shuffle_vector(quads[0], quads[1], ir.Constant(V8I, [0, 1, 2, 3, 8, 9, 10, 11]))
+    high = builder.shuffle_vector(quads[0], quads[1], ir.Constant(V8I, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.add(low, high)
+
+
 def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
     """_q4_k_x8's float steps, two rows' chains side by side (PairFormat).  Its integers from
     dots of 64 bytes: a row's 32 packed bytes hold sub-blocks 2p (low nibbles) and 2p + 1 (high)
-    and the activations of both lie one after the other, so one dot gives a pair's 16 lanes;
-    both rows' 8 such dots are summed to their 16 sub-block sums in three rounds."""
+    and the activations of both lie one after the other, so one dot gives a pair's 16 lanes,
+    each already times its sub-block's scale (simd.scaled_dot4); a pair's total is the sum of
+    its 16 lanes, and both rows' 4 totals come from one tree of sums (_sums_of_eight).  The
+    mins' terms: each sub-block pair's two products summed (simd.pair_products)."""
     v64b, v2f = ir.VectorType(I8, 64), ir.VectorType(F32, 2)
 
     def shared(builder, b, nb, yb, yd, ys):
@@ -342,22 +336,22 @@ def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
                 "bsums": _concat(builder, per_sub, per_sub)}
 
     def rows(builder, base0, base1):
-        qs, scales, mins = [], [], []
+        qs, lane_scales, mins = [], [], []
         for base in (base0, base1):
             sc, mn = _q4_k_scales(builder, base)
-            scales.append(sc)
             mins.append(mn)
             for pair in range(4):  # the low nibbles are sub-block 2 pair, the high 2 pair + 1
                 packed = load_at(builder, base, 16 + 32 * pair, V32B)
                 qs.append(_concat(builder, builder.and_(packed, _splat(V32B, 15)), builder.lshr(packed, _splat(V32B, 4))))
+                lane_scales.append(builder.shuffle_vector(sc, sc, ir.Constant(V16I, [2 * pair] * 8 + [2 * pair + 1] * 8)))
         halves = [[half_at(builder, base, at) for base in (base0, base1)] for at in (0, 2)]
-        return {"q": qs, "scales": _concat(builder, *scales), "mins": _concat(builder, *mins),
+        return {"q": qs, "lane_scales": lane_scales, "mins": _concat(builder, *mins),
                 "d": _two_halves(builder, *halves[0], 1), "dmin": _two_halves(builder, *halves[1], 1)}
 
     def block(builder, two, col, accs):
-        dots = [dot4(builder, q, col["y"][i % 4], False, DOTS) for i, q in enumerate(two["q"])]
-        sums = builder.mul(_lane_sums8(builder, dots), two["scales"])  # row 0's 8 sub-blocks, then row 1's
-        totals, mins = _pair_sums(builder, sums), _pair_sums(builder, builder.mul(col["bsums"], two["mins"]))
+        dots = [scaled_dot4(builder, q, col["y"][i % 4], two["lane_scales"][i], DOTS) for i, q in enumerate(two["q"])]
+        totals = _sums_of_eight(builder, [builder.add(_half(builder, v, 0), _half(builder, v, 1)) for v in dots])
+        mins = pair_products(builder, col["bsums"], two["mins"], DOTS)  # row 0's 4 pairs, then row 1's (as totals)
         if not per_pair:
             totals, mins = _pair_sums(builder, _pair_sums(builder, totals)), _pair_sums(builder, _pair_sums(builder, mins))
         d, dmin = builder.fmul(two["d"], col["d"]), builder.fmul(two["dmin"], col["d"])
@@ -384,8 +378,8 @@ def _q45_k_tiled(five: bool) -> Format:
     ``r = float(scales' integer) * d_w``, ``r = fma(-dmin_w, float(mins' integer), r)``,
     ``acc = fma(r, d_y, acc)``."""
     def block(builder, base, col, accs):
-        sums, min_terms = _scaled_sums(builder, base, col, five)
-        r = builder.fmul(builder.sitofp(_hsum_int(builder, sums), F32), half_at(builder, base, 0))
+        subs, min_terms = _q4_k_sums(builder, base, col, five)
+        r = builder.fmul(builder.sitofp(_hsum_int(builder, _summed(builder, subs)), F32), half_at(builder, base, 0))
         mins = builder.sitofp(_hsum_int(builder, min_terms), F32)
         r = _fma(builder, builder.fneg(half_at(builder, base, 2)), mins, r)
         return [_fma(builder, r, col["d"], accs[0])]
@@ -408,7 +402,7 @@ def _q6_k_lanes(builder, base, col):
             two = builder.sext(load_at(builder, base, 192 + 8 * half + 2 * plane, ir.VectorType(I8, 2)),
                                ir.VectorType(I32, 2))
             sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
-            lanes = builder.add(lanes, builder.mul(dot4(builder, q, col["y"][4 * half + plane], False, DOTS), sc))
+            lanes = builder.add(lanes, scaled_dot4(builder, q, col["y"][4 * half + plane], sc, DOTS))
     scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
     offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
     return builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
@@ -431,9 +425,10 @@ def _q6_k_tiled() -> PairFormat:
     """Q6_K from 8 columns, llama.cpp's tiled matmul: per block
     ``r = float(integer sum) * d_w``, ``acc = fma(r, d_y, acc)``; two rows side by side
     (PairFormat).  Only the block's integer counts, so it is summed as cheaply as it comes:
-    dots of two 32-value chunks at once, summed to the 16 sums of 16 values in two rounds,
-    less 32 x the activations' sums, times the 16 scales, summed."""
-    v64b, v2f = ir.VectorType(I8, 64), ir.VectorType(F32, 2)
+    dots of two 32-value chunks at once, each lane already times its 16 values' scale
+    (simd.scaled_dot4), all lanes summed, less 32 x the scales times the activations' sums
+    (simd.pair_products)."""
+    v64b, v2f, v2i = ir.VectorType(I8, 64), ir.VectorType(F32, 2), ir.VectorType(I32, 2)
 
     def shared(builder, b, nb, yb, yd, ys):
         at = builder.mul(b, ir.Constant(I64, 256))
@@ -441,7 +436,7 @@ def _q6_k_tiled() -> PairFormat:
                        ir.VectorType(F32, 16))
         return {"y": [load_at(builder, yb, builder.add(at, ir.Constant(I64, 64 * c)), v64b) for c in range(4)],
                 "d": splat(builder, builder.load(builder.gep(yd, [b])), 2),
-                "offsets": builder.shl(builder.fptosi(sums, V16I), _splat(V16I, 5))}  # 32 x sum per 16 values
+                "bsums": builder.fptosi(sums, V16I)}  # the sum of each 16 values (exact integers held as float32)
 
     def chunk(builder, base, c):
         """Chunk c's 32 values (0..63): the values 32c .. 32c + 31 of the block."""
@@ -456,18 +451,23 @@ def _q6_k_tiled() -> PairFormat:
         qs = [_concat(builder, chunk(builder, base, 2 * k), chunk(builder, base, 2 * k + 1))
               for base in (base0, base1) for k in range(4)]
         scales = [builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I) for base in (base0, base1)]
-        return {"q": qs, "scales": scales,
+        # a dot of chunks 2k and 2k + 1: lane j holds 4 values of the 16 that share scale 4k + j / 4
+        lane_scales = [builder.shuffle_vector(sc, sc, ir.Constant(V16I, [4 * k + j // 4 for j in range(16)]))
+                       for sc in scales for k in range(4)]
+        return {"q": qs, "lane_scales": lane_scales, "scales": scales,
                 "d": _two_halves(builder, half_at(builder, base0, 208), half_at(builder, base1, 208), 1)}
 
     def block(builder, two, col, accs):
-        totals = []
+        lanes = []  # each row's 8 lanes, which sum to its block's integer
         for r in range(2):
-            dots = [dot4(builder, q, col["y"][k], False, DOTS) for k, q in enumerate(two["q"][4 * r:4 * r + 4])]
-            per16 = builder.sub(_lane_sums8(builder, dots), col["offsets"])  # the 16 sums of 16 values
-            totals.append(builder.mul(per16, two["scales"][r]))
-        total = _lane_sums8(builder, totals)  # row 0's 8 pair sums, then row 1's
-        while total.type.count > 2:
-            total = _pair_sums(builder, total)
+            dots = [scaled_dot4(builder, q, col["y"][k], two["lane_scales"][4 * r + k], DOTS)
+                    for k, q in enumerate(two["q"][4 * r:4 * r + 4])]
+            summed = builder.add(builder.add(dots[0], dots[1]), builder.add(dots[2], dots[3]))
+            offsets = pair_products(builder, two["scales"][r], col["bsums"], DOTS)  # the -32 of every code
+            lanes.append(builder.sub(builder.add(_half(builder, summed, 0), _half(builder, summed, 1)),
+                                     builder.shl(offsets, _splat(V8I, 5))))
+        quads = _sums_of_eight(builder, lanes * 4)  # (both rows' sums, four times)
+        total = builder.shuffle_vector(quads, quads, ir.Constant(v2i, [0, 1]))
         r = builder.fmul(builder.sitofp(total, v2f), two["d"])
         return [_fma(builder, r, col["d"], accs[0])]
 
