@@ -176,3 +176,20 @@ def test_a_prompts_plan_holds_the_activations_of_a_few_products_not_of_every_lay
     per_layer = sum(a.nbytes for a in arrays.values()) / m.model.hp.n_layer
     assert len(pool._made) > 4 * m.model.hp.n_layer  # every product's bytes, every input's activations
     assert len(arrays) <= 12 and per_layer < 20_000
+
+
+def test_a_buffer_keeps_its_tensors_views_until_freed(cpu):
+    """tensor_view gives the same array for the same bytes, type, shape and strides (plans view
+    a model's weights and their own tensors again and again), a new one for another shape, and
+    none of a freed buffer's."""
+    from pyggml.cpu.buffer import tensor_view
+    buft = cpu.get_device().get_buffer_type()
+    a = pg.new_tensor(Type.F32, (8, 2), "a")
+    buffer = pg.alloc_tensors([a], buft)
+    view = tensor_view(a)
+    assert view.shape == (1, 1, 2, 8) and tensor_view(a) is view
+    view[0, 0, 1, 3] = 5.0
+    assert tensor_view(ops.view(a, (8, 2), offset=0)) is view  # another tensor over the same bytes
+    assert tensor_view(ops.reshape(a, 16)) is not view and tensor_view(ops.reshape(a, 16))[0, 0, 0, 11] == 5.0
+    buffer.free()
+    assert not buffer._views
