@@ -341,8 +341,10 @@ def scaled_dot4(builder, wb, yb, scales, level: str):
     """IR: dot4(wb, yb) of unsigned weights, each lane times the same lane of ``scales`` (an i32
     vector of a quarter wb's length, of values that fit in 16 bits); exact.  With AVX2 the
     scales take the place of dot4's ones in ``vpmaddwd``: scaled for no instruction more (and
-    the per-lane scales are the same for every column a tile multiplies)."""
-    if level != "avx2":
+    the per-lane scales are the same for every column a tile multiplies).  So with VNNI too:
+    its one ``vpdpbusd`` would then take a vector multiply of 32-bit lanes, more than
+    ``vpmaddwd`` costs."""
+    if level == "plain":
         return builder.mul(dot4(builder, wb, yb, False, level), scales)
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     n = wb.type.count
@@ -364,10 +366,11 @@ def scaled_dot4(builder, wb, yb, scales, level: str):
 
 def pair_products(builder, a, b, level: str):
     """IR: i32 vectors a and b (values that fit in 16 bits) -> half as many lanes, lane k
-    ``a[2k] b[2k] + a[2k + 1] b[2k + 1]``; exact.  One ``vpmaddwd`` per 16 lanes with AVX2."""
+    ``a[2k] b[2k] + a[2k + 1] b[2k + 1]``; exact.  One ``vpmaddwd`` per 16 lanes with AVX2 (or
+    VNNI)."""
     i16, i32 = ir.IntType(16), ir.IntType(32)
     n = a.type.count
-    if level == "avx2" and n == 16:
+    if level != "plain" and n == 16:
         v16s, v8i = ir.VectorType(i16, 16), ir.VectorType(i32, 8)
         quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
         return builder.call(quads, [builder.trunc(a, v16s), builder.trunc(b, v16s)])
