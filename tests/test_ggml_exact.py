@@ -103,15 +103,50 @@ def test_batched_k_quant_products_follow_llama_cpps_float_steps():
     ``acc = fma(r, d_y, acc)`` per block) and repacked Q4_K for columns in fours
     (ggml_gemm_q4_K_8x8_q8_K: the scales' and the mins' integers of each pair of sub-blocks
     into two accumulators)."""
-    from pyggml.cpu.activations import quantize
-    from pyggml.cpu.kinds import Act
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 512)).astype(np.float32) * rng.uniform(0.2, 3, (8, 1)).astype(np.float32)
+    _check_batched_k_quants(x, {name: DATA[name + "_w"] for name in ("Q6_K", "Q4_K", "Q5_K")})
+
+
+def _extreme_k_quant_rows(name: str, rows: int, k: int) -> np.ndarray:
+    """Rows of ``name`` whose every code, scale and min is at its largest (Q6_K's scales at
+    -128 and 127 in turn), with small finite d and dmin: the largest integers the products'
+    16-bit steps (vpmaddubsw's pair sums, vpmaddwd by the scales) ever hold."""
+    size = {"Q6_K": 210, "Q4_K": 144, "Q5_K": 176}[name]
+    blocks = np.full((rows, k // 256, size), 0xFF, dtype=np.uint8)
+    small = np.frombuffer(np.array([1e-3, 2e-3], dtype=np.float16).tobytes(), dtype=np.uint8)
+    if name == "Q6_K":
+        blocks[:, :, 192:208] = np.tile(np.array([0x80, 0x7F], dtype=np.uint8), 8)
+        blocks[:, :, 208:210] = small[:2]
+    else:
+        blocks[:, :, 0:4] = small
+    return blocks.reshape(rows, -1)
+
+
+def test_batched_k_quant_products_hold_their_largest_integers():
+    """The same reference with every weight code, scale and min at its largest and activations
+    at Q8_K's extremes (+-127): no 16-bit step of the integer dots saturates."""
+    rng = np.random.default_rng(9)
+    x = np.where(rng.random((8, 512)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[:, ::7] *= 0.999
+    assert set(np.unique(_q8_k_values(x))) >= {-127, 127}
+    _check_batched_k_quants(x, {name: _extreme_k_quant_rows(name, 16, 512) for name in ("Q6_K", "Q4_K", "Q5_K")})
+
+
+def _q8_k_values(x: np.ndarray) -> np.ndarray:
+    from pyggml.cpu.activations import quantize
+    from pyggml.cpu.kinds import Act
+    return quantize(x, int(Act.Q8_K))[0].astype(np.int64)
+
+
+def _check_batched_k_quants(x: np.ndarray, weights: dict[str, np.ndarray]) -> None:
+    from pyggml.cpu.activations import quantize
+    from pyggml.cpu.kinds import Act
     yq, yd, bsums = quantize(x, int(Act.Q8_K))
     y = yq.astype(np.int64).reshape(8, -1, 256)
     bs = bsums.astype(np.int64).reshape(8, -1, 16)
 
-    w = DATA["Q6_K_w"]
+    w = weights["Q6_K"]
     got = quant_matmul(w, pg.Type.Q6_K, x)
     for m in range(len(w)):
         q, scales, d = _q6_k_ints(w[m])
@@ -122,7 +157,7 @@ def test_batched_k_quant_products_follow_llama_cpps_float_steps():
                 acc = _fma(np.float32(s[b]) * d[b], yd[n, b], acc)
             assert got[n, m] == acc, f"Q6_K row {m} column {n}"
 
-    w = DATA["Q4_K_w"]
+    w = weights["Q4_K"]
     assert len(w) % 8 == 0  # repacked
     got = quant_matmul(w, pg.Type.Q4_K, x)
     for m in range(len(w)):
@@ -138,7 +173,7 @@ def test_batched_k_quant_products_follow_llama_cpps_float_steps():
             assert got[n, m] == acc - acc_min, f"Q4_K row {m} column {n}"
 
     for name in ("Q4_K", "Q5_K"):  # rows not in whole eights, and Q5_K: the tiled matmul
-        w = DATA[name + "_w"][:15]
+        w = weights[name][:15]
         got = quant_matmul(w, pg.Type[name], x)
         for m in range(len(w)):
             q, scales, mins, d, dmin = _q4_k_ints(w[m], five=name == "Q5_K")
