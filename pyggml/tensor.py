@@ -30,6 +30,7 @@ class TensorFlag(enum.IntFlag):
 
 NO_FLAGS = TensorFlag(0)
 
+
 class Tensor:
     __slots__ = ("type", "ne", "nb", "op", "op_params", "src", "view_src", "view_offs",
                  "buffer", "offset", "name", "flags", "__weakref__")

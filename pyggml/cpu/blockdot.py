@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kinds import Fmt, literal_kind
-from .simd import (KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, pair_products,
+from .simd import (KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, pair_products, pair_sums,
                    scaled_dot4, splat)
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -68,15 +68,6 @@ def _nibbles(builder, packed):
 def _hsum_int(builder, v):
     """The sum of an integer vector's elements (exact in any order)."""
     return fold_halves(builder, v, builder.add)
-
-
-def _pair_sums(builder, v):
-    """An integer vector of n -> n / 2 elements: element i the sum of elements 2i and 2i + 1."""
-    n = v.type.count
-    half = ir.VectorType(I32, n // 2)
-    even = builder.shuffle_vector(v, v, ir.Constant(half, list(range(0, n, 2))))
-    odd = builder.shuffle_vector(v, v, ir.Constant(half, list(range(1, n, 2))))
-    return builder.add(even, odd)
 
 
 class Format(NamedTuple):
@@ -261,7 +252,7 @@ def _q4_k_sums(builder, base, col, five: bool = False):
                 q = builder.or_(q, builder.shl(fifth, _splat(V32B, 4)))
             scale = builder.shuffle_vector(scales, scales, ir.Constant(V8I, [s] * 8))
             subs.append(scaled_dot4(builder, q, col["y"][s], scale, DOTS))
-    return subs, builder.mul(_pair_sums(builder, col["bsums"]), mins)
+    return subs, builder.mul(pair_sums(builder, col["bsums"]), mins)
 
 
 def _summed(builder, vecs):
@@ -286,7 +277,7 @@ def _q45_k(five: bool) -> Format:
         dmin = builder.fmul(builder.fneg(col["d"]), half_at(builder, base, 2))
         if five:
             return [acc, _fma(builder, dmin, builder.sitofp(_hsum_int(builder, min_terms), F32), accs[1])]
-        pairs = builder.sitofp(_pair_sums(builder, min_terms), v4f)  # the mins of sub-blocks 0+1, 2+3, ...
+        pairs = builder.sitofp(pair_sums(builder, min_terms), v4f)  # the mins of sub-blocks 0+1, 2+3, ...
         eight = splat(builder, dmin)
         dmins = builder.shuffle_vector(eight, eight, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3]))
         return [acc, _fma(builder, dmins, pairs, accs[1])]
@@ -330,7 +321,7 @@ def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
         at = builder.mul(b, ir.Constant(I64, 256))
         sums = load_at(builder, builder.bitcast(ys, I8.as_pointer()), builder.mul(b, ir.Constant(I64, 64)),
                        ir.VectorType(F32, 16))
-        per_sub = _pair_sums(builder, builder.fptosi(sums, V16I))  # exact integers held as float32
+        per_sub = pair_sums(builder, builder.fptosi(sums, V16I))  # exact integers held as float32
         return {"y": [load_at(builder, yb, builder.add(at, ir.Constant(I64, 64 * p)), v64b) for p in range(4)],
                 "d": splat(builder, builder.load(builder.gep(yd, [b])), 2),
                 "bsums": _concat(builder, per_sub, per_sub)}
@@ -353,7 +344,7 @@ def _q4_k_x8_paired(per_pair: bool) -> PairFormat:
         totals = _sums_of_eight(builder, [builder.add(_half(builder, v, 0), _half(builder, v, 1)) for v in dots])
         mins = pair_products(builder, col["bsums"], two["mins"], DOTS)  # row 0's 4 pairs, then row 1's (as totals)
         if not per_pair:
-            totals, mins = _pair_sums(builder, _pair_sums(builder, totals)), _pair_sums(builder, _pair_sums(builder, mins))
+            totals, mins = pair_sums(builder, pair_sums(builder, totals)), pair_sums(builder, pair_sums(builder, mins))
         d, dmin = builder.fmul(two["d"], col["d"]), builder.fmul(two["dmin"], col["d"])
         totals, mins = builder.sitofp(totals, ir.VectorType(F32, totals.type.count)), \
             builder.sitofp(mins, ir.VectorType(F32, mins.type.count))
@@ -404,7 +395,7 @@ def _q6_k_lanes(builder, base, col):
             sc = builder.shuffle_vector(two, two, ir.Constant(V8I, [0] * 4 + [1] * 4))  # a scale per 16 values
             lanes = builder.add(lanes, scaled_dot4(builder, q, col["y"][4 * half + plane], sc, DOTS))
     scales = builder.sext(load_at(builder, base, 192, ir.VectorType(I8, 16)), V16I)
-    offsets = _pair_sums(builder, builder.mul(scales, col["bsums"]))
+    offsets = pair_products(builder, scales, col["bsums"], DOTS)
     return builder.sub(lanes, builder.shl(offsets, _splat(V8I, 5)))
 
 

@@ -310,10 +310,8 @@ def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
         start = ir.Constant(vsum, [0] * (n // 4)) if acc is None else acc
         return builder.call(fn, [start, builder.bitcast(wb, vsum), builder.bitcast(yb, vsum)])
     if level == "avx2":
-        v32b, v16s, v8i = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-        pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16s, [v32b] * 2),
-                                               "llvm.x86.avx2.pmadd.ub.sw")
-        quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
+        v32b, v16s = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+        pairs, quads = _maddubs(builder), _maddwd(builder)
         sign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b] * 2), "llvm.x86.avx2.psign.b")
         absolute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b, ir.IntType(1)]),
                                                   "llvm.abs.v32i8")
@@ -336,6 +334,17 @@ def dot4(builder, wb, yb, signed_weights: bool, level: str, acc=None):
     return total if acc is None else builder.add(total, acc)
 
 
+def _maddubs(builder):
+    """AVX2's vpmaddubsw (unsigned x signed bytes, pairs summed to saturating 16 bits)."""
+    v32b, v16s = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16s, [v32b] * 2), "llvm.x86.avx2.pmadd.ub.sw")
+
+
+def _maddwd(builder):
+    """AVX2's vpmaddwd (16-bit lanes multiplied, pairs summed to 32 bits)."""
+    v16s, v8i = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
+
 
 def scaled_dot4(builder, wb, yb, scales, level: str):
     """IR: dot4(wb, yb) of unsigned weights, each lane times the same lane of ``scales`` (an i32
@@ -346,11 +355,9 @@ def scaled_dot4(builder, wb, yb, scales, level: str):
     ``vpmaddwd`` costs."""
     if level == "plain":
         return builder.mul(dot4(builder, wb, yb, False, level), scales)
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
     n = wb.type.count
-    v32b, v16s, v8i = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-    pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16s, [v32b] * 2), "llvm.x86.avx2.pmadd.ub.sw")
-    quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
+    pairs, quads = _maddubs(builder), _maddwd(builder)
     narrow = builder.trunc(scales, ir.VectorType(i16, n // 4))
     sums = []
     for h in range(n // 32):
@@ -364,21 +371,23 @@ def scaled_dot4(builder, wb, yb, scales, level: str):
                                                                                         list(range(16))))
 
 
-def pair_products(builder, a, b, level: str):
-    """IR: i32 vectors a and b (values that fit in 16 bits) -> half as many lanes, lane k
-    ``a[2k] b[2k] + a[2k + 1] b[2k + 1]``; exact.  One ``vpmaddwd`` per 16 lanes with AVX2 (or
-    VNNI)."""
-    i16, i32 = ir.IntType(16), ir.IntType(32)
-    n = a.type.count
-    if level != "plain" and n == 16:
-        v16s, v8i = ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-        quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2), "llvm.x86.avx2.pmadd.wd")
-        return builder.call(quads, [builder.trunc(a, v16s), builder.trunc(b, v16s)])
-    prod = builder.mul(a, b)
-    half = ir.VectorType(i32, n // 2)
-    even = builder.shuffle_vector(prod, prod, ir.Constant(half, list(range(0, n, 2))))
-    odd = builder.shuffle_vector(prod, prod, ir.Constant(half, list(range(1, n, 2))))
+def pair_sums(builder, v):
+    """IR: an i32 vector of n -> n / 2 elements: element i the sum of elements 2i and 2i + 1."""
+    n = v.type.count
+    half = ir.VectorType(ir.IntType(32), n // 2)
+    even = builder.shuffle_vector(v, v, ir.Constant(half, list(range(0, n, 2))))
+    odd = builder.shuffle_vector(v, v, ir.Constant(half, list(range(1, n, 2))))
     return builder.add(even, odd)
+
+
+def pair_products(builder, a, b, level: str):
+    """IR: pair_sums(a * b) of i32 vectors a and b (values that fit in 16 bits); exact.  One
+    ``vpmaddwd`` per 16 lanes with AVX2 (or VNNI)."""
+    if level != "plain" and a.type.count == 16:
+        v16s = ir.VectorType(ir.IntType(16), 16)
+        return builder.call(_maddwd(builder), [builder.trunc(a, v16s), builder.trunc(b, v16s)])
+    return pair_sums(builder, builder.mul(a, b))
+
 
 _jit = njit(inline="always", **KERNEL)
 
