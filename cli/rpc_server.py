@@ -101,12 +101,21 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
               help="Never connect to another server. By default, when a client asks, this server sends the "
                    "tensors another server needs to it directly (a link that server authorizes with a one-time "
                    "token) instead of through the client.")
+@click.option("--max-transit", default="1G", show_default=True, metavar="SIZE",
+              help="Bytes held server-wide for requests not yet served (messages arriving, requests held while "
+                   "a session waits, tensors queued to other servers); a large message waits for room.")
+@click.option("--peer-allow", default=None, metavar="CIDR,...",
+              help="Networks this server may link to when a client asks (besides its own: loopback when bound "
+                   "to loopback, else the networks of the interface it is bound to), e.g. 10.0.0.0/16.")
+@click.option("--idle-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
+              help="Close a client's connection that holds nothing (no buffer, no link) after this long "
+                   "without a request.")
 @click.option("--list-devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, max_message, poll, no_peers, list_devices, log_level) -> None:
+         key_path, gen_key, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -163,9 +172,14 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
 
     from pyggml.rpc.protocol import PROTOCOL_VERSION
     from pyggml.rpc.files import ServerFiles
-    from pyggml.rpc.server import RPCServer
+    from pyggml.rpc import peers
+    from pyggml.rpc.server import Limits, RPCServer
     try:
-        files = ServerFiles(list(gguf_paths)) if gguf_paths else None  # hashed once, remembered after
+        networks = peers.own_networks(host) + (peers.parse_networks(peer_allow) if peer_allow else [])
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    try:
+        files = ServerFiles.from_paths(list(gguf_paths)) if gguf_paths else None  # hashed once, remembered after
     except (OSError, ValueError) as e:
         fail(str(e))
     try:
@@ -173,7 +187,7 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
                            max_message=parse_size(max_message), tls=key,
                            cache_max=parse_size(cache_max), files=files, peer_links=not no_peers,
-                           peer_tls=peer_key)
+                           peer_tls=peer_key, peer_networks=networks, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
     except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
     click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"

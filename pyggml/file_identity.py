@@ -2,8 +2,9 @@
 
 An RPC client and server that hold the same GGUF recognise it by this digest, whatever
 the file is called (``pyggml-rpc-server --gguf``).  Hashing a large model takes a while, so
-digests are kept in ``~/.cache/pyggml/file-ids.json`` keyed by resolved path, size and
-modification time: a restart, or a second load of an unchanged file, hashes nothing.
+digests are kept in ``~/.cache/pyggml/file-ids.json`` keyed by resolved path, size,
+modification and change times and inode: a restart, or a second load of an unchanged file,
+hashes nothing, and a file rewritten in place (whatever its size and mtime) is hashed again.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def _index_path() -> Path:
 
 
 def _key(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    st = path.stat()  # a rewrite that keeps size and mtime still changes ctime; a replacement, the inode
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_dev}:{st.st_ino}"
 
 
 def _load() -> dict[str, str]:
@@ -55,7 +56,9 @@ def file_identity(path: str | os.PathLike) -> bytes:
                 h.update(chunk)
         digest = h.digest()
         hashed_files += 1
-        index = {k: v for k, v in _load().items() if Path(k.split("|", 1)[0]).exists()}
+        here = key.split("|", 1)[0]  # (this path's older entries are of bytes it no longer holds)
+        index = {k: v for k, v in _load().items()
+                 if k.split("|", 1)[0] != here and Path(k.split("|", 1)[0]).exists()}
         index[key] = digest.hex()
         target = _index_path()
         try:

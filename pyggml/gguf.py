@@ -152,8 +152,8 @@ class GGUFFile:
                     if identity is None:
                         from .file_identity import file_identity
                         identity = file_identity(self.path)
-                    if buf.holds_file(identity, self.path.name):
-                        buf.set_tensor_from_file(t, identity, info.offset, info.nbytes)
+                    if (buf.holds_file(identity, self.path.name)
+                            and buf.set_tensor_from_file(t, identity, info.offset, info.nbytes)):
                         bar.update(info.nbytes)
                         continue
                 if mmap:

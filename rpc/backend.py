@@ -132,13 +132,24 @@ class RPCBuffer(Buffer):
         return False
 
     def set_tensor_from_file(self, tensor: Tensor, identity: bytes, file_offset: int, size: int,
-                             offset: int = 0) -> None:
+                             offset: int = 0) -> bool:
         """Fill ``size`` bytes of ``tensor`` from the server's own copy of the file: nothing
-        but the request travels (the server checks the range against the file's tensors)."""
+        but the request travels (the server checks the range against the file's tensors).
+        False if the server refused (its copy changed on its disk): said once, and the file is
+        not asked of it again - the caller uploads the bytes."""
         self._check(tensor, offset, size)
-        self.conn.request(Command.SET_TENSOR_FILE,
-                          self._packed(tensor) + P.SET_TENSOR_FILE.pack(offset, size, identity, file_offset))
+        try:
+            self.conn.request(Command.SET_TENSOR_FILE,
+                              self._packed(tensor) + P.SET_TENSOR_FILE.pack(offset, size, identity, file_offset))
+        except RPCError as e:
+            if self.conn.closed_reason is not None:
+                raise
+            name = self.conn.server_files.pop(identity, "the model")
+            log.warning("%s cannot read %s from its disk (%s): its tensors are uploaded", self.buft.get_name(),
+                        name, e)
+            return False
         self.conn.loaded["disk"] = self.conn.loaded.get("disk", 0) + size
+        return True
 
     def _packed(self, tensor: Tensor) -> bytes:
         """The tensor's wire form for data requests, kept: a decode loop writes the same
@@ -227,7 +238,7 @@ def peer_copy(src: Tensor, dst: Tensor) -> bool:
     if link is None:
         try:
             token = bytes(receiver.request(Command.PEER_TOKEN)[0])
-            link = sender.request(Command.PEER_CONNECT, P.PEER_CONNECT.pack(token), [receiver.endpoint.encode()],
+            link = sender.request(Command.PEER_CONNECT, P.PEER_CONNECT.pack(token), [receiver.numeric_endpoint.encode()],
                                   reply=P.U32)[0][0]
         except RPCError as e:
             if sender.closed_reason is not None or receiver.closed_reason is not None:

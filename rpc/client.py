@@ -94,6 +94,12 @@ class Connection:
         self.loaded = {"disk": 0, "cache": 0, "wire": 0}
         self.warned_versions: set[str] = set()
 
+    @property
+    def numeric_endpoint(self) -> str:
+        """The server's address as this connection reached it (what another server is told to link to)."""
+        host, port = self.channel.sock.getpeername()[:2]
+        return f"{host}:{port}"
+
     def _fail(self, reason: str) -> None:
         self.close(reason)
         raise RPCError(self.endpoint, reason) from None

@@ -9,8 +9,13 @@ carries on.
 
 What one session may hold is bounded (:class:`Limits`): buffers, graph slots, unread replies
 (a client that stops reading loses its session instead of stalling the server), frames and
-bytes per request (checked before the bytes are read); what a graph may cost is bounded by
-the bytes the session owns (:func:`.validate.check_cost`).
+bytes per request (checked before the bytes are read, and no more than the session holds in
+buffers); what a graph may cost is bounded by the bytes the session owns
+(:func:`.validate.check_cost`).  What the server holds for requests not yet served - messages
+arriving, requests held while a session waits, tensors from other servers kept for a later
+WAIT_PEER, bytes queued to other servers - comes from one server-wide pool
+(``Limits.transit``) as well as from the session's own bounds.  Slots are bounded per source
+address, and a session that holds nothing gives up its slot when idle (see :mod:`.transport`).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from . import protocol as P
 from .cache import TensorCache
 from .files import ServerFiles
 from .protocol import Command, ProtocolError, RPCError, Status, unpack
-from .transport import Disconnected, Listener, Message, Peer
+from .transport import FREE_BYTES, Disconnected, Listener, Message, Peer, Pool
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
 log = logging.getLogger("pyggml.rpc.server")
@@ -46,7 +51,31 @@ class Limits:
     buffers: int = 4096            # a model takes a few per device (weights, cache, compute)
     pending_replies: int = 16      # answers the client has not read (beyond what the kernel buffers)
     frames: int = P.MAX_FRAMES     # frames of one request, the header included
-    clients: int = 512             # connections at once (each holds a descriptor)
+    clients: int = 512             # connections at once (each holds a descriptor) ...
+    per_address: int = 64          # ... and from one address
+    idle_s: float = 600.0          # a session that holds nothing is closed after this long without a request
+    transit: int = 1 << 30         # bytes held server-wide for requests not yet served (transport.Pool)
+
+
+@dataclass
+class Wait:
+    """Why a session's requests are held: a tagged tensor from another server (``tag``), or
+    a link this server is making for it (``link``)."""
+    deadline: float
+    tag: int | None = None
+    link: Link | None = None
+
+
+@dataclass(eq=False)
+class Link:
+    """This server's connection to another server, made for one session (PEER_CONNECT)."""
+    number: int
+    endpoint: str
+    peer: Peer
+    session: Session
+    seq: int                      # the PEER_CONNECT it answers once made
+    ready: bool = False
+    lost: str | None = None       # why it ended
 
 
 @dataclass
@@ -72,13 +101,13 @@ class Session:
     cached: int = 0  # bytes this session has written into the tensor cache
     # servers passing tensors to each other (rpc/peers.py)
     writes_into: Session | None = None   # a link from another server: the session it may write into
-    links: dict[int, object] = field(default_factory=dict)  # link number -> Connection to another server
+    links: dict[int, Link] = field(default_factory=dict)  # link number -> this server's connection to another
     link_attempts: int = 0
     # tagged tensors that came before their WAIT_PEER: (destination, codec, bytes), written only
     # when the client's own requests reach that WAIT_PEER (a sender may run ahead by ubatches)
     arrived: OrderedDict[int, tuple] = field(default_factory=OrderedDict)
     arrived_bytes: int = 0
-    waiting: tuple[int, float] | None = None  # (tag, deadline): this session's requests are held
+    waiting: Wait | None = None               # this session's requests are held meanwhile
     senders: int = 0                          # links that write into this session now
     sender_lost: str | None = None            # why the last one went, if none is left
     held: deque = field(default_factory=deque)  # the requests held meanwhile, in order
@@ -86,10 +115,21 @@ class Session:
     # wire tensors of SET_TENSOR / GET_TENSOR requests, checked once: a decoding step sets and
     # reads the same few tensors every time (forgotten whenever a buffer goes)
     known: dict[bytes, Tensor] = field(default_factory=dict)
+    owned_bytes: int = 0  # of the buffers it holds
+    seq: int = 0          # of the request being served
 
     def owned(self) -> int:
         """Bytes of the buffers this session holds."""
-        return sum(buf.get_size() for _, buf in self.buffers.values())
+        return self.owned_bytes
+
+    def holds(self) -> bool:
+        """Whether it holds anything a client would miss: buffers, links, a wait."""
+        return bool(self.buffers or self.links or self.writes_into is not None or self.waiting is not None
+                    or self.graphs)
+
+    def may_hold(self) -> int:
+        """Bytes of requests (or tensors from other servers) it may have held while it waits."""
+        return max(peers.HELD_FREE_BYTES, self.owned_bytes)
 
     def lookup(self, handle: int) -> Buffer:
         entry = self.buffers.get(handle)
@@ -99,6 +139,7 @@ class Session:
 
 
 Reply = tuple[bytes, list]
+DEFERRED: Reply = (b"", [])  # a handler's answer that it will answer later itself (the same object)
 Handler = Callable[[Session, memoryview, list], Reply]
 
 
@@ -107,7 +148,7 @@ class RPCServer:
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
                  tls: ssl.SSLContext | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
                  limits: Limits = Limits(), files: ServerFiles | None = None, peer_links: bool = True,
-                 peer_tls: ssl.SSLContext | None = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None, peer_networks: list | None = None) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
@@ -119,9 +160,14 @@ class RPCServer:
         self.peer_links = peer_links  # False (--no-peers): never connect to another server
         self.peer_tls = peer_tls      # how to connect to another server (its client side of TLS)
         self.tokens = peers.Tokens()
+        self.link_policy = peers.LinkPolicy(peer_networks if peer_networks is not None else peers.own_networks(host))
+        self.outgoing: dict[int, Link] = {}   # this server's links to others (being made or made), by connection
         self._ended: OrderedDict[int, str] = OrderedDict()  # why recent sessions were ended by the server
+        self.pool = Pool(limits.transit)
         self.listener = Listener(host, port, tls, max_frames=limits.frames, max_bytes=max_message,
-                                 max_peers=limits.clients, max_queued=limits.pending_replies)
+                                 max_peers=limits.clients, max_queued=limits.pending_replies,
+                                 max_per_address=limits.per_address, pool=self.pool, allowance=self._allowance,
+                                 holds=self._holds, idle_timeout=limits.idle_s)
         self.endpoint = self.listener.endpoint
         self.handlers: dict[Command, Handler] = {
             Command.DEVICE_COUNT: self._device_count,
@@ -158,11 +204,11 @@ class RPCServer:
         try:
             while self.running:
                 for event in self.listener.poll(0.5):
-                    if not isinstance(event, Message):
+                    if event.peer.outgoing:
+                        self._link_event(event)
+                    elif isinstance(event, Disconnected):
                         self._disconnected(event)
-                        continue
-                    session = self.sessions.get(event.peer.id)
-                    if session is not None and session.waiting is not None:
+                    elif (session := self.sessions.get(event.peer.id)) is not None and session.waiting is not None:
                         self._hold(session, event)
                     else:
                         self._serve_event(event)
@@ -179,33 +225,47 @@ class RPCServer:
             self.listener.serving = None
 
     # -- sessions waiting for a tensor from another server (rpc/peers.py) --------------------------
+    # -- sessions waiting: for a tensor from another server, or a link being made (rpc/peers.py) -----
     def _hold(self, s: Session, message: Message) -> None:
         size = sum(len(f) for f in message.frames)
-        if len(s.held) >= peers.MAX_HELD or s.held_bytes + size > peers.MAX_HELD_BYTES:
+        if (len(s.held) >= peers.MAX_HELD or s.held_bytes + size > min(peers.MAX_HELD_BYTES, s.may_hold())
+                or not self.pool.take(size)):
             # the wait cannot go on: it ends with an error for the client's next reply
-            tag, s.waiting = s.waiting[0], None
-            s.deferred_error = s.deferred_error or (f"{len(s.held)} requests ({s.held_bytes} bytes, the limit) "
-                                                    f"piled up while this session waited for tensor {tag}")
-            self._release_held(s)
+            self._end_wait(s, f"{len(s.held)} requests ({s.held_bytes} bytes) piled up while this session "
+                              f"waited for {self._waited_for(s.waiting)} (the limit, or the server's)")
             self._serve_event(message)
             return
         s.held.append(message)
         s.held_bytes += size
         self.listener.held.add(s.peer)  # it waits for us: heartbeats, so that it does not think us gone
 
+    @staticmethod
+    def _waited_for(wait: Wait) -> str:
+        return f"tensor {wait.tag}" if wait.link is None else f"link {wait.link.number} to {wait.link.endpoint}"
+
+    def _end_wait(self, s: Session, error: str | None) -> None:
+        """The session waits no more: with ``error`` for its next reply (a link being made is
+        given up and answered with it), and its held requests are served."""
+        wait, s.waiting = s.waiting, None
+        if wait is not None and wait.link is not None and not wait.link.ready:
+            self._link_failed(wait.link, error, answer=True)
+        elif error is not None:
+            s.deferred_error = s.deferred_error or error
+        self._release_held(s)
+
     def _arrived(self, s: Session, tag: int, tensor: tuple) -> None:
         """A tagged tensor came for session ``s``: written now if the session waits for it (and
         what was held is served), else kept until its WAIT_PEER."""
-        if s.waiting is not None and s.waiting[0] == tag:
-            s.waiting = None
+        if s.waiting is not None and s.waiting.tag == tag:
             try:
                 self._write_arrived(s, tensor)
             except (ProtocolError, ValueError) as e:
                 s.deferred_error = s.deferred_error or str(e)
-            self._release_held(s)
+            self._end_wait(s, None)
             return
         size = len(tensor[2])
-        if len(s.arrived) >= peers.MAX_ARRIVED or s.arrived_bytes + size > max(peers.MAX_ARRIVED_BYTES, s.owned()):
+        if (len(s.arrived) >= peers.MAX_ARRIVED or s.arrived_bytes + size > min(peers.MAX_ARRIVED_BYTES, s.may_hold())
+                or not self.pool.take(size)):
             s.deferred_error = s.deferred_error or (f"tensors from another server piled up ({len(s.arrived)}, "
                                                     f"{s.arrived_bytes} bytes) before this session asked for them")
             return
@@ -223,7 +283,9 @@ class RPCServer:
     def _release_held(self, s: Session) -> None:
         while s.held and s.waiting is None and s.peer.id in self.sessions:
             message = s.held.popleft()
-            s.held_bytes -= sum(len(f) for f in message.frames)
+            size = sum(len(f) for f in message.frames)
+            s.held_bytes -= size
+            self.pool.give(size)
             self._serve_event(message)
         if not s.held:
             self.listener.held.discard(s.peer)
@@ -236,20 +298,15 @@ class RPCServer:
         target.senders -= 1
         if not target.senders:
             target.sender_lost = reason
-        if target.waiting is not None and target.peer.id in self.sessions:
-            tag, target.waiting = target.waiting[0], None
-            target.deferred_error = target.deferred_error or (f"the server sending tensor {tag} is gone "
-                                                              f"({reason})")
-            self._release_held(target)
+        if target.waiting is not None and target.waiting.tag is not None and target.peer.id in self.sessions:
+            self._end_wait(target, f"the server sending tensor {target.waiting.tag} is gone ({reason})")
 
     def _expire_waits(self) -> None:
         now = time.monotonic()
         for s in list(self.sessions.values()):
-            if s.waiting is not None and s.waiting[1] < now:
-                tag, s.waiting = s.waiting[0], None
-                s.deferred_error = s.deferred_error or (f"no tensor tagged {tag} came from the other server "
-                                                        f"within {peers.PEER_WAIT_S:.0f} s")
-                self._release_held(s)
+            if s.waiting is not None and s.waiting.deadline < now:
+                self._end_wait(s, f"no tensor tagged {s.waiting.tag} came from the other server within "
+                                  f"{peers.PEER_WAIT_S:.0f} s" if s.waiting.tag is not None else None)
 
     def stop(self) -> None:
         self.running = False
@@ -273,11 +330,16 @@ class RPCServer:
         for handle in list(s.buffers):
             self._release(s, handle)
         s.graphs.clear()
-        for conn in s.links.values():
-            conn.close("the client that asked for this link is gone")
+        if s.waiting is not None and s.waiting.link is not None:
+            self._link_failed(s.waiting.link, None, answer=False)
+        s.waiting = None
+        for link in s.links.values():
+            self.outgoing.pop(link.peer.id, None)
+            self.listener.close_peer(link.peer)
         s.links.clear()
         s.held.clear()
-        s.held_bytes = 0
+        self.pool.give(s.held_bytes + s.arrived_bytes)
+        s.held_bytes = s.arrived_bytes = 0
         s.arrived.clear()
         self.listener.held.discard(s.peer)
         s.writes_into = None
@@ -312,9 +374,12 @@ class RPCServer:
                     err, session.deferred_error = session.deferred_error, None
                     raise ProtocolError(f"an earlier request failed: {err}")
                 t0 = time.perf_counter()
+                session.seq = seq
                 reply = self.handlers[cmd](session, payload, data)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s took %.3f ms", cmd.name, (time.perf_counter() - t0) * 1000)
+            if reply is DEFERRED:  # answered later (a link being made): its seq is kept
+                return
             if not no_reply:
                 self._send(peer, Status.OK, seq, *reply)
         except Exception as e:  # noqa: BLE001 - whatever happened, answer and keep serving
@@ -344,6 +409,21 @@ class RPCServer:
             while len(self._ended) > 256:
                 self._ended.popitem(last=False)
 
+    # -- what the transport asks of sessions ----------------------------------------------------------
+    def _allowance(self, peer: Peer) -> int:
+        """The largest message this connection may send now: small before HELLO and while its
+        session holds no buffer, what it holds after (a link: what the session it writes into holds)."""
+        s = self.sessions.get(peer.id)
+        if s is None:
+            return FREE_BYTES
+        if s.writes_into is not None:
+            s = s.writes_into
+        return FREE_BYTES + s.owned_bytes  # (a request's header and tensor records on top of its data)
+
+    def _holds(self, peer: Peer) -> bool:
+        s = self.sessions.get(peer.id)
+        return s is not None and s.holds()
+
     # -- helpers ------------------------------------------------------------------------------------
     def _device(self, index: int) -> ServedDevice:
         if not 0 <= index < len(self.devices):
@@ -358,6 +438,7 @@ class RPCServer:
     def _release(self, s: Session, handle: int) -> None:
         dev, buf = s.buffers.pop(handle)
         s.known.clear()  # (a tensor there must be checked against the buffers again)
+        s.owned_bytes -= buf.get_size()
         self.devices[dev].used -= buf.get_size()
         buf.free()
         for slot in [k for k, (_, _, handles) in s.graphs.items() if handle in handles]:
@@ -420,6 +501,7 @@ class RPCServer:
         buf = buft.alloc_buffer(size)
         handle = secrets.randbits(63) | 1
         s.buffers[handle] = (dev, buf)
+        s.owned_bytes += buf.get_size()
         sd.used += buf.get_size()
         return P.ALLOC_REPLY.pack(handle, buf.get_size()), []
 
@@ -499,7 +581,7 @@ class RPCServer:
         self._range(t, offset, size)
         if self.files is None:
             raise ProtocolError("this server holds no files (start it with --gguf)")
-        t.buffer.set_tensor(t, self.files.get(identity).data(file_offset, size), offset)
+        t.buffer.set_tensor(t, self.files.data(identity, file_offset, size), offset)
         return b"", []
 
     def _get_tensor(self, s: Session, payload: memoryview, data: list) -> Reply:
@@ -566,9 +648,10 @@ class RPCServer:
             raise ProtocolError(str(e)) from None
 
     def _peer_connect(self, s: Session, payload: memoryview, data: list) -> Reply:
-        """(on the sender) Connect to the server at the endpoint in the frame and present its
-        token; the reply is the link's number for COPY_TO_PEER."""
-        from .client import Connection  # (the server speaks to another server as its clients do)
+        """(on the sender) Connect to the server at the numeric endpoint in the frame and present
+        its token; the reply - once the link is made, or failed, or ``LINK_TIMEOUT_S`` passed -
+        is the link's number for COPY_TO_PEER.  The session's later requests wait for it; every
+        other client is served meanwhile."""
         (token,) = unpack(P.PEER_CONNECT, payload)
         self._frames(data, 1)
         if not self.peer_links:
@@ -576,25 +659,70 @@ class RPCServer:
         if len(s.links) >= peers.MAX_LINKS or s.link_attempts >= 2 * peers.MAX_LINKS:
             raise ProtocolError(f"this session has made {s.link_attempts} links to other servers (at most "
                                 f"{peers.MAX_LINKS} kept, {2 * peers.MAX_LINKS} tried): the limit")
-        s.link_attempts += 1  # (each may keep this server's loop waiting for a connect: bounded)
         try:
             endpoint = P.parse_endpoint(bytes(data[0][:300]).decode("utf-8", "replace"))
+            host, port = self.link_policy.check(endpoint)
+            self.link_policy.start()
         except ValueError as e:
             raise ProtocolError(str(e)) from None
+        s.link_attempts += 1
+        number = max(s.links, default=0) + 1
         try:
-            conn = Connection(endpoint, self.peer_tls, connect_timeout=peers.PEER_WAIT_S / 6,
-                              timeout=peers.PEER_WAIT_S / 3)
-        except RPCError as e:
-            raise ProtocolError(f"cannot reach {endpoint}: {e}") from None
-        try:
-            conn.request(Command.PEER_AUTH, bytes(token))
-        except RPCError as e:
-            conn.close("refused")
-            raise ProtocolError(f"{endpoint} refused the link: {e}") from None
-        link = max(s.links, default=0) + 1
-        s.links[link] = conn
-        log.info("client %d: link %d to %s", s.peer.id, link, endpoint)
-        return P.U32.pack(link), []
+            peer = self.listener.dial(host, port, self.peer_tls)
+        except OSError:
+            self.link_policy.dialing -= 1
+            raise ProtocolError(peers.LINK_FAILED.format(endpoint=endpoint)) from None
+        link = Link(number, endpoint, peer, s, s.seq)
+        self.outgoing[peer.id] = link
+        # HELLO, then the token: both answered before the link may carry anything
+        self.listener.send(peer, [P.HEADER.pack(Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+        self.listener.send(peer, [P.HEADER.pack(Command.PEER_AUTH, 0, 0, 2) + bytes(token)])
+        s.waiting = Wait(time.monotonic() + peers.LINK_TIMEOUT_S, link=link)
+        return DEFERRED
+
+    def _link_event(self, event: Message | Disconnected) -> None:
+        """What came over this server's own connection to another server."""
+        link = self.outgoing.get(event.peer.id)
+        if link is None:
+            return
+        if isinstance(event, Disconnected):
+            if link.ready:  # a link in use: COPY_TO_PEER says so from now on
+                link.lost = event.reason
+                del self.outgoing[event.peer.id]
+            else:
+                self._link_failed(link, event.reason, answer=True)
+            return
+        if link.ready:  # a made link's other end only answers what made it: anything else is ignored
+            return
+        head = event.frames[0]
+        ok = (event.error is None and len(head) >= P.HEADER.size
+              and P.HEADER.unpack_from(head)[0] == Status.OK)
+        if not ok:
+            self._link_failed(link, "refused", answer=True)
+        elif P.HEADER.unpack_from(head)[3] == 2:  # PEER_AUTH answered: made
+            self.link_policy.dialing -= 1
+            s = link.session
+            link.ready = True
+            s.links[link.number] = link
+            log.info("client %d: link %d to %s", s.peer.id, link.number, link.endpoint)
+            self._send(s.peer, Status.OK, link.seq, P.U32.pack(link.number), [])
+            if s.waiting is not None and s.waiting.link is link:
+                self._end_wait(s, None)
+
+    def _link_failed(self, link: Link, reason: str | None, answer: bool) -> None:
+        """A link being made did not come about: its connection is closed and, with ``answer``,
+        its PEER_CONNECT answered with the one error every failure gets (the reason is logged)."""
+        if link.ready or self.outgoing.pop(link.peer.id, None) is None:
+            return
+        self.link_policy.dialing -= 1
+        self.listener.close_peer(link.peer)
+        s = link.session
+        log.info("client %d: no link to %s (%s)", s.peer.id, link.endpoint, reason or "timed out")
+        if s.waiting is not None and s.waiting.link is link:
+            s.waiting = None
+        if answer and s.peer.id in self.sessions:
+            self._send(s.peer, Status.ERROR, link.seq, peers.LINK_FAILED.format(endpoint=link.endpoint).encode(), [])
+            self._release_held(s)
 
     def _peer_auth(self, s: Session, payload: memoryview, data: list) -> Reply:
         """(on the receiver) This connection presents a token: it becomes a link that writes
@@ -616,21 +744,26 @@ class RPCServer:
 
     def _copy_to_peer(self, s: Session, payload: memoryview, data: list) -> Reply:
         """(on the sender; no reply) Send a tensor of this session over a link, tagged: after
-        whatever came before it on this connection (the graph that computed it)."""
+        whatever came before it on this connection (the graph that computed it).  Queued, never
+        waited for: a link whose other end takes no bytes is closed (transport.LINK_STALL_S)."""
         self._frames(data, 0)
-        link, tag = unpack(P.COPY_TO_PEER, payload, exact=False)
+        number, tag = unpack(P.COPY_TO_PEER, payload, exact=False)
         if len(payload) != P.COPY_TO_PEER.size + 2 * P.TENSOR.size:
             raise ProtocolError("COPY_TO_PEER payload has the wrong size")
-        conn = s.links.get(link)
-        if conn is None:
-            raise ProtocolError(f"no link {link} in this session")
+        link = s.links.get(number)
+        if link is None:
+            raise ProtocolError(f"no link {number} in this session")
+        if link.lost is not None or link.peer.closed:
+            raise ProtocolError(f"link {number} to {link.endpoint} is gone ({link.lost or 'closed'})")
         src, at = read_tensor(payload, s.lookup, P.COPY_TO_PEER.size)
         codec, body = P.compress(src.buffer.get_tensor(src, 0, tensor_extent(src)))
-        try:  # the destination is the receiver's to check
-            conn.send(Command.PEER_SET, P.PEER_SET.pack(tag, codec) + bytes(payload[at:]), [body])
-            conn.flush()
-        except RPCError as e:
-            raise ProtocolError(f"link {link}: {e}") from None
+        # the destination is the receiver's to check
+        head = P.HEADER.pack(Command.PEER_SET, P.FLAG_NO_REPLY, 0, 0) + P.PEER_SET.pack(tag, codec) + bytes(payload[at:])
+        if not self.listener.send(link.peer, [head, body], max_bytes=max(peers.LINK_QUEUE_BYTES, s.owned())):
+            link.lost = f"{link.peer.queued_bytes} bytes wait to be sent (the limit, or the server's)"
+            self.outgoing.pop(link.peer.id, None)
+            self.listener.close_peer(link.peer)
+            raise ProtocolError(f"link {number} to {link.endpoint} is gone ({link.lost})")
         return b"", []
 
     def _peer_set(self, s: Session, payload: memoryview, data: list) -> Reply:
@@ -657,11 +790,12 @@ class RPCServer:
         tensor = s.arrived.pop(tag, None)
         if tensor is not None:
             s.arrived_bytes -= len(tensor[2])
+            self.pool.give(len(tensor[2]))
             self._write_arrived(s, tensor)
             return b"", []
         if not s.senders:  # the server that would send it is gone already: nothing to wait for
             raise ProtocolError(f"the server sending tensor {tag} is gone ({s.sender_lost or 'no link'})")
-        s.waiting = (tag, time.monotonic() + peers.PEER_WAIT_S)
+        s.waiting = Wait(time.monotonic() + peers.PEER_WAIT_S, tag=tag)
         return b"", []
 
     def _compute(self, sd: ServedDevice, plan: object) -> None:

@@ -127,9 +127,11 @@ class ServerProcess:
 class RawClient:
     """A plain TCP connection that speaks the protocol by hand, to send crafted requests."""
 
-    def __init__(self, endpoint: str, hello: bool = True) -> None:
+    def __init__(self, endpoint: str, hello: bool = True, source: str | None = None) -> None:
+        # source: another address of the loopback network (127.0.0.0/8), to come from another host
         host, _, port = endpoint.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.sock = socket.create_connection((host, int(port)), timeout=5,
+                                             source_address=(source, 0) if source else None)
         self.channel = transport.Channel(self.sock)
         self.seq = 0
         if hello:

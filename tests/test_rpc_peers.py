@@ -162,9 +162,11 @@ def test_tokens_are_one_time_and_a_link_may_only_write(pair):
 
 def test_an_unreachable_or_refusing_server_is_an_error_and_both_keep_serving(pair):
     a, b = RawClient(pair[0].endpoint), RawClient(pair[1].endpoint)
-    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"127.0.0.1:1"], timeout=20), "cannot reach")
-    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [pair[1].endpoint.encode()]), "refused the link")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"127.0.0.1:1"], timeout=20), "cannot link to")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [pair[1].endpoint.encode()]), "cannot link to")
     error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"not an endpoint"]), "bad rpc endpoint")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"localhost:80"]), "numeric address")
+    error(a.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(bytes(32)), [b"192.0.2.1:80"]), "not on this server's networks")
     error(a.call(C.COPY_TO_PEER, P.COPY_TO_PEER.pack(9, 1) + tensor(0) + tensor(0)), "no link 9")
     ok(a.call(C.DEVICE_COUNT))
     ok(b.call(C.DEVICE_COUNT))

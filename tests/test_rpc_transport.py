@@ -162,16 +162,85 @@ def test_what_is_not_a_message_closes_only_its_connection(loop):
     bad.close(), good.close()
 
 
-def test_silent_connections_are_closed_and_the_number_of_connections_is_bounded(loop, monkeypatch):
+def connect_from(loop: Loop, source: str) -> socket.socket:
+    """A plain connection from another address of the loopback network (127.0.0.0/8 is all ours)."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", int(loop.listener.endpoint.rsplit(":", 1)[1])))
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_full_listener_gives_the_slot_of_the_oldest_silent_connection_and_closes_silent_ones(loop, monkeypatch):
+    silent = [connect_from(loop, f"127.0.0.{i + 2}") for i in range(4)]  # (4 slots, 4 addresses)
+    time.sleep(0.1)
+    newcomer = connect(loop)
+    first = loop.next(Disconnected)
+    assert "had not said HELLO" in first.reason and first.peer.host == "127.0.0.2"
+    assert closed_by_server(silent[0])
+    newcomer.send([b"in"], timeout=5)
+    assert bytes(loop.next(Message).frames[0]) == b"in"
+    assert len(loop.listener.peers) == 4
     monkeypatch.setattr(transport, "GREETING_TIMEOUT_S", 0.3)
-    silent = [connect(loop) for _ in range(4)]
-    extra = connect(loop)  # the fifth of at most four: closed at once
-    extra.sock.settimeout(5)
-    assert extra.sock.recv(1) == b""
-    reasons = [loop.next(Disconnected).reason for _ in silent]
+    reasons = [loop.next(Disconnected).reason for _ in range(4)]  # the newcomer too: it never said HELLO
     assert all("no HELLO" in r for r in reasons)
-    for ch in silent + [extra]:
+    for sock in silent:
+        sock.close()
+    newcomer.close()
+
+
+def test_slots_are_bounded_per_address_and_in_all_when_every_session_holds_something():
+    listener = Listener("127.0.0.1", 0, None, max_frames=4, max_bytes=1 << 20, max_peers=3, max_per_address=2,
+                        holds=lambda peer: True)
+    loop = Loop(listener)
+    loop.start()
+    try:
+        mine = [connect(loop) for _ in range(2)]
+        assert closed_by_server(connect(loop).sock)  # a third from 127.0.0.1
+        other = connect_from(loop, "127.0.0.2")  # another address gets in
+        other.sendall(transport.message_head([memoryview(b"x")]) + b"x")
+        assert loop.next(Message).peer.host == "127.0.0.2"
+        for peer in listener.peers.values():
+            peer.greeted = True  # said HELLO, and (holds) each holds buffers: nothing to give up
+        assert closed_by_server(connect_from(loop, "127.0.0.3"))
+        assert len(listener.peers) == 3
+        for ch in mine:
+            ch.close()
+        other.close()
+    finally:
+        loop.stop.set()
+        loop.join()
+        listener.close()
+
+
+def test_a_session_that_holds_nothing_is_closed_when_idle(monkeypatch):
+    held = {"yes": False}
+    listener = Listener("127.0.0.1", 0, None, max_frames=4, max_bytes=1 << 20, idle_timeout=0.5,
+                        holds=lambda peer: held["yes"])
+    loop = Loop(listener)
+    loop.start()
+    try:
+        ch = connect(loop)
+        ch.send([b"hello"], timeout=5)
+        peer = loop.next(Message).peer
+        peer.greeted = True
+        held["yes"] = True
+        time.sleep(1.0)
+        assert not peer.closed  # it holds something: kept however idle
+        held["yes"] = False
+        assert "idle" in loop.next(Disconnected, timeout=3).reason
         ch.close()
+    finally:
+        loop.stop.set()
+        loop.join()
+        listener.close()
 
 
 def test_heartbeats_go_to_peers_that_wait_and_only_to_them(loop):

@@ -117,3 +117,17 @@ def test_the_top_k_pass_skips_groups_of_16_only_when_none_enters(k):
         key = np.where(np.isnan(row), -np.inf, row)
         order = np.lexsort((np.arange(row.size), np.isnan(row), -key))
         assert np.array_equal(out[0], order[:k])
+
+
+@pytest.mark.parametrize("k", [1, 7, 256, 257, 600, 1000])
+def test_top_k_indices_ranks_nan_below_every_number_on_both_paths(k):
+    """k above 256 on a row holding NaN failed with a numpy broadcast error (the partition's
+    k-th value was NaN, which compares with nothing); NaN ranks as -inf does, by index."""
+    from pyggml.cpu.kernels import top_k_indices
+    rng = np.random.default_rng(k)
+    for nan_every in (3, 1):  # some NaN, then a row of nothing else
+        row = (np.round(rng.standard_normal(1000) * 3) / 3).astype(np.float32)
+        row[::nan_every] = np.nan
+        row[5] = -np.inf
+        order = np.lexsort((np.arange(row.size), -np.where(np.isnan(row), -np.inf, row)))
+        assert np.array_equal(top_k_indices(row, k), order[:k])

@@ -771,6 +771,7 @@ def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
         out = np.empty((1, k), dtype=np.int64)
         nn.top_k_rows(np.ascontiguousarray(row, dtype=f32).reshape(1, n), k, out)
         return out[0]
+    row = np.where(np.isnan(row), f32(-np.inf), row) if np.isnan(row).any() else row  # NaN ranks below every number
     if k < n:  # a partition, then a sort of k
         kth = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
         above = np.flatnonzero(row > kth)
