@@ -13,6 +13,7 @@ the next token.
     python bench/rpc.py --synthetic-moe [--llama-cpp BIN_DIR]   # the ~1B qwen3moe of bench/generate.py
     python bench/rpc.py --netns --rate 100mbit                  # servers on "another host" (root only)
     python bench/rpc.py --pipeline                              # a 512-token prompt, micro-batches or not
+    python bench/rpc.py --transport zmq                         # ZeroMQ servers' rows beside TCP's
 
 ``--synthetic-moe`` measures generation only (local, one server, two servers), for the
 mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
@@ -214,6 +215,9 @@ def main() -> None:
                     help="with --pipeline: decode steps of this many sequences (comma-separated), "
                          "in one batch and in groups of sequences")
     ap.add_argument("--decode-steps", type=int, default=16, help="with --pipeline: decode steps timed")
+    ap.add_argument("--transport", choices=["tcp", "zmq"], default="tcp",
+                    help="zmq: rows of servers on the ZeroMQ transport too (one server; two, split - their "
+                         "activations go through the client, as ZeroMQ servers make no links)")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
     main_of = moe_main if args.synthetic_moe is not None else pipeline_main if args.pipeline else placements_main
@@ -312,6 +316,10 @@ def placements_main(args, env: dict, hosts: Hosts) -> None:
         servers = [hosts.server("--cache-dir", f"{tmp}/cache{i}", "--poll", "3", env=env) for i in range(2)]
         solo = hosts.server("--cache-dir", f"{tmp}/cache-solo", "--poll", "50", env=env)
         servers.append(solo)
+        zmq_servers = ([hosts.server("--transport", "zmq", "--poll", "3", env=env) for _ in range(2)]
+                       + [hosts.server("--transport", "zmq", "--poll", "50", env=env)]
+                       if args.transport == "zmq" else [])
+        servers += zmq_servers
         try:
             local = pg.Model(args.model, n_ctx=args.ctx, progress=False)
             weights = local.model.weights_nbytes()
@@ -323,6 +331,12 @@ def placements_main(args, env: dict, hosts: Hosts) -> None:
                                  ngl="0:prolog,epilog;1:all", progress=False) for _ in range(2))
             runs = {"local": (local, 0), "1 server, all layers": (one, 1), "2 servers, split": (two, 2),
                     "2 servers, via client": (via, 2)}  # activations between the servers through us
+            if zmq_servers:
+                runs["1 zmq server"] = (pg.Model(args.model, n_ctx=args.ctx, rpc=zmq_servers[2].endpoint, ngl="all",
+                                                 progress=False), 1)
+                runs["2 zmq servers, split"] = (pg.Model(args.model, n_ctx=args.ctx,
+                                                         rpc=[s.endpoint for s in zmq_servers[:2]],
+                                                         ngl="0:prolog,epilog;1:all", progress=False), 2)
             results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
             for _ in range(args.rounds):  # interleaved, so that a noisy moment hits every placement
                 for name, (model, _n) in runs.items():

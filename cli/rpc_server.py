@@ -93,6 +93,10 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
                    "clients holding FILE.client can connect.")
 @click.option("--gen-key", default=None, metavar="FILE",
               help="Write a key pair for TLS (FILE for this server, FILE.client for its clients) and exit.")
+@click.option("--transport", type=click.Choice(["tcp", "zmq"]), default="tcp", show_default=True,
+              help="tcp: our own framing over TCP, with TLS under --key. zmq: ZeroMQ, with CurveZMQ under --key "
+                   "(clients name zmq://HOST:PORT); required off loopback: --key. TCP is the default because a "
+                   "ZeroMQ server lets peers choose their ids, which this server can only make hard to abuse.")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
 @click.option("--poll", type=click.IntRange(0, 100), default=50, show_default=True,
               help="How long idle compute threads busy-wait for the next kernel (0-100, as llama.cpp's "
@@ -115,7 +119,7 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, list_devices, log_level) -> None:
+         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -154,14 +158,20 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     chosen = [pick_device(s, devices) for s in specs]
     if len({id(d) for d in chosen}) != len(chosen):
         fail("a device is listed twice")
-    key = peer_key = None
+    key = peer_key = curve = None
     if key_path:
         from pyggml.rpc import keys
         try:
-            key = keys.context(key_path, server_side=True)
-            peer_key = keys.context(key_path, server_side=False)  # for links to other servers
+            if transport == "zmq":
+                curve = keys.curve(key_path)
+            else:
+                key = keys.context(key_path, server_side=True)
+                peer_key = keys.context(key_path, server_side=False)  # for links to other servers
         except ValueError as e:
             fail(str(e))
+    if transport == "zmq" and host not in LOCAL_HOSTS and curve is None:
+        fail(f"--transport zmq on {host} needs --key: without CurveZMQ anyone who can connect could choose "
+             f"routing ids that abort the server (see --gen-key)")
     for d in chosen:  # the CPU backend sets its thread count when the server creates it
         if threads and hasattr(d, "n_threads"):
             d.n_threads = threads
@@ -187,11 +197,12 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
                            max_message=parse_size(max_message), tls=key,
                            cache_max=parse_size(cache_max), files=files, peer_links=not no_peers,
-                           peer_tls=peer_key, peer_networks=networks, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
+                           peer_tls=peer_key, peer_networks=networks, transport=transport, curve=curve, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
     except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
         fail(f"cannot start the server on {host}:{l_port}: {e}")
-    click.echo(f"pyggml-rpc-server listening on tcp://{server.endpoint}, protocol version {PROTOCOL_VERSION}"
-               + (", TLS on" if key else ""))
+    shown = server.endpoint if "://" in server.endpoint else f"tcp://{server.endpoint}"
+    click.echo(f"pyggml-rpc-server listening on {shown}, protocol version {PROTOCOL_VERSION}"
+               + (", TLS on" if key else "") + (", CurveZMQ on" if curve else ""))
     for i, sd in enumerate(server.devices):
         click.echo(describe(i, sd.device, *sd.memory()))
     if server.cache:

@@ -1,8 +1,10 @@
 """pyggml.rpc: remote devices over TCP, as ggml-rpc does for llama.cpp.
 
 - :mod:`.protocol` - the wire format (struct-packed, versioned, nothing pickled)
-- :mod:`.transport` - messages over TCP, connections named by the server, heartbeats
-- :mod:`.keys` - TLS keys (``--gen-key``)
+- :mod:`.transport` - messages over TCP, connections named by the server, heartbeats, bounds
+- :mod:`.zmq_transport` - the same messages over ZeroMQ (``--transport zmq``, ``zmq://``)
+- :mod:`.keys` - TLS and CurveZMQ keys (``--gen-key``)
+- :mod:`.peers` - servers passing tensors to each other, and where they may link
 - :mod:`.server` - :class:`RPCServer`, behind ``pyggml-rpc-server``
 - :mod:`.backend` - :class:`RPCDevice` / buffer type / buffer / backend for clients
 - :mod:`.validate` - what the server checks before touching memory

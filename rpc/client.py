@@ -32,20 +32,26 @@ SEND_TIMEOUT_S = transport.HEARTBEAT_TIMEOUT_S + 2  # a server that takes no byt
 CORK_BYTES = 64 << 10  # requests without replies are held back (copied) up to this much
 
 
-def load_key(path: str | os.PathLike) -> ssl.SSLContext:
-    """A client's TLS context from the ``FILE.client`` that ``pyggml-rpc-server --gen-key FILE`` wrote."""
-    return keys.context(path, server_side=False)
+def load_key(path: str | os.PathLike) -> keys.ClientKey:
+    """A client's keys (TLS, and CurveZMQ for ``zmq://`` servers) from the ``FILE.client`` that
+    ``pyggml-rpc-server --gen-key FILE`` wrote."""
+    tls = keys.context(path, server_side=False)
+    try:
+        curve = keys.curve(path)
+    except ValueError:
+        curve = None
+    return keys.ClientKey(str(path), tls, curve)
 
 
 def _split(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
+    host, _, port = endpoint.removeprefix("zmq://").rpartition(":")
     return host.strip("[]"), int(port)
 
 
 class Connection:
     """One server: HELLO on connect, then :meth:`request` / :meth:`send`."""
 
-    def __init__(self, endpoint: str, key: ssl.SSLContext | None = None,
+    def __init__(self, endpoint: str, key: keys.ClientKey | ssl.SSLContext | None = None,
                  connect_timeout: float = CONNECT_TIMEOUT_S, timeout: float = REQUEST_TIMEOUT_S) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
@@ -70,8 +76,12 @@ class Connection:
         self.links_from: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
         self.peer_tag = 0
         self.channel: transport.Channel | None = None
+        if endpoint.startswith("zmq://"):
+            self._connect_zmq(key, connect_timeout)
         try:
-            self.channel = transport.Channel.connect(*_split(endpoint), key, connect_timeout)
+            if self.channel is None:
+                tls = key.tls if isinstance(key, keys.ClientKey) else key
+                self.channel = transport.Channel.connect(*_split(endpoint), tls, connect_timeout)
         except ConnectionRefusedError:
             self._fail("connection refused (is pyggml-rpc-server running there?)")
         except (TimeoutError, socket.timeout):
@@ -94,11 +104,18 @@ class Connection:
         self.loaded = {"disk": 0, "cache": 0, "wire": 0}
         self.warned_versions: set[str] = set()
 
+    def _connect_zmq(self, key: keys.ClientKey | ssl.SSLContext | None, timeout: float) -> None:
+        """A ``zmq://`` server: CurveZMQ with the key file's keys (its HELLO answers whether it admits them)."""
+        from .zmq_transport import ZmqChannel
+        curve = key.curve if isinstance(key, keys.ClientKey) else None
+        if key is not None and curve is None:
+            self._fail("this key holds no CurveZMQ keys (pass the key file, made by --gen-key of this pyggml)")
+        self.channel = ZmqChannel.connect(*_split(self.endpoint), curve, timeout)
+
     @property
     def numeric_endpoint(self) -> str:
         """The server's address as this connection reached it (what another server is told to link to)."""
-        host, port = self.channel.sock.getpeername()[:2]
-        return f"{host}:{port}"
+        return self.channel.peer_address()
 
     def _fail(self, reason: str) -> None:
         self.close(reason)
@@ -142,13 +159,15 @@ class Connection:
             self.bytes_sent += self.channel.send_messages(messages, SEND_TIMEOUT_S)
         except (TimeoutError, socket.timeout):
             self._fail(f"the server took no bytes for {SEND_TIMEOUT_S:.0f} s (is it stopped?)")
-        except OSError as e:
+        except (transport.Closed, OSError) as e:
             self._fail(self._broken(e))
 
     @staticmethod
     def _broken(e: BaseException) -> str:
         if isinstance(e, ssl.SSLError):
             return f"the server refused our TLS key ({e.reason or e})"
+        if isinstance(e, transport.Closed) and "refused" in str(e):
+            return str(e)
         if isinstance(e, (transport.Closed, ConnectionResetError, BrokenPipeError)):
             return "the server closed the connection (did it stop or crash?)"
         return f"the connection broke: {e.strerror or e}" if isinstance(e, OSError) else str(e)

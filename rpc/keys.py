@@ -9,15 +9,22 @@ the server, and everything between them is encrypted.  Both files are secrets (m
 
 The certificates are made with the ``openssl`` command (present wherever OpenSSL is installed);
 using them needs only Python's ``ssl`` module.
+
+The same files carry the keys of the ZeroMQ transport (``--transport zmq``): a CurveZMQ key pair
+for each side, and the other side's public key - the server's file names the one client key its
+ZAP handler admits, the clients' file the server's key they expect.  So one ``--gen-key`` makes
+one server's keys for either transport.
 """
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
 import ssl
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 _PEM = re.compile(rb"-----BEGIN ([A-Z ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.S)
@@ -37,6 +44,10 @@ def generate(path: str | os.PathLike) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         raise RuntimeError("making keys needs the openssl command; install OpenSSL (e.g. apt install openssl)")
     server_path, client_path = Path(path), Path(f"{path}.client")
+    import zmq
+    (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+    curve_blocks = {"server": _block(_CURVE_SECRET, server_secret) + _block(_CURVE_PEER, client_public),
+                    "client": _block(_CURVE_SECRET, client_secret) + _block(_CURVE_PEER, server_public)}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "req.cnf").write_text(_CONFIG)
         new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-config", "req.cnf")
@@ -52,6 +63,7 @@ def generate(path: str | os.PathLike) -> tuple[Path, Path]:
                      str(serial), "-days", _DAYS, "-extfile", f"{role}.ext", "-out", f"{role}.pem", cwd=tmp)
             out = server_path if role == "server" else client_path
             text = b"".join(Path(tmp, name).read_bytes() for name in (f"{role}.key", f"{role}.pem", "ca.pem"))
+            text += curve_blocks[role]
             fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(text)
@@ -79,3 +91,49 @@ def context(path: str | os.PathLike, server_side: bool) -> ssl.SSLContext:
     except ssl.SSLError as e:
         raise ValueError(f"{path}: {e.reason or e}") from None
     return ctx
+
+
+_CURVE_SECRET, _CURVE_PEER = "PYGGML CURVE SECRET KEY", "PYGGML CURVE PEER KEY"
+
+
+def _block(kind: str, z85: bytes) -> bytes:
+    """A key as a PEM block (base64 of its 32 bytes: OpenSSL, reading the certificates of the same
+    file, decodes every block it meets)."""
+    from zmq.utils import z85 as Z85
+    return f"-----BEGIN {kind}-----\n{base64.b64encode(Z85.decode(z85)).decode()}\n-----END {kind}-----\n".encode()
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One side's CurveZMQ keys (Z85 text): its own pair, and the other side's public key (for a
+    server: the client key its ZAP handler admits; for a client: the server it expects)."""
+    secret: bytes
+    public: bytes
+    peer: bytes
+
+
+def curve(path: str | os.PathLike) -> CurveKeys:
+    """The CurveZMQ keys of a key file (either side's)."""
+    import zmq
+    try:
+        text = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    from zmq.utils import z85 as Z85
+    found = {m.group(1).decode(): m.group(0).split(b"\n")[1].strip() for m in _PEM.finditer(text)}
+    if _CURVE_SECRET not in found or _CURVE_PEER not in found:
+        raise ValueError(f"{path}: no CurveZMQ keys in this key file (made by an older pyggml): make a new pair "
+                         f"with pyggml-rpc-server --gen-key")
+    try:
+        secret, peer = (Z85.encode(base64.b64decode(found[k], validate=True)) for k in (_CURVE_SECRET, _CURVE_PEER))
+        return CurveKeys(secret, zmq.curve_public(secret), peer)
+    except (ValueError, zmq.ZMQError) as e:
+        raise ValueError(f"{path}: a malformed CurveZMQ key ({e})") from None
+
+
+@dataclass(frozen=True)
+class ClientKey:
+    """A client's key file read for both transports."""
+    path: str
+    tls: ssl.SSLContext
+    curve: CurveKeys | None  # None for a file made before the ZeroMQ transport came back

@@ -203,14 +203,17 @@ def decompress(codec: int, frame: memoryview | bytes, size: int) -> memoryview |
 
 
 def parse_endpoint(text: str) -> str:
-    """'8080' -> '127.0.0.1:8080'; 'host:port' and 'tcp://host:port' as given."""
+    """'8080' -> '127.0.0.1:8080'; 'host:port' and 'tcp://host:port' as given (TCP, the default);
+    'zmq://host:port' (the ZeroMQ transport) keeps its scheme."""
     text = text.strip()
+    if text.startswith("zmq://"):
+        return "zmq://" + parse_endpoint(text.removeprefix("zmq://"))
     text = text.removeprefix("tcp://")
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = "127.0.0.1", text
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad RPC endpoint {text!r}: expected PORT or HOST:PORT")
+        raise ValueError(f"bad RPC endpoint {text!r}: expected PORT, HOST:PORT or zmq://HOST:PORT")
     return f"{host or '127.0.0.1'}:{int(port)}"
 
 

@@ -37,7 +37,8 @@ from . import peers
 from . import protocol as P
 from .cache import TensorCache
 from .files import ServerFiles
-from .protocol import Command, ProtocolError, RPCError, Status, unpack
+from .keys import CurveKeys
+from .protocol import Command, ProtocolError, Status, unpack
 from .transport import FREE_BYTES, Disconnected, Listener, Message, Peer, Pool
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
@@ -148,7 +149,8 @@ class RPCServer:
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
                  tls: ssl.SSLContext | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
                  limits: Limits = Limits(), files: ServerFiles | None = None, peer_links: bool = True,
-                 peer_tls: ssl.SSLContext | None = None, peer_networks: list | None = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None, peer_networks: list | None = None,
+                 transport: str = "tcp", curve: CurveKeys | None = None) -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
@@ -164,10 +166,15 @@ class RPCServer:
         self.outgoing: dict[int, Link] = {}   # this server's links to others (being made or made), by connection
         self._ended: OrderedDict[int, str] = OrderedDict()  # why recent sessions were ended by the server
         self.pool = Pool(limits.transit)
-        self.listener = Listener(host, port, tls, max_frames=limits.frames, max_bytes=max_message,
-                                 max_peers=limits.clients, max_queued=limits.pending_replies,
-                                 max_per_address=limits.per_address, pool=self.pool, allowance=self._allowance,
-                                 holds=self._holds, idle_timeout=limits.idle_s)
+        common = dict(max_frames=limits.frames, max_bytes=max_message, max_peers=limits.clients,
+                      max_queued=limits.pending_replies, pool=self.pool, allowance=self._allowance,
+                      holds=self._holds, idle_timeout=limits.idle_s)
+        if transport == "zmq":  # (links to other servers are made over TCP only)
+            from .zmq_transport import ZmqListener
+            self.listener = ZmqListener(host, port, curve, **common)
+            self.peer_links = False
+        else:
+            self.listener = Listener(host, port, tls, max_per_address=limits.per_address, **common)
         self.endpoint = self.listener.endpoint
         self.handlers: dict[Command, Handler] = {
             Command.DEVICE_COUNT: self._device_count,
@@ -655,7 +662,8 @@ class RPCServer:
         (token,) = unpack(P.PEER_CONNECT, payload)
         self._frames(data, 1)
         if not self.peer_links:
-            raise ProtocolError("this server makes no connections to other servers (--no-peers)")
+            raise ProtocolError("this server makes no connections to other servers (--no-peers, or "
+                                "--transport zmq)")
         if len(s.links) >= peers.MAX_LINKS or s.link_attempts >= 2 * peers.MAX_LINKS:
             raise ProtocolError(f"this session has made {s.link_attempts} links to other servers (at most "
                                 f"{peers.MAX_LINKS} kept, {2 * peers.MAX_LINKS} tried): the limit")

@@ -772,6 +772,11 @@ class Channel:
             raise
         return cls(sock)
 
+    def peer_address(self) -> str:
+        """The server's numeric address as this connection reached it."""
+        host, port = self.sock.getpeername()[:2]
+        return f"{host}:{port}"
+
     def send(self, frames: list, timeout: float) -> int:
         """Send one message (raises OSError, TimeoutError); returns its size in bytes."""
         return self.send_messages([frames], timeout)

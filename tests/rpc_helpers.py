@@ -81,7 +81,10 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
         self.banner = self._read_banner(180)  # a first start on a machine compiles the kernels first
         first = self.banner[0]
-        self.endpoint = first.split("tcp://", 1)[1].split(",", 1)[0]
+        scheme = "zmq://" if "zmq://" in first else "tcp://"
+        self.endpoint = first.split(scheme, 1)[1].split(",", 1)[0]
+        if scheme == "zmq://":  # (clients name the ZeroMQ transport by its scheme)
+            self.endpoint = "zmq://" + self.endpoint
 
     def _read_banner(self, timeout: float) -> list[str]:
         """The lines printed on start, up to the blank line that ends them."""
@@ -103,7 +106,7 @@ class ServerProcess:
         raise RuntimeError(f"server did not start: {text.decode()!r}")
 
     @property
-    def port(self) -> int:
+    def port(self) -> int:  # (of either transport)
         return int(self.endpoint.rsplit(":", 1)[1])
 
     def alive(self) -> bool:

@@ -29,10 +29,10 @@ def uninterrupted(alias: str, n: int) -> list[int]:
     return list(m.generate(m.tokenize(PROMPT), max_tokens=n, temperature=0))
 
 
-@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
-def test_greedy_generation_survives_a_killed_server(alias, start_server, caplog):
+@pytest.mark.parametrize("alias, transport", [("smollm2", "tcp"), ("gemma3-270m", "tcp"), ("smollm2", "zmq")])
+def test_greedy_generation_survives_a_killed_server(alias, transport, start_server, caplog):
     want = uninterrupted(alias, 32)
-    servers = [start_server(), start_server()]
+    servers = [start_server("--transport", transport), start_server("--transport", transport)]
     with pg.Model(alias, n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True) as m:
         assert set(m.model.placement.layers) == {0, 1}
         got = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import ssl
 import struct
 import threading
 import time

@@ -1,8 +1,11 @@
 """Mutations of valid requests against a real server process (hypothesis drives them).
 
 Every request starts as one a real client sends - a graph of each op the server runs, with its
-tensors in the session's own buffers, or a tensor command - and then has fields of its tensor
-records, its graph header, node list, op parameters, frames, size or command changed.  The
+tensors in the session's own buffers, a tensor command, a tensor filled from a file the server
+holds (``--gguf``), or a step of servers passing tensors to each other (a token, a link made -
+to the server itself, or to a port where nothing listens - a tagged copy over it, a wait for the
+tag) - and then has fields of its tensor records, its graph header, node list, op parameters,
+frames, size or command changed.  The
 server must answer every one of them (with a result or an error), never crash or hang: a
 watchdog thread greets the server from a fresh connection every half second and fails the test
 if a HELLO goes unanswered for 5 s.  The server runs with numba's bounds checks on, so a
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections import Counter
 import threading
 import time
 
@@ -86,7 +90,7 @@ class Session:
     """A real client's session on the server: buffers holding every base graph, and the bytes of
     the requests a client sends for them."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, held_file: tuple[bytes, int, int] | None = None) -> None:
         self.dev = connect(endpoint, connect_timeout=HELLO_TIMEOUT_S)[0]
         self.dev.conn.timeout = 10.0
         backend = self.dev.init_backend()
@@ -114,6 +118,31 @@ class Session:
                     (C.INIT_TENSOR, w, []),
                 ]
             self.handles.append(out.buffer.handle)
+            if len(self.handles) == 1:
+                self.firsts = (out, leaf)
+        conn = self.dev.conn
+        tokens = [bytes(conn.request(C.PEER_TOKEN)[0]) for _ in range(3)]
+        # a link from this session to itself, through the server's own connection to itself
+        for attempt in range(40):  # (links are made 4 a second server-wide: replays of PEER_CONNECT spend them)
+            try:
+                link = conn.request(C.PEER_CONNECT, P.PEER_CONNECT.pack(tokens[0]), [endpoint.encode()],
+                                    reply=P.U32)[0][0]
+                break
+            except RPCError as e:
+                if "too many links" not in str(e) or attempt == 39:
+                    raise
+                time.sleep(0.25)
+        first_out, first_leaf = self.firsts  # ADD of F32 16 x 4 and its F32 16 x 4 input
+        out = wire(first_out).pack()
+        self.requests += [(C.PEER_TOKEN, b"", []),
+                          (C.PEER_CONNECT, P.PEER_CONNECT.pack(tokens[1]), [endpoint.encode()]),
+                          (C.PEER_CONNECT, P.PEER_CONNECT.pack(tokens[2]), [b"127.0.0.1:1"]),
+                          (C.COPY_TO_PEER, P.COPY_TO_PEER.pack(link, 7) + out + out, []),
+                          (C.WAIT_PEER, P.U32.pack(7), [])]
+        if held_file is not None:  # (identity, offset, bytes) of an F32 tensor of the file: 16 x 4 here
+            identity, offset, size = held_file
+            leaf = wire(first_leaf).pack()
+            self.requests.append((C.SET_TENSOR_FILE, leaf + P.SET_TENSOR_FILE.pack(0, size, identity, offset), []))
         self.requests += [(C.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(0, 1), []), (C.DEVICE_COUNT, b"", []),
                           (C.GET_DEVICE_INFO, P.U32.pack(0), []), (C.GET_DEVICE_MEMORY, P.U32.pack(0), []),
                           (C.BUFFER_CLEAR, P.BUFFER_CLEAR.pack(self.handles[0], 0), []),
@@ -144,7 +173,7 @@ def records(cmd: int, payload: bytes) -> list[int]:
         start = P.GRAPH.size + 8 * n_nodes
         fits = max(0, (len(payload) - start) // P.TENSOR.size)
         return [start + i * P.TENSOR.size for i in range(min(n_tensors, fits))]
-    start = P.U32.size if cmd == C.GET_ALLOC_SIZE else 0
+    start = {C.GET_ALLOC_SIZE: P.U32.size, C.COPY_TO_PEER: P.COPY_TO_PEER.size}.get(cmd, 0)
     return [o for o in (start, start + P.TENSOR.size) if o + P.TENSOR.size <= len(payload)]
 
 
@@ -181,7 +210,7 @@ def mutation(draw, session: Session):
             frames = draw(st.one_of(st.just([]), st.lists(st.binary(max_size=256), max_size=3),
                                     st.just(frames[:1] + frames[:1])))
         elif kind == "command":
-            cmd = draw(st.integers(0, 20))
+            cmd = draw(st.integers(0, max(C) + 1))
     return cmd, bytes(payload), frames
 
 
@@ -219,18 +248,38 @@ class Watchdog(threading.Thread):
             self.greetings += 1
 
 
+def small_gguf(path) -> tuple[bytes, int, int]:
+    """A GGUF of two F32 tensors; (its identity, the offset and size of the first's data)."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("a", np.arange(64, dtype=np.float32))
+    writer.add_tensor("b", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from pyggml.file_identity import file_identity
+    from pyggml.gguf import GGUFFile
+    info = GGUFFile(path).tensors["a"]
+    return file_identity(path), info.offset, info.nbytes
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    server = ServerProcess("--mem", "256", "--max-message", "4M", "--log-level", "info",
-                           env={"NUMBA_BOUNDSCHECK": "1"}, log=log)
-    yield server, log
+    folder = tmp_path_factory.mktemp("fuzz")
+    log = folder / "server.log"
+    held = small_gguf(folder / "small.gguf")
+    # a wait for a tag that never comes ends soon: a mutated WAIT_PEER holds the session 0.3 s
+    server = ServerProcess("--mem", "256", "--max-message", "4M", "--log-level", "info", "--gguf",
+                           str(folder / "small.gguf"), env={"NUMBA_BOUNDSCHECK": "1", "PYGGML_RPC_PEER_WAIT": "0.3"},
+                           log=log)
+    yield server, log, held
     server.stop()
 
 
 def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
-    server, log = fuzz_server
-    session = Session(server.endpoint)
+    server, log, held = fuzz_server
+    session = Session(server.endpoint, held)
     session.dev.conn.timeout = 600.0  # each request once as sent, to compile the server's kernels (the
     for cmd, payload, frames in session.requests:  # checked build's cache may be cold) before the clock runs
         try:
@@ -241,6 +290,7 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     watchdog = Watchdog(server.endpoint)
     watchdog.start()
     counts = {"accepted": 0, "refused": 0}
+    accepted_by: Counter[int] = Counter()
     last: list = []
     started = time.monotonic()
     deadline = started + 1200  # bounded whatever happens
@@ -264,12 +314,13 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
         try:
             session.dev.conn.request(AnyCommand(cmd), payload, frames)
             counts["accepted"] += 1
+            accepted_by[cmd] += 1
         except RPCError as e:
             counts["refused"] += 1
             if "no answer" in str(e) or "closed the connection" in str(e):
                 failures.append(f"{e}; the request: {last}")
             elif session.dev.conn.closed_reason is not None:  # e.g. a HELLO refused: start again
-                session = Session(server.endpoint)
+                session = Session(server.endpoint, held)
 
     try:
         one_request()
@@ -287,3 +338,6 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     print(f"fuzz: {counts}, {watchdog.greetings} greetings answered")
     assert counts["accepted"] + counts["refused"] >= EXAMPLES
     assert counts["accepted"] > EXAMPLES // 20 and counts["refused"] > EXAMPLES // 20, counts
+    if EXAMPLES >= 10000:  # the peer and file commands were served, not only refused
+        for cmd in (C.PEER_TOKEN, C.PEER_CONNECT, C.COPY_TO_PEER, C.WAIT_PEER, C.SET_TENSOR_FILE):
+            assert accepted_by[cmd] > 0, f"no {cmd.name} was accepted: {dict(accepted_by)}"

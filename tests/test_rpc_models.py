@@ -34,8 +34,10 @@ def prompt_ids(alias: str) -> list[int]:
     return ref["prompts"][0]["tokens"] + ref["prompts"][1]["tokens"][1:]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
 @pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
-def test_logits_and_greedy_tokens_equal_the_local_run(alias, rpc_pair):
+def test_logits_and_greedy_tokens_equal_the_local_run(alias, transport, request):
+    rpc_pair = request.getfixturevalue("rpc_pair" if transport == "tcp" else "zmq_rpc_pair")
     local = shared_model(alias)
     ids = prompt_ids(alias)
     want = local.logits(ids)
