@@ -14,6 +14,7 @@ the next token.
     python bench/rpc.py --netns --rate 100mbit                  # servers on "another host" (root only)
     python bench/rpc.py --pipeline                              # a 512-token prompt, micro-batches or not
     python bench/rpc.py --transport zmq                         # ZeroMQ servers' rows beside TCP's
+    python bench/rpc.py --failover-load 10,100                  # recovery under 4 streams, after 10 s and 100 s
 
 ``--synthetic-moe`` measures generation only (local, one server, two servers), for the
 mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
@@ -218,8 +219,14 @@ def main() -> None:
     ap.add_argument("--transport", choices=["tcp", "zmq"], default="tcp",
                     help="zmq: rows of servers on the ZeroMQ transport too (one server; two, split - their "
                          "activations go through the client, as ZeroMQ servers make no links)")
+    ap.add_argument("--failover-load", type=lambda t: [float(x) for x in t.split(",")], default=None,
+                    metavar="S,S", help="recovery under load: 4 streams decoded together, a server in use killed "
+                                        "after each of these many seconds of load (and started again)")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
+    if args.failover_load:
+        failover_load_main(args, env)
+        return
     main_of = moe_main if args.synthetic_moe is not None else pipeline_main if args.pipeline else placements_main
     if not args.netns:
         main_of(args, env, Hosts())
@@ -231,6 +238,55 @@ def main() -> None:
             main_of(args, env, Hosts(("ip", "netns", "exec", name), address))
     except NamespaceUnavailable as e:
         print(f"--netns skipped: {e}")
+
+
+def failover_load_main(args, env: dict) -> None:
+    """How long a kill -9 pauses the streams of pyggml's engine under steady load (4 streams
+    of greedy answers, one after another in each slot), after each span of load: recovery
+    rebuilds only the live cells, so it should not grow with the time served."""
+    import threading
+    from pyggml.models.engine import Engine
+    servers = [ServerProcess(env=env), ServerProcess(env=env)]
+    m = pg.Model(args.model, n_ctx=2048, rpc=[s.endpoint for s in servers], progress=False, failover=True)
+    engine = Engine(m, n_parallel=4, n_batch=128)
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            for _ in engine.submit(f"{PROMPT} ({i})", max_tokens=args.tokens, temperature=0):
+                pass
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    rows = []
+    try:
+        for seconds in args.failover_load:
+            time.sleep(seconds)
+            live = engine.ctx.kv.n_used
+            victim = servers[len(rows) % 2]
+            before = engine.stats.recoveries
+            t0 = time.perf_counter()
+            victim.kill()
+            while engine.stats.recoveries == before and time.perf_counter() - t0 < 120:
+                time.sleep(0.01)
+            rows.append((seconds, live, engine.stats.recovery_seconds, time.perf_counter() - t0))
+            victim.proc.wait()
+            servers[servers.index(victim)] = ServerProcess("-p", str(victim.port), env=env)
+            before = engine.stats.recoveries
+            while engine.stats.recoveries == before:  # taken back
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        engine.close()
+        m.close()
+        for s in servers:
+            s.stop()
+    print(f"model {args.model}, 4 streams of {args.tokens} tokens, two servers, a kill -9 after each span of load:")
+    print(f"{'load s':>8}{'live cells':>12}{'recovery s':>12}{'kill to placed s':>18}")
+    for seconds, live, recovery, total in rows:
+        print(f"{seconds:>8.0f}{live:>12}{recovery:>12.2f}{total:>18.2f}")
 
 
 def pipeline_main(args, env: dict, hosts: Hosts) -> None:

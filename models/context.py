@@ -185,10 +185,13 @@ class Context:
         self.sched = Scheduler(self.backends)
         self.kv = KVCache(self.hp, n_ctx, [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
-        # what changed the cache since it was last empty, in order: batches decoded and cells
-        # freed.  Replaying it rebuilds the cache bit for bit elsewhere (failover): each batch's
-        # shape decides which kernels ran and which cells it took.  None once it grew past
-        # MAX_LOG_TOKENS (the cache can then only be rebuilt approximately)
+        # the batches that wrote the cells the cache holds now, in order, less the runs of rows
+        # whose cells were all freed since (seq_rm prunes them: a sequence's rows get the bits
+        # they get alone, so the other rows of a batch keep theirs without them); a run freed in
+        # part stays whole, with the seq_rm after it (the width of a run decides its products'
+        # bits).  Replaying it rebuilds the cache bit for bit elsewhere (failover), in time that
+        # grows with what is live, not with history.  None once it grew past MAX_LOG_TOKENS
+        # (the cache can then only be rebuilt approximately)
         self.log: list[tuple] | None = []
         self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
@@ -230,12 +233,39 @@ class Context:
         if self.kv.n_used == 0:
             self.log, self._log_tokens = [], 0  # nothing to rebuild
             return
+        if op[0] == "rm" and not self._prune(op[1], op[2]):
+            return
         if self.log is not None:
             self._log_tokens += n_tokens
             if self._log_tokens > MAX_LOG_TOKENS:
                 self.log = None
             else:
                 self.log.append(op)
+
+    def _prune(self, seq: int, p0: int) -> bool:
+        """Drop from the log the runs of ``seq``'s rows whose cells (positions from ``p0`` on)
+        were all freed; True if a run was freed only in part (the seq_rm must then be logged)."""
+        if self.log is None:
+            return False
+        kept, partial = [], False
+        for op in self.log:
+            if op[0] != "b":
+                kept.append(op)
+                continue
+            batch = op[1]
+            mine = batch.seq == seq
+            dead = mine & (batch.pos >= p0)
+            if not dead.any():
+                kept.append(op)
+            elif (mine & ~dead).any():  # (a sequence's rows in a batch are one run)
+                kept.append(op)
+                partial = True
+            elif not mine.all():
+                keep = ~mine
+                kept.append(("b", Batch(batch.tokens[keep], batch.pos[keep], batch.seq[keep], batch.output[keep])))
+        self.log = kept
+        self._log_tokens = sum(len(op[1]) for op in kept if op[0] == "b")
+        return partial
 
     def replay(self, log: list[tuple], tokens: list[int]) -> None:
         """Rebuild the cache from another context's ``log`` (sequence 0 holding ``tokens``):
@@ -244,10 +274,8 @@ class Context:
         for op in log:
             if op[0] == "b":
                 self.decode_batch(op[1])
-            elif op[0] == "rm":
-                self.seq_rm(op[1], op[2])
             else:
-                self.clear_cache()
+                self.seq_rm(op[1], op[2])
         self.tokens = list(tokens)
 
     # -- graphs -------------------------------------------------------------------------------------

@@ -19,8 +19,13 @@ The engine has no HTTP in it: ``submit`` returns OpenAI-shaped chunks (or the wh
 and may be called from any thread; ``start`` is the lower level that delivers events to a
 callback (what the HTTP server uses).  When a device is lost (an RPC server died) the
 requests in flight end with an error naming it, and the engine refuses new ones, saying why;
-unless the model has ``failover``: then its layers move, the cache is rebuilt by replaying
-its history, and the requests go on.
+unless the model has ``failover``: then its layers move, the cache is rebuilt from the
+batches that wrote its live cells (time that grows with what is live, not with how long the
+engine has served), and the requests go on - a server lost during that is one more loss.
+A thread tries the lost servers every ``REATTACH_INTERVAL_S``; one that answers again is
+taken back into the placement at the next step boundary, while requests run.  If the model
+no longer fits on what is alive, the requests in flight end with that error and new ones are
+refused ("recovering") until enough servers are back, then the engine serves again.
 
 A sequence decoded beside others gets the bits it gets alone, so a greedy answer is the one
 it gets alone and from ``Model.create_completion``: the KV cache hands out cells in pages so
@@ -52,7 +57,7 @@ from .sampling import Sampler, SamplingParams
 log = logging.getLogger("pyggml.engine")
 
 DEFAULT_MAX_QUEUE = 64
-REATTACH_INTERVAL_S = 10.0
+REATTACH_INTERVAL_S = 2.0
 
 
 class QueueFullError(RuntimeError):
@@ -130,6 +135,10 @@ class Stats:
     steps: int = 0
     step_seconds: float = 0.0
     errors: int = 0
+    losses: int = 0              # devices lost (failover)
+    recoveries: int = 0          # placements made anew after a loss or to take servers back
+    reattached: int = 0          # servers taken back
+    recovery_seconds: float = 0.0  # the last re-placement's
 
 
 class Engine:
@@ -155,12 +164,17 @@ class Engine:
         self.queue: deque[Request] = deque()
         self.stats = Stats()
         self.failure: str | None = None
+        self.recovering: str | None = None  # what is being placed anew now (the steps wait meanwhile)
         self._closed = False
-        self._next_reattach = 0.0
+        self._returned: list = []  # devices of lost servers that answer again, for the next step boundary
         self._cond = threading.Condition()
         model.engine = self
         self._thread = threading.Thread(target=self._loop, name="pyggml-engine", daemon=True)
         self._thread.start()
+        self._prober = None
+        if model.failover:
+            self._prober = threading.Thread(target=self._probe, name="pyggml-reattach", daemon=True)
+            self._prober.start()
 
     # -- submitting ---------------------------------------------------------------------------------
     @property
@@ -195,7 +209,7 @@ class Engine:
                 raise QueueFullError(f"all {self.n_parallel} slots are busy and {len(self.queue)} requests wait")
             self.queue.append(req)
             self.stats.requests += 1
-            self._cond.notify()
+            self._cond.notify_all()
         return req
 
     def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
@@ -256,8 +270,12 @@ class Engine:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=30)
+        if self._prober is not None:
+            self._prober.join(timeout=10)
+        for d in self._returned:
+            d.conn.close("the engine closed")
         self.model.engine = None
 
     def __enter__(self) -> Engine:
@@ -268,22 +286,23 @@ class Engine:
 
     def _wake(self) -> None:
         with self._cond:
-            self._cond.notify()
+            self._cond.notify_all()
 
     # -- the step loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self.queue and not any(s.req for s in self.slots):
+                while (not self._closed and not self._returned
+                       and not (self.failure is None and (self.queue or any(s.req for s in self.slots)))):
                     self._cond.wait()
                 if self._closed:
                     self._fail_all("the server is shutting down")
                     return
-                reattach = self._should_reattach()
-                if not reattach:
+                returned, self._returned = self._returned, []
+                if not returned:
                     self._admit()
-            if reattach:  # outside the lock: submitting must not wait on a connection attempt
-                self._reattach()
+            if returned:  # at a step boundary: the requests running pause while the model is placed anew
+                self._attach(returned)
                 continue
             try:
                 self.step()
@@ -291,36 +310,75 @@ class Engine:
                 if not self._fail_over(e):
                     self._on_step_failure(e)
 
-    def _should_reattach(self) -> bool:
-        """Servers lost to failover are tried again before a request starts, while nothing
-        runs (connecting to a dead endpoint takes seconds: no stream may wait on it)."""
-        return bool(self.model.failover and self.model.lost_endpoints and self.queue
-                    and not any(s.req is not None for s in self.slots) and time.monotonic() >= self._next_reattach)
+    def _probe(self) -> None:
+        """(a thread of its own) Try the lost servers every REATTACH_INTERVAL_S; hand those
+        that answer to the step loop.  Connecting may take seconds: no step waits on it."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=REATTACH_INTERVAL_S)
+                if self._closed:
+                    return
+                if self._returned or not self.model.lost_endpoints:
+                    continue
+            back = self.model.probe_lost()
+            if back:
+                with self._cond:
+                    self._returned += back
+                    self._cond.notify_all()
 
-    def _reattach(self) -> None:
-        self._next_reattach = time.monotonic() + REATTACH_INTERVAL_S
+    def _attach(self, devices: list) -> None:
+        from pyggml.rpc import RPCError
+        names = ", ".join(dict.fromkeys(d.conn.endpoint for d in devices))
+        self.recovering = f"taking {names} back"
+        t0 = time.perf_counter()
         try:
-            back = self.model.reconnect()
-        except Exception as e:  # the model stays placed as it was: keep serving
-            log.warning("reattaching %s failed: %s", ", ".join(self.model.lost_endpoints), e)
+            back = self.model.attach(devices)
+        except RPCError as e:  # lost while placing anew: a loss like any other
+            self.recovering = None
+            if not self._fail_over(e):
+                self._on_step_failure(e)
             return
+        except Exception as e:  # noqa: BLE001 - the model stays as it was placed: keep serving
+            log.warning("taking %s back failed: %s", names, e)
+            self.recovering = None
+            return
+        self.recovering = None
         self.ctx = self.model.context
         if back:
+            self.stats.reattached += len(back)
+            self._recovered(time.perf_counter() - t0)
             log.warning("reattached %s", ", ".join(back))
+
+    def _recovered(self, seconds: float) -> None:
+        self.stats.recoveries += 1
+        self.stats.recovery_seconds = seconds
+        with self._cond:
+            if self.failure is not None:  # placed again: new requests are welcome
+                log.warning("serving again")
+                self.failure = None
+                self._cond.notify_all()
 
     def _fail_over(self, e: Exception) -> bool:
         """A lost RPC server with the model's ``failover`` on: the model moves its layers and
-        replays the cache's history (every sequence's bits as before), and the failed step
-        runs again; the requests in flight only see a pause."""
+        rebuilds the live cells (every sequence's bits as before), and the failed step runs
+        again; the requests in flight only see a pause.  If no placement fits what is left,
+        they end with that error, and the engine waits for servers to come back."""
         from pyggml.rpc import RPCError
         if not (isinstance(e, RPCError) and self.model.failover):
             return False
+        self.stats.losses += 1
+        last = self.stats.recovery_seconds
+        self.recovering = f"lost {e.endpoint}" + (f"; recovering, expected within {last + 1:.0f} s" if last else "")
+        t0 = time.perf_counter()
         try:
             self.model._recover(e)
-        except Exception as again:
+        except Exception as again:  # noqa: BLE001 - no room left: fail what runs, wait for servers
+            self.recovering = None
             self._on_step_failure(again)
             return True
+        self.recovering = None
         self.ctx = self.model.context
+        self._recovered(time.perf_counter() - t0)
         return True
 
     def _on_step_failure(self, e: Exception) -> None:
@@ -331,10 +389,16 @@ class Engine:
         with self._cond:
             if isinstance(e, RPCError):
                 self.failure = f"lost a device: {message}"
+                if self.model.failover:  # the prober keeps trying the lost servers
+                    self.failure = (f"recovering: {self.failure}; serving again once enough servers are back "
+                                    f"(tried every {REATTACH_INTERVAL_S:.0f} s)")
             self._fail_all(message if self.failure is None else self.failure, queued=self.failure is not None)
         for s in self.slots:  # their cells may hold half-written steps
             s.tokens = []
-        self.ctx.clear_cache()
+        try:
+            self.model.forget_history()
+        except Exception as again:  # noqa: BLE001 - the cache's servers may be gone: nothing to keep
+            log.debug("clearing the cache after a failure: %s", again)
 
     def _fail_all(self, message: str, queued: bool = True) -> None:
         for s in self.slots:

@@ -7,6 +7,7 @@ import ssl
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,6 @@ from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
-from .placement import spans
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -54,7 +54,8 @@ def gate_part(arch) -> str | None:
     return act.__name__ if act is not None else None
 
 
-def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None) -> list:
+def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None,
+                connect_timeout: float | None = None) -> list:
     """The devices of the RPC servers named by ``rpc`` (none when it is empty); ``key``: the
     clients' key file from ``pyggml-rpc-server --gen-key`` (or a TLS context made from it)."""
     if not rpc:
@@ -62,7 +63,21 @@ def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SS
     from pyggml.rpc import connect, load_key
     if isinstance(key, (str, os.PathLike)):
         key = load_key(key)
-    return connect(rpc, key=key)
+    return connect(rpc, key=key, connect_timeout=connect_timeout)
+
+
+MAX_RECOVERY_ROUNDS = 8  # placements tried in one recovery, each after a further loss
+
+
+@dataclass
+class History:
+    """What rebuilds a cache: the batches that wrote its live cells (Context.log), sequence
+    0's tokens, and the context's shape."""
+    log: list | None
+    tokens: list[int]
+    n_ctx: int
+    n_ubatch: int
+    timings: Any
 
 
 class Model:
@@ -97,6 +112,9 @@ class Model:
         self.rpc_key = rpc_key
         self.failover = failover
         self.lost_endpoints: list[str] = []
+        self.recoveries: list[tuple[float, str, float]] = []  # (when, why, seconds) of each re-placement
+        self._placed = False
+        self._unplaced_history: History | None = None
         if rpc_spare:
             from pyggml.rpc import parse_endpoints
             self.spare_endpoints = parse_endpoints(rpc_spare)
@@ -108,7 +126,11 @@ class Model:
             self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
             if ngl is None and self.rpc_devices:
                 ngl = "auto"
-            self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
+            try:
+                self._place(ngl, tensor_split, n_ctx, n_batch, on_plan)
+            except BaseException:
+                self._disconnect()
+                raise
             self.tokenizer = Tokenizer(self.model.gguf, pre_tokenizer) if pre_tokenizer else \
                 _tokenizer_of(self.model.gguf)
         finally:
@@ -124,53 +146,95 @@ class Model:
 
     def _place(self, ngl, tensor_split, n_ctx: int, n_batch: int, on_plan=None) -> None:
         """Load the weights onto the devices by the plan, and make a fresh context."""
+        self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
+                                             progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
+                                             tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap)
         try:
-            self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
-                                                 progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
-                                                 tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap)
+            self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
         except BaseException:
-            self._disconnect()
+            self.model.free()
             raise
-        self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
+        self._placed = True
         if self.n_threads:
             for backend in self.context.backends:
                 if hasattr(backend, "set_n_threads"):
                     backend.set_n_threads(self.n_threads)
 
     # -- failover -----------------------------------------------------------------------------------
-    def _rebuild(self) -> None:
-        """Place the model anew over the RPC devices now connected (and the local ones), load
-        it, and rebuild the cache by replaying what built it (context.py's log)."""
+    def _history(self) -> History:
+        """What rebuilds the cache as it is (the batches that wrote its live cells): the
+        context's, or - while the model is not placed (a recovery not done) - what it had."""
+        if self._placed:
+            c = self.context
+            return History(c.log, list(c.tokens), c.n_ctx, c.n_ubatch, c.timings)
+        return self._unplaced_history
+
+    def forget_history(self) -> None:
+        """The cache's contents are of no use any more (their requests ended): a recovery
+        rebuilds an empty cache."""
+        h = self._history()
+        self._unplaced_history = History([], [], h.n_ctx, h.n_ubatch, h.timings)
+        if self._placed:
+            self.context.clear_cache()
+
+    def _unplace(self) -> None:
+        """Free the weights, the cache and the compute buffers (once; the history is kept)."""
+        if not self._placed:
+            return
+        self._unplaced_history = self._history()
+        self._placed = False
         old = self.context
-        old.free()
-        for buf in old.kv.buffers:
-            buf.free()
-        self.model.free()
-        self._place("auto", None, old.n_ctx, old.n_ubatch)
-        self.context.timings = old.timings
-        if old.log is not None:
-            self.context.replay(old.log, old.tokens)
+        for free in [old.free, *(buf.free for buf in old.kv.buffers), self.model.free]:
+            try:
+                free()
+            except Exception as e:  # noqa: BLE001 - a lost server's buffers are gone with it
+                log.debug("freeing after a loss: %s", e)
+
+    def _rebuild(self, history: History) -> None:
+        """Place the model anew over the RPC devices now connected (and the local ones), load
+        it, and rebuild the cache from ``history`` (taken before the first try: a try that
+        failed while it replayed leaves a cache that holds only part of it)."""
+        self._unplace()
+        self._place("auto", None, history.n_ctx, history.n_ubatch)
+        self.context.timings = history.timings
+        if history.log is not None:
+            self.context.replay(history.log, history.tokens)
         else:  # too long a history to keep: sequence 0 read again in one go, other bits
             log.warning("the cache's history was too long to replay: rebuilt from its tokens, and the "
                         "logits that follow may differ in their last bits")
-            if old.tokens:
-                self.context.decode(old.tokens)
+            if history.tokens:
+                self.context.decode(history.tokens)
 
-    def reconnect(self) -> list[str]:
-        """Attach again the servers lost to failover that answer now; the model is placed
-        anew over every device and goes on where it was.  Returns the endpoints attached."""
+    def probe_lost(self, timeout: float = 2.0) -> list:
+        """The devices of lost servers that answer again (new connections; the model is not
+        touched, so another thread may call this while the model serves)."""
         back = []
         for endpoint in list(self.lost_endpoints):
             try:
-                back += connect_rpc(endpoint, self.rpc_key)
+                back += connect_rpc(endpoint, self.rpc_key, connect_timeout=timeout)
             except (RuntimeError, ValueError, OSError) as e:
-                log.info("%s is still unreachable: %s", endpoint, e)
-                continue
-            self.lost_endpoints.remove(endpoint)
-        if back:
-            self.rpc_devices += back
-            self._rebuild()
-        return [d.conn.endpoint for d in back]
+                log.debug("%s is still unreachable: %s", endpoint, e)
+        return back
+
+    def attach(self, devices: list) -> list[str]:
+        """Take servers' devices (a lost server back, a new one) into the placement: the model
+        is placed anew over every device and goes on where it was.  Returns their endpoints."""
+        have = {d.conn.endpoint for d in self.rpc_devices}
+        for d in devices:  # (one server reached twice, by two probes: one connection is enough)
+            if d.conn.endpoint in have:
+                d.conn.close("already attached")
+        devices = [d for d in devices if d.conn.endpoint not in have]
+        endpoints = list(dict.fromkeys(d.conn.endpoint for d in devices))
+        if not devices:
+            return []
+        self.lost_endpoints = [e for e in self.lost_endpoints if e not in endpoints]
+        self.rpc_devices += devices
+        self._recover_with(lambda: None, reason=f"{', '.join(endpoints)} attached")
+        return endpoints
+
+    def reconnect(self) -> list[str]:
+        """Attach again the servers lost to failover that answer now.  Returns their endpoints."""
+        return self.attach(self.probe_lost())
 
     def _guarded(self, step: Callable[[], Any]) -> Any:
         """Run a decoding step; with ``failover``, a lost RPC server is replaced and the step
@@ -197,42 +261,71 @@ class Model:
         return RPCError(dead[0], f"lost (reported by {error.endpoint}): {str(error).split(': ', 1)[-1]}") \
             if dead else error
 
-    def _recover(self, error: Exception) -> None:
-        """Move the lost server's layers onto the devices left (a spare first), load them,
-        and rebuild the cache by replaying the calls that built it: the same calls give the
-        same bits, so greedy and seeded generation go on exactly as if nothing happened."""
-        t0 = time.perf_counter()
-        # the server that reports a failure may not be the one that failed (a server waiting
-        # for another's tensor reports that one gone): ask each whether it still answers
+    def _drop_dead(self, error: Exception) -> list:
+        """Close and forget the RPC devices whose servers no longer answer; their endpoints
+        join ``lost_endpoints``.  Returns them."""
         conns = {id(d.conn): d.conn for d in self.rpc_devices}.values()
         dead = {c.endpoint for c in conns if not c.answers()}
         lost = [d for d in self.rpc_devices if d.conn.endpoint in dead]
-        if not lost:
-            raise error
-        lost_names = {d.get_name() for d in lost}
-        lost_layers = [il for il, dev in enumerate(self.model.placement.layers)
-                       if self.model.devices[dev].get_name() in lost_names]
         for d in lost:
             d.conn.close(f"lost: {error}")
         self.rpc_devices = [d for d in self.rpc_devices if d not in lost]
-        spare = []
-        while self.spare_endpoints and not spare:
+        self.lost_endpoints += [e for e in dict.fromkeys(d.conn.endpoint for d in lost) if e not in self.lost_endpoints]
+        return lost
+
+    def _recover(self, error: Exception) -> None:
+        """Move the lost server's layers onto the devices left (a spare first, and any lost
+        server that answers again), load them, and rebuild the cache from the batches that
+        wrote its live cells: the same rows give the same bits, so greedy and seeded
+        generation go on exactly as if nothing happened."""
+        if not self._drop_dead(error) and self._placed:
+            raise error  # every server answers: this error is not a loss
+        self._recover_with(self._take_spare, reason=str(error).split(": ", 1)[-1], first=error)
+
+    def _take_spare(self) -> None:
+        while self.spare_endpoints:
             endpoint = self.spare_endpoints.pop(0)
             try:
-                spare = connect_rpc(endpoint, self.rpc_key)
+                self.rpc_devices = connect_rpc(endpoint, self.rpc_key) + self.rpc_devices
+                return
             except (RuntimeError, ValueError, OSError) as e:
                 log.warning("spare %s cannot be used: %s", endpoint, e)
-        self.rpc_devices = spare + self.rpc_devices
-        self.lost_endpoints += [d.conn.endpoint for d in lost]
-        try:
-            self._rebuild()
-        except Exception as e:
-            raise type(error)(error.endpoint, f"{str(error).split(': ', 1)[-1]}; failover found no room: {e}") \
-                from None
-        where = sorted({self.model.devices[self.model.placement.layers[il]].get_name() for il in lost_layers})
-        log.warning("%s lost (%s); its layers %s moved to %s; recovered in %.1f s", ", ".join(sorted(lost_names)),
-                    str(error).split(": ", 1)[-1], spans(lost_layers), ", ".join(where),
-                    time.perf_counter() - t0)
+
+    def _recover_with(self, gather: Callable[[], None], reason: str, first: Exception | None = None) -> None:
+        """Place anew until it holds: each round takes what ``gather`` adds and the lost servers
+        that answer again; a server lost meanwhile is one more loss (dropped, and another round);
+        only a plan that no longer fits on what is alive ends it, with that as the error."""
+        from pyggml.rpc import RPCError
+        t0 = time.perf_counter()
+        error = first
+        history = self._history()
+        for _ in range(MAX_RECOVERY_ROUNDS):
+            gather()
+            have = {d.conn.endpoint for d in self.rpc_devices}
+            self.rpc_devices += [d for d in self.probe_lost(timeout=1.0) if d.conn.endpoint not in have]
+            self.lost_endpoints = [e for e in self.lost_endpoints
+                                   if e not in {d.conn.endpoint for d in self.rpc_devices}]
+            try:
+                self._rebuild(history)
+            except RPCError as e:  # lost meanwhile: just another loss
+                error = self._culprit(e)
+                log.warning("%s lost while recovering (%s)", error.endpoint, str(error).split(": ", 1)[-1])
+                self._drop_dead(error)
+                continue
+            except (ValueError, RuntimeError, MemoryError) as e:
+                endpoint = error.endpoint if isinstance(error, RPCError) else "RPC"
+                raise RPCError(endpoint, f"{reason}; failover found no room on the devices left "
+                                         f"({', '.join(d.get_name() for d in self.rpc_devices) or 'none'}): {e}") \
+                    from None
+            used = sorted({self.model.devices[i].get_name() for i in self.model.placement.used()})
+            self._unplaced_history = None
+            log.warning("%s (%s); placed on %s; recovered in %.1f s",
+                        "lost " + ", ".join(sorted(self.lost_endpoints)) if first else "placed anew",
+                        reason, ", ".join(used), time.perf_counter() - t0)
+            self.recoveries.append((time.time(), reason, time.perf_counter() - t0))
+            del self.recoveries[:-64]
+            return
+        raise RPCError(getattr(error, "endpoint", "RPC"), f"{reason}; servers kept being lost while recovering")
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -373,10 +466,7 @@ class Model:
                                 top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
 
     def close(self) -> None:
-        self.model.free()
-        for buf in self.context.kv.buffers:
-            buf.free()
-        self.context.free()
+        self._unplace()
         self._disconnect()
 
     def _disconnect(self) -> None:

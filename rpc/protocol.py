@@ -61,6 +61,7 @@ class Status(enum.IntEnum):
 class Codec(enum.IntEnum):
     RAW = 0
     LZ4 = 1
+    FAILED = 255  # PEER_SET only: no tensor - the sender's session had failed; the frame says why
 
 
 FLAG_NO_REPLY = 1   # header flag: the client does not wait for an answer

@@ -267,7 +267,8 @@ class RPCServer:
             try:
                 self._write_arrived(s, tensor)
             except (ProtocolError, ValueError) as e:
-                s.deferred_error = s.deferred_error or str(e)
+                self._end_wait(s, str(e))
+                return
             self._end_wait(s, None)
             return
         size = len(tensor[2])
@@ -284,6 +285,8 @@ class RPCServer:
         """Write a tagged tensor into the session's buffer it names (checked now: the buffer may
         have gone since it came)."""
         wire_dst, codec, body = tensor
+        if codec == P.Codec.FAILED:
+            raise ProtocolError(f"the server sending this tensor failed: {bytes(body).decode('utf-8', 'replace')}")
         dst, _ = read_tensor(wire_dst, s.lookup)
         dst.buffer.set_tensor(dst, P.decompress(codec, body, tensor_extent(dst)), 0)
 
@@ -764,7 +767,12 @@ class RPCServer:
         if link.lost is not None or link.peer.closed:
             raise ProtocolError(f"link {number} to {link.endpoint} is gone ({link.lost or 'closed'})")
         src, at = read_tensor(payload, s.lookup, P.COPY_TO_PEER.size)
-        codec, body = P.compress(src.buffer.get_tensor(src, 0, tensor_extent(src)))
+        if s.deferred_error is not None:
+            # this session failed earlier in the step (a server before it is gone): what it
+            # computed since is not to be believed - the receiver hears that, not stale bytes
+            codec, body = P.Codec.FAILED, s.deferred_error.encode("utf-8", "replace")[:1024]
+        else:
+            codec, body = P.compress(src.buffer.get_tensor(src, 0, tensor_extent(src)))
         # the destination is the receiver's to check
         head = P.HEADER.pack(Command.PEER_SET, P.FLAG_NO_REPLY, 0, 0) + P.PEER_SET.pack(tag, codec) + bytes(payload[at:])
         if not self.listener.send(link.peer, [head, body], max_bytes=max(peers.LINK_QUEUE_BYTES, s.owned())):

@@ -66,14 +66,17 @@ class State:
             names |= {self.engine.model.path.name, self.engine.model.path.stem}
         return names
 
-    def unavailable(self) -> JSONResponse | None:
-        """The 503 to answer while there is no working engine."""
+    def unavailable(self, health: bool = False) -> JSONResponse | None:
+        """The 503 to answer while there is no working engine (for ``health``, also while the
+        model is being placed anew: requests sent meanwhile wait in the queue)."""
         if self.load_error is not None:
             return error(503, f"the model failed to load: {self.load_error}")
         if self.engine is None:
             return error(503, "Loading model")
         if self.engine.failure is not None:
             return error(503, self.engine.failure)
+        if health and self.engine.recovering is not None:
+            return error(503, f"recovering: {self.engine.recovering}")
         return None
 
 
@@ -101,6 +104,14 @@ class EngineMetrics:
         yield GaugeMetricFamily("pyggml_queued_requests", "Requests waiting for a slot", value=e.queued)
         yield GaugeMetricFamily("pyggml_kv_cells_used", "KV cache cells in use", value=e.ctx.kv.n_used)
         yield GaugeMetricFamily("pyggml_kv_cells", "KV cache cells (-c)", value=e.n_ctx)
+        yield CounterMetricFamily("pyggml_device_losses", "RPC servers lost while serving", value=st.losses)
+        yield CounterMetricFamily("pyggml_recoveries", "Placements made anew (after a loss, or to take a server back)",
+                                  value=st.recoveries)
+        yield CounterMetricFamily("pyggml_reattached_servers", "Lost RPC servers taken back", value=st.reattached)
+        yield GaugeMetricFamily("pyggml_last_recovery_seconds", "How long the last placement anew took",
+                                value=st.recovery_seconds)
+        yield GaugeMetricFamily("pyggml_recovering", "1 while the model is being placed anew",
+                                value=int(e.recovering is not None))
         dev = CounterMetricFamily("pyggml_device_seconds", "Compute time per device", labels=["device"])
         for name, seconds in sorted(e.ctx.sched.busy_seconds.items()):
             dev.add_metric([name], seconds)
@@ -231,7 +242,7 @@ def create_app(state: State) -> Starlette:
 
     @endpoint("health", needs_engine=False, needs_key=False)
     async def health(request: Request) -> Response:
-        down = state.unavailable()
+        down = state.unavailable(health=True)
         return down if down is not None else JSONResponse({"status": "ok"})
 
     @endpoint("metrics", needs_engine=False)

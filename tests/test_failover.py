@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import pyggml as pg
@@ -132,3 +133,68 @@ def test_pyggml_chat_with_failover(start_server):
     assert p.returncode == 0, err.decode()
     assert first + rest == want
     assert b"lost" in err and servers[1].endpoint.encode() in err
+
+
+def test_a_second_loss_while_recovering_is_one_more_loss(start_server, monkeypatch, caplog):
+    """Another server dies while the model is placed anew after a first loss: that round is
+    given up, and the next places the model on what is left (here the one server alive), with
+    the uninterrupted run's text."""
+    want = uninterrupted("smollm2", 24)
+    servers = [start_server(), start_server(), start_server()]
+    rebuilds = []
+    real = pg.Model._rebuild
+
+    def rebuild_losing_another(self, history):
+        rebuilds.append(1)
+        if len(rebuilds) == 1:
+            servers[2].kill()  # while the first recovery places the model anew
+            servers[2].proc.wait()
+        return real(self, history)
+    monkeypatch.setattr(pg.Model, "_rebuild", rebuild_losing_another)
+    with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True,
+                  ngl="0:prolog,8;1:8;2:all") as m:
+        got = []
+        with caplog.at_level(logging.WARNING, logger="pyggml.models"):
+            for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=24, temperature=0)):
+                got.append(token)
+                if i == 5:
+                    servers[1].kill()
+        assert got == want
+        assert len(rebuilds) >= 2 and sorted(m.lost_endpoints) == sorted([servers[1].endpoint, servers[2].endpoint])
+        assert any("lost while recovering" in r.getMessage() for r in caplog.records)
+        assert {m.model.devices[d].get_name() for d in m.model.placement.used()} <= {f"RPC[{servers[0].endpoint}]",
+                                                                                     "CPU"}
+
+
+def test_the_cache_history_keeps_only_live_cells():
+    """Recovery replays the batches that wrote the cells the cache holds now: a sequence's run
+    of rows goes from a batch when its cells are freed, so the history grows with what is live,
+    not with time; a run freed in part stays whole, followed by the seq_rm (its width decided
+    its bits).  The replayed cache answers as the first does, bit for bit."""
+    from pyggml.models.context import Batch
+    m = pg.Model("smollm2", n_ctx=512, progress=False)
+    try:
+        ctx = m.context
+        ctx.clear_cache()
+        for seq in range(3):
+            ctx.decode_batch(Batch.of(list(range(10 + seq, 30 + seq)), 0, seq=seq))
+        for step in range(5):
+            ctx.decode_batch(Batch(np.array([1, 2, 3], np.int32), np.full(3, 20 + step, np.int32),
+                                   np.arange(3, dtype=np.int32), np.ones(3, bool)))
+        ctx.seq_rm(1, 0)   # sequence 1 gone
+        ctx.seq_rm(2, 22)  # sequence 2 from position 22 on: whole runs (its last 3 steps)
+        rows = [(int(s), int(p)) for _, b in ctx.log for s, p in zip(b.seq, b.pos)]
+        assert sorted(rows) == sorted([(0, p) for p in range(25)] + [(2, p) for p in range(22)])
+        assert ctx.kv.n_used == len(rows)
+        ctx.seq_rm(0, 10)  # sequence 0 from the middle of its prompt's run
+        batches = [op[1] for op in ctx.log if op[0] == "b"]
+        assert ctx.log[-1] == ("rm", 0, 10) and sum(len(b) for b in batches) == 20 + 22
+        fresh = pg.Model("smollm2", n_ctx=512, progress=False)
+        fresh.context.replay(ctx.log, [])
+        assert fresh.context.kv.n_used == ctx.kv.n_used == 10 + 22
+        probe = Batch(np.array([7, 7], np.int32), np.array([10, 22], np.int32), np.array([0, 2], np.int32),
+                      np.ones(2, bool))
+        assert np.array_equal(fresh.context.decode_batch(probe), ctx.decode_batch(probe))
+        fresh.close()
+    finally:
+        m.close()

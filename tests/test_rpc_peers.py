@@ -303,3 +303,22 @@ def test_a_decode_step_of_several_sequences_over_two_servers_is_cut_into_groups_
         got = steps(ctx)
     for a, b in zip(got, want):
         assert a.shape == b.shape and np.array_equal(a, b)
+
+
+def test_a_session_that_failed_sends_its_receiver_the_failure_not_stale_bytes(pair):
+    """Three servers in a chain, the first killed: the middle one's wait failed (an error kept
+    for its next reply), yet it went on and sent the tensor it computed from stale input to the
+    last, which answered the step with no error - a wrong token.  A session with a failure kept
+    now sends the failure over the link, and the receiver's step fails too."""
+    x, y = RawClient(pair[0].endpoint), RawClient(pair[1].endpoint)
+    token, _ = ok(y.call(C.PEER_TOKEN))
+    body, _ = ok(x.call(C.PEER_CONNECT, P.PEER_CONNECT.pack(token), [pair[1].endpoint.encode()]))
+    link = P.U32.unpack(body)[0]
+    src = set_data(x, alloc(x), np.arange(16, dtype=np.float32), 0, (16, 1, 1, 1))
+    dst = tensor(0, (16, 1, 1, 1), buffer=alloc(y), id=2)
+    x.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 3) + P.U32.pack(77)])  # no sender: it fails
+    x.send_raw([P.HEADER.pack(C.COPY_TO_PEER, P.FLAG_NO_REPLY, 0, 4) + P.COPY_TO_PEER.pack(link, 5) + src + dst])
+    y.send_raw([P.HEADER.pack(C.WAIT_PEER, P.FLAG_NO_REPLY, 0, 6) + P.U32.pack(5)])
+    error(y.call(C.GET_TENSOR, dst + P.GET_TENSOR.pack(0, 64, P.Codec.RAW)), "the server sending this tensor failed")
+    error(x.call(C.DEVICE_COUNT), "the server sending tensor 77 is gone")
+    ok(y.call(C.DEVICE_COUNT))
