@@ -331,12 +331,12 @@ class RPCServer:
         if s is not None:
             log.info("client %d (%s) disconnected (%s); its %d buffer(s) freed", s.peer.id, s.peer.address,
                      event.reason, len(s.buffers))
-            if s.writes_into is not None:
-                self._link_lost(s, event.reason)
-            self._end_session(s)
+            self._end_session(s, event.reason)
         self._ended.pop(event.peer.id, None)
 
-    def _end_session(self, s: Session) -> None:
+    def _end_session(self, s: Session, reason: str = "its session was ended") -> None:
+        if s.writes_into is not None:  # a link from another server: the session it wrote into hears it
+            self._link_lost(s, reason)
         for handle in list(s.buffers):
             self._release(s, handle)
         s.graphs.clear()
