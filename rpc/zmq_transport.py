@@ -73,6 +73,17 @@ def _options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT_S * 1000))
 
 
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a socket and its monitor: monitoring stopped first.  libzmq's I/O thread sends each
+    event to the monitor blocking; with the monitor closed under it, the next event (the socket's
+    own closing) blocks that thread for ever, and every connection of the context with it
+    (libzmq issue 3575)."""
+    if not sock.closed:
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
 class Zap(threading.Thread):
     """The server's ZAP handler: a handshake is admitted if it holds the client key (or, with
     no key, comes over the NULL mechanism), the server has fewer than ``max_peers`` connections
@@ -319,7 +330,8 @@ class ZmqListener:
             self._front.join(5)
         self.zap.stop.set()
         self.zap.join(5)
-        for sock in (self.router, self.monitor, self.loop_end, self.front_end):
+        _close_monitored(self.router, self.monitor)
+        for sock in (self.loop_end, self.front_end):
             sock.close(linger=0)
         self.ctx.term()
 
@@ -406,5 +418,4 @@ class ZmqChannel:
             raise TimeoutError("silence" if time.monotonic() < deadline else "deadline")
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.monitor.close(linger=0)
+        _close_monitored(self.sock, self.monitor)
