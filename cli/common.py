@@ -77,13 +77,13 @@ def setup_logging(level: str) -> None:
 
 
 def model_options(f: Callable) -> Callable:
-    """-m, -c, -ngl, -ts, --show-placement, --dry-run, --rpc, --rpc-key, --rpc-spare, --failover,
+    """-m, -c, -ngl, -ts, -sm, --show-placement, --dry-run, --rpc, --rpc-key, --rpc-spare, --failover,
     --threads, --log-level (shared by the tools that load a model).  The placement and
     failover flags reach the command as one ``loading`` dict, for load_model_or_exit."""
     @functools.wraps(f)
-    def command(*args: Any, tensor_split: str | None, show_placement: bool, dry_run: bool, failover: bool,
-                rpc_spare: str | None, use_mmap: bool | None, **kwargs: Any) -> Any:
-        return f(*args, loading={"tensor_split": tensor_split, "show_placement": show_placement,
+    def command(*args: Any, tensor_split: str | None, split_mode: str, show_placement: bool, dry_run: bool,
+                failover: bool, rpc_spare: str | None, use_mmap: bool | None, **kwargs: Any) -> Any:
+        return f(*args, loading={"tensor_split": tensor_split, "split_mode": split_mode, "show_placement": show_placement,
                                  "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare,
                                  "use_mmap": use_mmap}, **kwargs)
     opts = [
@@ -98,6 +98,12 @@ def model_options(f: Callable) -> Callable:
                           "default with --rpc) spreads the layers over the devices by their free memory."),
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="P0,P1,...",
                      help="Spread the layers over the devices before the CPU in these proportions, e.g. '3,1'."),
+        click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["layer", "tensor"]), default="layer",
+                     show_default=True,
+                     help="How the model is divided among the RPC servers and GPUs: 'layer' gives each device "
+                          "whole layers (they take turns); 'tensor' divides every layer's heads and rows among "
+                          "them (they compute each step together; the logits are the same bits). -ts sets the "
+                          "shares of either."),
         click.option("--show-placement", is_flag=True,
                      help="Print which device gets which layers (weights, KV cache, free memory) before loading."),
         click.option("--dry-run", is_flag=True, help="Print the placement and exit without loading."),

@@ -54,6 +54,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
     n_ctx = -(-(ctx_size or 4096) // CTX_PAD) * CTX_PAD
     model_args = dict(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads,
                       n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"],
+                      split_mode=loading["split_mode"],
                       failover=loading["failover"], rpc_spare=loading["rpc_spare"], use_mmap=loading["use_mmap"])
     if loading["dry_run"]:
         load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits

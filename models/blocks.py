@@ -91,6 +91,11 @@ class GraphBuilder:
     def cb(t: Tensor, name: str, il: int | None = None) -> Tensor:
         return t.set_name(f"{name}-{il}" if il is not None else name)
 
+    def gathered(self, t: Tensor, name: str, il: int | None = None) -> Tensor:
+        """``t`` whole: on one device it is; a tensor split's builder (tensor_split.py) holds
+        its device's rows of it and concatenates every device's."""
+        return t
+
     def linear(self, x: Tensor, name: str, il: int | None = None) -> Tensor:
         """x @ W (+ bias when the file has one)."""
         return self.with_bias(*self.product_and_bias(x, name, il))
@@ -146,8 +151,8 @@ class GraphBuilder:
         mask = self.inputs.kq_mask_swa if hp.is_swa(il) else self.inputs.kq_mask
         attn = ops.flash_attn_ext(ops.permute(q, 0, 2, 1, 3), keys, values, mask, kq_scale,
                                   logit_softcap=hp.attn_softcap)
-        cur = self.cb(ops.reshape(attn, hp.n_embd_head_v * hp.n_head, n), "kqv_out", il)
-        return self.cb(self.linear(cur, "attn_output", il), "attn_out", il)
+        cur = self.gathered(self.cb(ops.reshape(attn, hp.n_embd_head_v * hp.n_head, n), "kqv_out", il), "kqv_out", il)
+        return self.gathered(self.cb(self.linear(cur, "attn_output", il), "attn_out", il), "attn_out", il)
 
     def build_qkv(self, cur: Tensor, il: int, qk_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Project to q, k, v heads; optionally RMS-normalize q and k per head; apply RoPE."""
@@ -173,8 +178,8 @@ class GraphBuilder:
         """Gated feed-forward: down(act(gate(x)) * up(x))."""
         gate = self.cb(self.linear(x, "ffn_gate", il), "ffn_gate", il)
         up = self.cb(self.linear(x, "ffn_up", il), "ffn_up", il)
-        cur = self.cb(act(gate, up), "ffn_act", il)
-        return self.cb(self.linear(cur, "ffn_down", il), "ffn_out", il)
+        cur = self.gathered(self.cb(act(gate, up), "ffn_act", il), "ffn_act", il)
+        return self.gathered(self.cb(self.linear(cur, "ffn_down", il), "ffn_out", il), "ffn_out", il)
 
     def build_moe_ffn(self, x: Tensor, il: int, norm_weights: bool = True) -> Tensor:
         """Mixture-of-experts feed-forward, as llama.cpp's build_moe_ffn with softmax gating:

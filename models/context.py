@@ -26,6 +26,7 @@ from pyggml.backend import Backend, tensor_arrays_async
 from .blocks import GraphBuilder
 from .kv_cache import KVCache
 from .loader import LoadedModel
+from .tensor_split import build_split_graph, local_hparams
 
 MAX_CACHED_GRAPHS = 12  # prompt and decode shapes, top-k and whole-row outputs, a server's batch sizes
 MAX_LOG_TOKENS = 1 << 20
@@ -179,11 +180,17 @@ class Context:
         self.n_ctx = n_ctx
         self.n_ubatch = max(1, n_ubatch)
         cpu = len(model.devices) - 1
-        used = [i for i in model.placement.used() if i != cpu]
+        used = [i for i in model.used_devices() if i != cpu]
         self.backends: list[Backend] = [model.devices[i].init_backend() for i in used] + \
             [model.devices[cpu].init_backend()]
         self.sched = Scheduler(self.backends)
-        self.kv = KVCache(self.hp, n_ctx, [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
+        self._backend_of = {dev: i for i, dev in enumerate(used + [cpu])}  # device id -> scheduler backend
+        if model.shards:
+            self.kv = KVCache(self.hp, n_ctx, [], shards=[(model.devices[s.device].get_buffer_type(),
+                                                          local_hparams(self.hp, s)) for s in model.shards])
+        else:
+            self.kv = KVCache(self.hp, n_ctx,
+                              [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
         # the batches that wrote the cells the cache holds now, in order, less the runs of rows
         # whose cells were all freed since (seq_rm prunes them: a sequence's rows get the bits
@@ -286,10 +293,15 @@ class Context:
         if b is not None:
             self._graphs.move_to_end(key)
             return b
-        b = GraphBuilder(self.hp, self.model.weights, self.kv, n_tokens, n_kv, n_outputs,
-                         rope_mode=self.model.arch.ROPE_MODE, n_top=n_top, n_hist=n_hist, n_runs=n_runs,
-                         n_output_runs=n_output_runs)
-        self.model.arch.build(b)
+        shape = dict(n_tokens=n_tokens, n_kv=n_kv, n_outputs=n_outputs, rope_mode=self.model.arch.ROPE_MODE,
+                     n_top=n_top, n_hist=n_hist, n_runs=n_runs, n_output_runs=n_output_runs)
+        model = self.model
+        if model.shards:
+            b = build_split_graph(model.arch, self.hp, model.shards, model.shard_weights, self.kv.parts,
+                                  [self._backend_of[s.device] for s in model.shards], **shape)
+        else:
+            b = GraphBuilder(self.hp, model.weights, self.kv, **shape)
+            model.arch.build(b)
         self._graphs[key] = b
         if len(self._graphs) > MAX_CACHED_GRAPHS:
             self._graphs.popitem(last=False)

@@ -18,10 +18,11 @@ its unrolling), so a sequence decoded beside others gets exactly its solo logits
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import Type, new_tensor
+from pyggml import Tensor, Type, new_tensor
 from pyggml.backend import Buffer, BufferType, BufferUsage, alloc_tensors
 
 from .hparams import HParams
@@ -31,15 +32,34 @@ PAGE = 64     # a multiple of the attention kernels' 64 lanes
 FREE = -1
 
 
+@dataclass
+class KVPart:
+    """The keys and values of each layer, for the heads of ``hp`` (a device's, in a tensor split)."""
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @classmethod
+    def of(cls, hp: HParams, n_ctx: int, type: Type, tag: str = "") -> KVPart:
+        return cls([new_tensor(type, (hp.n_embd_k_gqa, n_ctx), f"cache_k_l{il}{tag}") for il in range(hp.n_layer)],
+                   [new_tensor(type, (hp.n_embd_v_gqa, n_ctx), f"cache_v_l{il}{tag}") for il in range(hp.n_layer)])
+
+
 class KVCache:
-    def __init__(self, hp: HParams, n_ctx: int, layer_bufts: Sequence[BufferType], type: Type = Type.F16) -> None:
+    def __init__(self, hp: HParams, n_ctx: int, layer_bufts: Sequence[BufferType], type: Type = Type.F16,
+                 shards: Sequence[tuple[BufferType, HParams]] = ()) -> None:
+        """``shards`` (a tensor split): per device its buffer type and the head counts it holds;
+        each then has the keys and values of its heads for every layer, in ``parts``, and the
+        cells (one set of tags for all) are the same on every device."""
         self.n_ctx = n_ctx
         self.type = type
         self.n_swa = hp.n_swa
-        self.k = [new_tensor(type, (hp.n_embd_k_gqa, n_ctx), f"cache_k_l{il}") for il in range(hp.n_layer)]
-        self.v = [new_tensor(type, (hp.n_embd_v_gqa, n_ctx), f"cache_v_l{il}") for il in range(hp.n_layer)]
         groups: dict[int, tuple[BufferType, list]] = {}
-        for il, buft in enumerate(layer_bufts):
+        self.parts = [KVPart.of(local, n_ctx, type, f"#{i}") for i, (_, local) in enumerate(shards)]
+        for (buft, _), part in zip(shards, self.parts):
+            groups.setdefault(id(buft), (buft, []))[1].extend(part.k + part.v)
+        whole = KVPart.of(hp, n_ctx, type) if not shards else KVPart([], [])
+        self.k, self.v = whole.k, whole.v
+        for il, buft in enumerate(layer_bufts if not shards else ()):
             groups.setdefault(id(buft), (buft, []))[1].extend([self.k[il], self.v[il]])
         # zero-filled on allocation: masked cells are read too, and must not hold NaNs
         self.buffers: list[Buffer] = [alloc_tensors(ts, buft, BufferUsage.ANY) for buft, ts in groups.values()]

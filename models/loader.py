@@ -14,7 +14,8 @@ from pyggml.gguf import GGUFError, GGUFFile
 
 from . import gemma3, llama, qwen2, qwen3, qwen3moe
 from .hparams import HParams
-from .placement import Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
+from .placement import MiB, Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
+from .tensor_split import FileSlice, Shard, SplitError, plan_tensor_split, shard_rows, shard_tensor
 
 ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe,
                                          "gemma3": gemma3}
@@ -35,10 +36,18 @@ class LoadedModel:
     placement: Placement
     weights: dict[str, Tensor] = field(default_factory=dict)
     buffers: list[Buffer] = field(default_factory=list)
+    # split mode "tensor": each device's share of every layer, and its weights (the first's
+    # are ``weights``: it holds the embedding and the head too); None: layers split whole
+    shards: list[Shard] | None = None
+    shard_weights: list[dict[str, Tensor]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return str(self.gguf.get("general.name", self.path.stem))
+
+    def used_devices(self) -> list[int]:
+        """The device ids that hold some of the model (the CPU included where it does)."""
+        return sorted({*self.placement.used(), *(s.device for s in self.shards or [])})
 
     def layer_device(self, il: int) -> Device:
         return self.devices[self.placement.layers[il]]
@@ -125,6 +134,53 @@ def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
     return placement, describe(placement, sizes, names, free)
 
 
+SPLIT_MODES = ("layer", "tensor")
+
+
+def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
+                tensor_split: str | None) -> tuple[list[Shard], str]:
+    """Split mode "tensor": every device before the CPU (RPC servers, GPUs) takes a share of
+    every layer, in proportion to ``-ts`` or to its free memory; the description lists them."""
+    if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
+        raise PlacementError(f"--split-mode tensor divides every layer among the devices; it cannot be combined "
+                             f"with -ngl {ngl} (use auto or all)")
+    candidates = list(range(len(devices) - 1))
+    if not candidates:
+        raise PlacementError("--split-mode tensor needs devices to divide the layers among (--rpc servers or GPUs)")
+    free = [devices[d].get_memory()[0] for d in candidates]
+    weights = parse_split(tensor_split, len(candidates)) or [float(max(x, 1)) for x in free]
+    chosen = [d for d in candidates if weights[d] > 0]
+    try:
+        shards = plan_tensor_split(hp, chosen, [weights[d] for d in chosen])
+    except SplitError as e:
+        raise PlacementError(str(e)) from None
+    rows = [f"{'id':>3}  {'device':<28} share (split mode tensor; the first also holds the embedding and head)"]
+    rows += [f"{s.device:>3}  {devices[s.device].get_name():<28} {s.describe()}, "
+             f"{devices[s.device].get_memory()[0] / MiB:.0f} M free" for s in shards]
+    return shards, "\n".join(rows)
+
+
+def shard_weights(f: GGUFFile, shards: list[Shard], hp: HParams,
+                  sources: dict[int, FileSlice]) -> list[dict[str, Tensor]]:
+    """Each shard's weights: its rows of the split ones (``sources`` says where they lie in the
+    file), a copy of the rest of each layer (the norms) and of the small tables every layer
+    reads; the embedding and head on the first alone."""
+    out = []
+    for i, shard in enumerate(shards):
+        mine = {}
+        for name in f.tensors:
+            if i and name in ("token_embd.weight", "output.weight"):
+                continue
+            t = f.new_tensor(name)
+            rows = shard_rows(name, shard, hp)
+            if rows is not None:
+                t, start, nbytes = shard_tensor(t, rows)
+                sources[id(t)] = FileSlice(name, start, nbytes)
+            mine[name] = t
+        out.append(mine)
+    return out
+
+
 # the order in which a layer's graph (blocks.py) reads its weights
 LAYER_READ_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                     "post_attention_norm", "ffn_norm", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_gate_exps",
@@ -161,19 +217,39 @@ def map_weights(host_bytes: int, use_mmap: bool | None) -> bool:
 def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
                progress: bool | None = None, n_ctx: int = 2048, n_ubatch: int = 256,
                tensor_split: str | None = None, on_plan: Callable[[str], None] | None = None,
-               use_mmap: bool | None = None) -> LoadedModel:
+               use_mmap: bool | None = None, split_mode: str = "layer") -> LoadedModel:
     """Open ``path``, place it (``on_plan`` hears the plan's description before any weight
     moves) and load its weights, in read_order (host weights stay in the file's map where
-    map_weights says so)."""
+    map_weights says so).  ``split_mode`` "tensor" divides every layer among the devices
+    (tensor_split.py) instead of giving each device whole layers."""
+    if split_mode not in SPLIT_MODES:
+        raise PlacementError(f"split mode {split_mode!r}: choose one of {', '.join(SPLIT_MODES)}")
     f, arch = open_gguf(path)
     hp = HParams.from_gguf(f, f.architecture)
     if hasattr(arch, "adjust_hparams"):
         arch.adjust_hparams(hp)
     devices = devices or default_devices()
-    placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split)
+    if split_mode == "tensor":
+        shards, description = plan_shards(f, hp, ngl, devices, tensor_split)
+        lead = shards[0].device
+        placement = Placement(lead, lead, [lead] * hp.n_layer)
+    else:
+        shards = None
+        placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split)
     if on_plan is not None:
         on_plan(description)
-    model = LoadedModel(Path(path), f, hp, arch, devices, placement)
+    model = LoadedModel(Path(path), f, hp, arch, devices, placement, shards=shards)
+    if shards is not None:
+        sources: dict[int, FileSlice] = {}
+        model.shard_weights = shard_weights(f, shards, hp, sources)
+        to_load = [t for mine in model.shard_weights for t in mine.values()]
+        buft_of = {id(t): devices[s.device].get_buffer_type() for s, mine in zip(shards, model.shard_weights)
+                   for t in mine.values()}
+        to_load.sort(key=lambda t: read_order(t.name))
+        model.buffers = f.load(to_load, lambda t: buft_of[id(t)], progress=progress,
+                               source_of=lambda t: sources.get(id(t), t.name), mmap=False)
+        model.weights = model.shard_weights[0]
+        return model
 
     weights = {name: f.new_tensor(name) for name in f.tensors}
     buft_of = {id(t): devices[placement.device_of(name)].get_buffer_type() for name, t in weights.items()}

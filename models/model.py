@@ -87,6 +87,9 @@ class Model:
     the default model, downloaded once).  ``ngl``: layer placement as in ``pyggml-chat -ngl``
     (``"auto"``: spread by free memory, the default when ``rpc`` is given; otherwise None:
     everything on the CPU).  ``tensor_split``: proportions per device, as ``-ts 3,1``.
+    ``split_mode``: "layer" (default: each device runs whole layers) or "tensor" (every
+    layer's heads and rows divided among the RPC servers and GPUs, which then compute each
+    step together; the logits are those of one device).
     ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"`` or a list), whose devices come
     first in the device ids; ``rpc_key``: the clients' key file (``FILE.client`` from
     ``pyggml-rpc-server --gen-key FILE``) when the servers use TLS.  ``seed``: default seed of sampling (None: random).
@@ -107,8 +110,11 @@ class Model:
                  rpc_key: str | os.PathLike | ssl.SSLContext | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
                  rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None,
-                 use_mmap: bool | None = None) -> None:
+                 use_mmap: bool | None = None, split_mode: str = "layer") -> None:
         self.path = hub.resolve(path_or_alias)
+        self.split_mode = split_mode
+        if failover and split_mode != "layer":
+            raise ValueError("failover with split mode 'tensor' is not supported yet; use split mode 'layer'")
         self.rpc_key = rpc_key
         self.failover = failover
         self.lost_endpoints: list[str] = []
@@ -148,7 +154,8 @@ class Model:
         """Load the weights onto the devices by the plan, and make a fresh context."""
         self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
                                              progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
-                                             tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap)
+                                             tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap,
+                                             split_mode=self.split_mode)
         try:
             self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
         except BaseException:

@@ -114,7 +114,9 @@ class GGUFFile:
         """Allocate ``tensors`` (made by :meth:`new_tensor`) per buffer type and fill them from the file.
 
         ``source_of`` names the file tensor each one is read from (default: its own name), so
-        that one file tensor can fill several (a tied output head on another device).  With
+        that one file tensor can fill several (a tied output head on another device); or gives
+        ``(name, start, nbytes)``, that many bytes from ``start`` into its data (the rows a
+        device holds of a tensor split).  With
         ``mmap``, tensors in host memory stay in the file's map (nothing copied); without,
         every buffer holds its tensors one after another in the order given, read from the
         file (not through the map, whose pages would count in this process's memory too).
@@ -123,27 +125,38 @@ class GGUFFile:
 
         tensors = list(tensors)
         pick = buft_of if callable(buft_of) else (lambda t: buft_of)
-        source = source_of or (lambda t: t.name)
+        named = source_of or (lambda t: t.name)
+
+        def span(t: Tensor) -> tuple[TensorInfo, int, int]:
+            src = named(t)
+            if isinstance(src, str):
+                info = self.tensors[src]
+                return info, 0, info.nbytes
+            name, start, nbytes = src
+            info = self.tensors[name]
+            if start < 0 or start + nbytes > info.nbytes:
+                raise GGUFError(self.path, f"bytes {start}..{start + nbytes} of tensor {name!r} are outside its data")
+            return info, start, nbytes
         groups: dict[int, tuple[BufferType, list[Tensor]]] = {}
         mapped: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for t in tensors:
             buft = pick(t)
             # host memory with mmap: the weights stay in the file's map and nothing is copied
-            info = self.tensors[source(t)]
-            same = info.type == t.type and info.nbytes == t.nbytes() and t.is_contiguous()
+            info, _, nbytes = span(t)
+            same = info.type == t.type and nbytes == t.nbytes() and t.is_contiguous()
             into = mapped if mmap and same and hasattr(buft, "buffer_from_array") else groups
             into.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
-        buffers += [self._map_into(ts, buft, source) for buft, ts in mapped.values()]
+        buffers += [self._map_into(ts, buft, span) for buft, ts in mapped.values()]
         tensors = [t for _, ts in groups.values() for t in ts]
-        total = sum(self.tensors[source(t)].nbytes for t in tensors)
+        total = sum(span(t)[2] for t in tensors)
         show = progress if progress is not None else total > 32 << 20 and sys.stderr.isatty()
         identity: bytes | None = None
         summaries: dict[str, Callable[[], str]] = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar, open(self.path, "rb") as file:
             for t in tensors:
-                info = self.tensors[source(t)]
+                info, start, nbytes = span(t)
                 buf = t.buffer
                 if hasattr(buf, "load_summary"):
                     summaries.setdefault(buf.get_type().get_name(), buf.load_summary)
@@ -153,36 +166,38 @@ class GGUFFile:
                         from .file_identity import file_identity
                         identity = file_identity(self.path)
                     if (buf.holds_file(identity, self.path.name)
-                            and buf.set_tensor_from_file(t, identity, info.offset, info.nbytes)):
-                        bar.update(info.nbytes)
+                            and buf.set_tensor_from_file(t, identity, info.offset + start, nbytes)):
+                        bar.update(nbytes)
                         continue
                 if mmap:
-                    buf.set_tensor(t, info.data)
+                    buf.set_tensor(t, info.data[start:start + nbytes])
                 elif hasattr(buf, "tensor_bytes"):  # host memory: read straight into place
-                    self._read_into(file, info, buf.tensor_bytes(t))
+                    self._read_into(file, info, buf.tensor_bytes(t), start)
                 else:
-                    buf.set_tensor(t, self._read_into(file, info, np.empty(info.nbytes, dtype=np.uint8)))
-                bar.update(info.nbytes)
+                    buf.set_tensor(t, self._read_into(file, info, np.empty(nbytes, dtype=np.uint8), start))
+                bar.update(nbytes)
                 if summaries:
                     bar.set_postfix_str("; ".join(f"{n}: {f()}" for n, f in summaries.items()), refresh=False)
         for name, summary in summaries.items():
             log.info("%s: weights %s", name, summary())
         return buffers
 
-    def _read_into(self, file, info: TensorInfo, out: np.ndarray) -> np.ndarray:
-        """A tensor's bytes read from the open file into ``out`` (uint8, info.nbytes)."""
-        file.seek(info.offset)
-        if file.readinto(memoryview(out)) != info.nbytes:
+    def _read_into(self, file, info: TensorInfo, out: np.ndarray, start: int = 0) -> np.ndarray:
+        """``out.nbytes`` of a tensor's bytes from ``start`` on, read from the open file into ``out``."""
+        file.seek(info.offset + start)
+        if file.readinto(memoryview(out)) != out.nbytes:
             raise GGUFError(self.path, f"tensor {info.name!r}: the file ended while reading it")
         return out
 
-    def _map_into(self, tensors: list[Tensor], buft: BufferType, source: Callable[[Tensor], str]) -> Buffer:
+    def _map_into(self, tensors: list[Tensor], buft: BufferType,
+                  span: Callable[[Tensor], tuple[TensorInfo, int, int]]) -> Buffer:
         """ggml's mmap loading: one host buffer over the whole file, each tensor at its own
         offset, so the page cache holds the weights once and loading copies nothing."""
         buffer = buft.buffer_from_array(self.map)
         buffer.set_usage(BufferUsage.WEIGHTS)
         for t in tensors:
-            t.buffer, t.offset = buffer, self.tensors[source(t)].offset
+            info, start, _ = span(t)
+            t.buffer, t.offset = buffer, info.offset + start
         return buffer
 
     def close(self) -> None:

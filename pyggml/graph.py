@@ -18,6 +18,9 @@ class Graph:
         # read, so a backend knows which intermediates nobody else needs (None: not known, as for
         # a graph that arrived over RPC; a backend must then compute every node as it is)
         self.read_across: frozenset[int] | None = None
+        # the scheduler backend of each node (by id) where the graph's maker decided it (a tensor
+        # split: every device computes its own copy of the same ops); the others are assigned
+        self.pinned: dict[int, int] = {}
 
     def build_forward_expand(self, tensor: Tensor) -> Graph:
         """Add ``tensor`` and everything it depends on (depth first, sources before users)."""

@@ -117,7 +117,7 @@ class Scheduler:
                 self.assigned[id(leaf)] = self.user_assigned.get(id(leaf), cpu)
         prev = None
         for node in graph.nodes:
-            b = self.user_assigned.get(id(node))
+            b = graph.pinned.get(id(node), self.user_assigned.get(id(node)))
             if b is None and node.view_src is not None:
                 b = self._backend_of(node.view_src)  # views (and writes into a cache) stay with their bytes
             if b is None:

@@ -263,6 +263,7 @@ class RPCBackend(Backend):
     def __init__(self, device: RPCDevice) -> None:
         self.device = device
         self._slots: OrderedDict[int, tuple[Graph, tuple, int]] = OrderedDict()  # id(graph) -> (graph, placement, slot)
+        self._slot_tensors: dict[int, int] = {}  # slot -> tensors of the graph the server keeps there
         self._errors_seen = device.conn.errors
         self.recomputes = 0
 
@@ -278,6 +279,7 @@ class RPCBackend(Backend):
         conn = self.device.conn
         if conn.errors != self._errors_seen:  # after a failure the server's slots may not be what we think
             self._slots.clear()
+            self._slot_tensors.clear()
             self._errors_seen = conn.errors
         # sources are rewired and tensors placed only when the scheduler splits a graph, which
         # makes new Graph objects; a cheap check of the placement catches direct reuse too
@@ -296,7 +298,16 @@ class RPCBackend(Backend):
         else:
             slot = self._slots.popitem(last=False)[1][2]
         self._slots.pop(id(graph), None)
-        conn.send(Command.GRAPH_COMPUTE, serialize_graph(graph, self.device.index, slot))
+        payload = serialize_graph(graph, self.device.index, slot)
+        n_tensors = P.GRAPH.unpack_from(payload)[3]
+        # what the server's slots hold with this graph in its slot (as the server counts it)
+        if sum(self._slot_tensors.values()) - self._slot_tensors.get(slot, 0) + n_tensors > P.HELD_GRAPH_TENSORS:
+            payload = serialize_graph(graph, self.device.index, 0)  # run once, not kept
+            conn.send(Command.GRAPH_COMPUTE, payload)
+            conn.flush()
+            return
+        conn.send(Command.GRAPH_COMPUTE, payload)
+        self._slot_tensors[slot] = n_tensors
         self._slots[id(graph)] = (graph, signature, slot)
         conn.flush()  # (see below)
 

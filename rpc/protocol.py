@@ -100,7 +100,9 @@ NAME_BYTES = 64
 # view_src id, view_offs, offset of its data in the buffer, name
 TENSOR = struct.Struct(f"<QIIQ4q4q{MAX_OP_PARAMS}ii{MAX_SRC}QQQQ{NAME_BYTES}s")
 
-GRAPH_SLOTS = 16                     # graphs a session may keep on the server for GRAPH_RECOMPUTE
+GRAPH_SLOTS = 1024                   # graphs a session may keep on the server for GRAPH_RECOMPUTE (a tensor
+                                     # split runs a few per layer and step) ...
+HELD_GRAPH_TENSORS = 1 << 22         # ... holding at most this many tensors together (the memory they take)
 DEFAULT_MAX_MESSAGE = 512 << 20      # the server refuses bigger requests; the client chunks below it
 MAX_FRAMES = 2                       # frames of a request: the header, and at most one of data
 DEFAULT_CACHE_MAX = 20 << 30         # the tensor cache's size, least recently used entries evicted

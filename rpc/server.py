@@ -96,8 +96,8 @@ class ServedDevice:
 class Session:
     peer: Peer
     buffers: dict[int, tuple[int, Buffer]] = field(default_factory=dict)   # handle -> (device, buffer)
-    # slot -> (device, the backend's plan of the graph, the buffer handles it uses)
-    graphs: dict[int, tuple[int, object, set[int]]] = field(default_factory=dict)
+    # slot -> (device, the backend's plan of the graph, the buffer handles it uses, its tensor count)
+    graphs: dict[int, tuple[int, object, set[int], int]] = field(default_factory=dict)
     deferred_error: str | None = None
     cached: int = 0  # bytes this session has written into the tensor cache
     # servers passing tensors to each other (rpc/peers.py)
@@ -451,7 +451,7 @@ class RPCServer:
         s.owned_bytes -= buf.get_size()
         self.devices[dev].used -= buf.get_size()
         buf.free()
-        for slot in [k for k, (_, _, handles) in s.graphs.items() if handle in handles]:
+        for slot in [k for k, (_, _, handles, _) in s.graphs.items() if handle in handles]:
             del s.graphs[slot]
 
     @staticmethod
@@ -632,10 +632,15 @@ class RPCServer:
                                 f"{P.GRAPH_SLOTS} graphs")
         check_cost(graph, s.owned(), sd.memory()[0])
         s.graphs.pop(slot, None)
+        n_tensors = P.GRAPH.unpack_from(payload)[3]
+        held = sum(entry[3] for entry in s.graphs.values())
+        if slot and held + n_tensors > P.HELD_GRAPH_TENSORS:
+            raise ProtocolError(f"keeping this graph of {n_tensors} tensors would make the session's kept graphs "
+                                f"hold more than {P.HELD_GRAPH_TENSORS} (send it in slot 0 to run it once)")
         plan = sd.backend.graph_plan_create(graph)
         self._compute(sd, plan)
         if slot:
-            s.graphs[slot] = (dev, plan, handles)
+            s.graphs[slot] = (dev, plan, handles, n_tensors)
         return b"", []
 
     def _graph_recompute(self, s: Session, payload: memoryview, data: list) -> Reply:

@@ -1,0 +1,193 @@
+"""Scale-out benchmark: does a second server make generation faster?
+
+Starts its own ``pyggml-rpc-server`` processes on 127.0.0.1, each pinned to one core with one
+thread (``taskset -c N pyggml-rpc-server -t 1``), and prints for one model:
+
+- one server holding every layer;
+- two servers, split mode ``layer`` (each holds half of the layers; they take turns);
+- two servers, split mode ``tensor`` (each holds half of every layer; they compute each step
+  together, passing activations to each other directly);
+
+with single-stream decode and prompt tokens/s, each layout's ratio to one server, the bytes
+each server receives from the other per generated token (tensor split), and whether the
+logits are bit-identical to one server's.
+
+    python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128]
+
+``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
+SmolLM2's vocabulary and tokenizer), written once into ``~/.cache/pyggml/bench``.  The servers
+and the client share the machine: the client needs a core of its own for the figures to mean
+what they say (on 2 cores it competes with the servers).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+import pyggml as pg
+from pyggml import hub
+from tests.rpc_helpers import ServerProcess
+
+DENSE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyggml" / "bench" / "dense-llama-1b-q4_0.gguf"
+DENSE_SHAPE = dict(n_embd=2048, n_layer=16, n_ff=8192, n_head=32, n_head_kv=8)  # Llama 3.2 1B
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 8
+
+
+def dense_1b() -> Path:
+    """The ~1B dense llama (written once: random Q4_0 blocks, SmolLM2's vocabulary)."""
+    if DENSE_FILE.exists():
+        return DENSE_FILE
+    import gguf
+
+    from pyggml.gguf import GGUFFile
+    src = GGUFFile(hub.resolve("smollm2"))
+    s = DENSE_SHAPE
+    n_vocab = src.tensors["token_embd.weight"].ne[1]
+    rng = np.random.default_rng(1)
+    print(f"writing {DENSE_FILE} (random weights, once) ...", flush=True)
+    DENSE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    partial = DENSE_FILE.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(partial), "llama")
+    w.add_name("random-dense-llama-1b")
+    w.add_context_length(4096)
+    w.add_embedding_length(s["n_embd"])
+    w.add_block_count(s["n_layer"])
+    w.add_feed_forward_length(s["n_ff"])
+    w.add_head_count(s["n_head"])
+    w.add_head_count_kv(s["n_head_kv"])
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    copy_tokenizer(w, hub.resolve("smollm2"))  # so that text goes in and out
+
+    def q4_0(name: str, rows: int, cols: int) -> None:
+        blocks = np.zeros((rows, cols // 32, 18), dtype=np.uint8)
+        blocks[..., :2] = np.frombuffer(np.full(rows * cols // 32, 0.01, dtype=np.float16).tobytes(),
+                                        dtype=np.uint8).reshape(rows, cols // 32, 2)
+        blocks[..., 2:] = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+        w.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
+    d, ff, kv = s["n_embd"], s["n_ff"], s["n_head_kv"] * (s["n_embd"] // s["n_head"])
+    q4_0("token_embd.weight", n_vocab, d)
+    for il in range(s["n_layer"]):
+        w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(d, dtype=np.float32))
+        q4_0(f"blk.{il}.attn_q.weight", d, d)
+        q4_0(f"blk.{il}.attn_k.weight", kv, d)
+        q4_0(f"blk.{il}.attn_v.weight", kv, d)
+        q4_0(f"blk.{il}.attn_output.weight", d, d)
+        w.add_tensor(f"blk.{il}.ffn_norm.weight", np.ones(d, dtype=np.float32))
+        q4_0(f"blk.{il}.ffn_gate.weight", ff, d)
+        q4_0(f"blk.{il}.ffn_up.weight", ff, d)
+        q4_0(f"blk.{il}.ffn_down.weight", d, ff)
+    w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    partial.rename(DENSE_FILE)
+    return DENSE_FILE
+
+
+def copy_tokenizer(w, path: Path) -> None:
+    """The ``tokenizer.*`` metadata of the GGUF at ``path``, with its types, into writer ``w``."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = gguf.GGUFValueType(field.types[0])
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = gguf.GGUFValueType(field.types[1])
+            values = [bytes(field.parts[i]).decode("utf-8") if sub == gguf.GGUFValueType.STRING
+                      else field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(key, values, kind, sub)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[field.data[0]]).decode("utf-8"), kind)
+        else:
+            w.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+
+
+def pinned_server(core: int) -> ServerProcess:
+    prefix = ("taskset", "-c", str(core)) if shutil.which("taskset") else ()
+    return ServerProcess("-t", "1", "--poll", "0", prefix=prefix)
+
+
+def measure(model: pg.Model, n_tokens: int, n_prompt: int) -> dict:
+    """Prompt tokens/s (a warm prompt of ``n_prompt`` tokens) and decode tokens/s (greedy,
+    ``n_tokens`` steps after it), and the logits of the prompt's last token."""
+    ids = model.tokenize(PROMPT)[:n_prompt]
+    ctx = model.context
+    ctx.clear()
+    ctx.decode(ids[:8])  # graphs built and sent once
+    ctx.decode([ids[8]])
+    ctx.clear()
+    t0 = time.perf_counter()
+    logits = ctx.decode(ids)
+    prompt_s = time.perf_counter() - t0
+    token = int(np.argmax(logits[-1]))
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        token = int(np.argmax(ctx.decode([token])[-1]))
+    decode_s = time.perf_counter() - t0
+    return {"prompt_tps": len(ids) / prompt_s, "decode_tps": n_tokens / decode_s, "logits": logits[-1]}
+
+
+def exchanged_per_token(model: pg.Model) -> list[int]:
+    """Bytes each server of a tensor split receives from the others per decoded token: four
+    gathers per layer of float32 rows (the other devices' heads, projection rows, hidden rows
+    and feed-forward rows), and the lead's embedding row for the others."""
+    hp, shards = model.model.hp, model.model.shards
+    out = []
+    for i, s in enumerate(shards):
+        heads = hp.n_head - (s.q_heads[1] - s.q_heads[0])
+        rows = heads * hp.n_embd_head_v + 2 * (hp.n_embd - (s.embd_rows[1] - s.embd_rows[0])) + \
+            hp.n_ff - (s.ff_rows[1] - s.ff_rows[0])
+        out.append(4 * (rows * hp.n_layer + (hp.n_embd if i else 0)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, dense-1b, or a GGUF path")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args()
+    path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
+    servers = [pinned_server(0), pinned_server(1)]
+    rows = {}
+    try:
+        layouts = [("one server", [servers[0]], "layer"), ("two servers, layer split", servers, "layer"),
+                   ("two servers, tensor split", servers, "tensor")]
+        for label, used, mode in layouts:
+            with pg.Model(path, n_ctx=512, rpc=[s.endpoint for s in used], ngl="all" if len(used) == 1 else "auto",
+                          split_mode=mode, progress=False) as m:
+                rows[label] = measure(m, args.tokens, args.prompt)
+                if mode == "tensor":
+                    rows[label]["exchanged"] = exchanged_per_token(m)
+            print(f"  {label}: done", file=sys.stderr, flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    base = rows["one server"]
+    print(f"\n{path.name}: servers pinned to one core each, one thread; {args.prompt}-token prompt, "
+          f"{args.tokens} decoded tokens")
+    print(f"{'layout':<28} {'decode tok/s':>12} {'x one':>7} {'prompt tok/s':>13} {'x one':>7}  logits")
+    for label, r in rows.items():
+        same = "bit-identical" if np.array_equal(r["logits"], base["logits"]) else "DIFFER"
+        print(f"{label:<28} {r['decode_tps']:>12.2f} {r['decode_tps'] / base['decode_tps']:>7.2f} "
+              f"{r['prompt_tps']:>13.1f} {r['prompt_tps'] / base['prompt_tps']:>7.2f}  {same}")
+    ex = rows["two servers, tensor split"]["exchanged"]
+    print("tensor split, bytes each server receives from the other per decoded token: "
+          + ", ".join(f"{b / 1024:.0f} KiB" for b in ex))
+
+
+if __name__ == "__main__":
+    main()

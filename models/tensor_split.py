@@ -1,0 +1,295 @@
+"""Tensor parallelism (``split_mode="tensor"``): every layer's work divided among the devices.
+
+Attention is divided by query heads (each device holds the rows of Q, K and V for its heads,
+the keys and values of those heads in its own cache, and a share of the output projection's
+rows); the feed-forward by its hidden rows (gate and up) and the down projection by its output
+rows.  Where a head group has fewer KV heads than devices, the devices that share a KV head
+each hold it (its rows of K and V, and its cache), so that every query head finds its keys.
+
+Why gathers and not all-reduce: Megatron's split sums partial products on every device, which
+changes the order of the additions, and so the bits.  Here every product is split by its
+*output* rows, so each output element is computed by the same kernel over the same K as on one
+device; the slices are then gathered (concatenated) on every device, in device order.  Four
+gathers per layer: the attention's heads before the output projection, the projection's rows,
+the feed-forward's hidden rows before the down projection, and its rows.  The norms and the
+residual stream are computed on every device (replicated), the embedding and the output head
+on the first device (the lead).
+
+How the graph is built (SPMD, as Megatron and exo do it): the architecture's ``build`` runs
+once per device on a :class:`ShardBuilder` - the same code as on one device, with that device's
+weights, cache and head counts.  Where the blocks gather (``GraphBuilder.gathered``), a builder
+takes its own slice and a placeholder for each other device's; once every device's graph is
+built, the placeholders are pointed at the other devices' slices, and the nodes are ordered by
+the exchanges before them, then by device, so that the scheduler cuts one split per device
+between two exchanges and copies each slice straight to the devices that read it
+(rpc/peers.py between servers).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pyggml import Graph, Tensor, ops
+from pyggml.opdefs import VIEW_OPS
+
+from .blocks import GraphBuilder, GraphInputs
+from .hparams import HParams
+
+
+class SplitError(ValueError):
+    pass
+
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One device's share of every layer."""
+    device: int          # the model's device id
+    q_heads: Range       # query heads [first, end)
+    kv_heads: Range      # the KV heads those query heads read
+    ff_rows: Range       # hidden rows of the feed-forward (gate, up)
+    embd_rows: Range     # output rows of the attention's and the feed-forward's projections
+
+    def describe(self) -> str:
+        def r(x: Range) -> str:
+            return f"{x[0]}-{x[1] - 1}" if x[1] - x[0] > 1 else f"{x[0]}"
+        return f"heads {r(self.q_heads)} (kv {r(self.kv_heads)}), ffn rows {r(self.ff_rows)}, " \
+               f"embd rows {r(self.embd_rows)}"
+
+
+class FileSlice(NamedTuple):
+    """Rows of a file tensor: ``nbytes`` bytes from ``start`` into its data."""
+    name: str
+    start: int
+    nbytes: int
+
+
+def cuts(n: int, weights: list[float]) -> list[Range]:
+    """[first, end) of ``n`` units shared in proportion to ``weights``, every share at least one
+    unit (largest remainders), in order."""
+    k = len(weights)
+    if n < k:
+        raise SplitError(f"{n} units cannot be shared among {k} devices")
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    counts = [max(1, int(x)) for x in exact]
+    while sum(counts) > n:  # the floors of one unit each took too many: from the largest share
+        counts[max((i for i in range(k) if counts[i] > 1), key=lambda i: counts[i] - exact[i])] -= 1
+    while sum(counts) < n:
+        counts[max(range(k), key=lambda i: exact[i] - counts[i])] += 1
+    out, at = [], 0
+    for c in counts:
+        out.append((at, at + c))
+        at += c
+    return out
+
+
+def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> list[Shard]:
+    """Each device's heads and rows, in proportion to ``weights``.  Query heads are split on
+    whole groups of a KV head when there are at least as many KV heads as devices; else the
+    devices are shared out among the KV heads and each group's query heads among its devices
+    (which then all hold that KV head)."""
+    n = len(devices)
+    if hp.n_expert:
+        raise SplitError("split mode 'tensor' does not divide mixture-of-experts layers yet; use --split-mode layer")
+    g = hp.n_head // hp.n_head_kv
+    if hp.n_head_kv >= n:
+        q = [(a * g, b * g) for a, b in cuts(hp.n_head_kv, weights)]
+    else:
+        if g * hp.n_head_kv != hp.n_head:
+            raise SplitError(f"{hp.n_head} query heads over {hp.n_head_kv} KV heads do not form groups")
+        q = []
+        for kv, (a, b) in enumerate(cuts(n, [1.0] * hp.n_head_kv)):
+            if b - a > g:
+                raise SplitError(f"{n} devices cannot share {hp.n_head} query heads in {hp.n_head_kv} groups of {g}")
+            q += [(kv * g + x, kv * g + y) for x, y in cuts(g, weights[a:b])]
+    ff, embd = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights)
+    return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i]) for i, dev in enumerate(devices)]
+
+
+# the rows of each split weight (and of its bias): which of a shard's ranges, in units of what
+SPLIT_ROWS = {"attn_q": ("q_heads", "k"), "attn_k": ("kv_heads", "k"), "attn_v": ("kv_heads", "v"),
+              "attn_output": ("embd_rows", None), "ffn_gate": ("ff_rows", None), "ffn_up": ("ff_rows", None),
+              "ffn_down": ("embd_rows", None)}
+
+
+def shard_rows(name: str, shard: Shard, hp: HParams) -> Range | None:
+    """The rows of weight ``name`` (elements, for a bias) that ``shard`` holds; None: all of it
+    (a norm, replicated), or none for the embedding and the head (the lead's alone)."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "blk" or parts[2] not in SPLIT_ROWS:
+        return None
+    which, per_head = SPLIT_ROWS[parts[2]]
+    a, b = getattr(shard, which)
+    unit = {"k": hp.n_embd_head_k, "v": hp.n_embd_head_v, None: 1}[per_head]
+    return a * unit, b * unit
+
+
+def shard_tensor(t: Tensor, rows: Range) -> tuple[Tensor, int, int]:
+    """A tensor of ``t``'s rows [a, b) (elements, for a vector), and where they lie in its bytes."""
+    a, b = rows
+    if t.ne[1] == 1 and t.ne[2] == 1 and t.ne[3] == 1 and t.name.endswith(".bias"):
+        size = t.type.row_size(1)
+        return Tensor(t.type, (b - a,), name=t.name), a * size, (b - a) * size
+    row = t.nb[1]
+    return Tensor(t.type, (t.ne[0], b - a), name=t.name), a * row, (b - a) * row
+
+
+def local_hparams(hp: HParams, shard: Shard) -> HParams:
+    """The head counts one device's graph sees."""
+    return dataclasses.replace(hp, n_head=shard.q_heads[1] - shard.q_heads[0],
+                               n_head_kv=shard.kv_heads[1] - shard.kv_heads[0])
+
+
+# -- the graph ---------------------------------------------------------------------------------------
+
+@dataclass
+class Exchange:
+    """The slices the builders gather: what each one made, and the placeholders the others took."""
+    shards: list[Shard]
+    made: list[dict[str, Tensor]] = field(default_factory=list)
+    wanted: list[tuple[Tensor, int, str]] = field(default_factory=list)  # (placeholder, shard, key)
+
+    def __post_init__(self) -> None:
+        self.made = [{} for _ in self.shards]
+
+    def rows(self, key: str, j: int, hp: HParams) -> int:
+        s = self.shards[j]
+        kind = key.rsplit("-", 1)[0]
+        if kind == "kqv_out":
+            return (s.q_heads[1] - s.q_heads[0]) * hp.n_embd_head_v
+        if kind == "ffn_act":
+            return s.ff_rows[1] - s.ff_rows[0]
+        if kind in ("attn_out", "ffn_out"):
+            return s.embd_rows[1] - s.embd_rows[0]
+        raise KeyError(key)
+
+    def placeholder(self, like: Tensor, j: int, key: str, rows: int) -> Tensor:
+        t = Tensor(like.type, (rows, *like.ne[1:]), name=f"{key}@{j}")
+        self.wanted.append((t, j, key))
+        return t
+
+
+class ShardBuilder(GraphBuilder):
+    """One device's graph of a tensor split (see the module's text)."""
+
+    def __init__(self, *args, exchange: Exchange, index: int, global_hp: HParams, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.exchange, self.index, self.global_hp = exchange, index, global_hp
+
+    @property
+    def lead(self) -> bool:
+        return self.index == 0
+
+    def gathered(self, t: Tensor, name: str, il: int | None = None) -> Tensor:
+        key = f"{name}-{il}"
+        ex = self.exchange
+        ex.made[self.index][key] = t
+        out = None
+        for j in range(len(ex.shards)):
+            part = t if j == self.index else ex.placeholder(t, j, key, ex.rows(key, j, self.global_hp))
+            out = part if out is None else ops.concat(out, part, 0)
+        return self.cb(out, f"{name}_all", il)
+
+    def build_inp_embd(self, scale: float = 1.0) -> Tensor:
+        if self.lead:
+            t = super().build_inp_embd(scale)
+            self.exchange.made[0]["inp_embd"] = t
+            return t
+        t = Tensor(self.exchange.made[0]["inp_embd"].type, (self.hp.n_embd, self.n_tokens), name="inp_embd@0")
+        self.exchange.wanted.append((t, 0, "inp_embd"))
+        return t
+
+    def build_output(self, cur: Tensor) -> Tensor | None:
+        return super().build_output(cur) if self.lead else None
+
+
+def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Tensor]:
+    """One order of every device's nodes.  A node depends on its sources and, where it reads
+    memory that a node before it on its device wrote in place (the attention reads the cache
+    the SET_ROWS before it wrote), on that writer.  Its stage is the number of exchanges on the
+    longest path to it (a dependency on another device adds one); nodes are sorted by stage,
+    then device, then their own order - every slice before its readers, each writer before its
+    readers, and one split per device and stage for the scheduler."""
+    deps: dict[int, list[Tensor]] = {}
+    for nodes in orders:
+        wrote: dict[int, Tensor] = {}  # memory root -> the last node that wrote into it
+        for t in nodes:
+            mine = [s for s in t.src if s is not None and id(s) in owner]
+            for s in t.src:
+                if s is not None and id(s.data_root()) in wrote and wrote[id(s.data_root())] is not t:
+                    mine.append(wrote[id(s.data_root())])
+            deps[id(t)] = mine
+            if t.view_src is not None and t.op not in VIEW_OPS:
+                wrote[id(t.data_root())] = t
+    stage: dict[int, int] = {}
+    for nodes in orders:
+        for root in nodes:
+            stack = [root]
+            while stack:
+                t = stack[-1]
+                if id(t) in stage:
+                    stack.pop()
+                    continue
+                waiting = [d for d in deps[id(t)] if id(d) not in stage]
+                if waiting:
+                    stack.extend(waiting)
+                    continue
+                stage[id(t)] = max([stage[id(d)] + (owner[id(d)] != owner[id(t)]) for d in deps[id(t)]], default=0)
+                stack.pop()
+    index = {id(t): k for nodes in orders for k, t in enumerate(nodes)}
+    merged = [t for nodes in orders for t in nodes]
+    merged.sort(key=lambda t: (stage[id(t)], owner[id(t)], index[id(t)]))
+    return merged
+
+
+def build_split_graph(arch, hp: HParams, shards: list[Shard], weights: list[dict[str, Tensor]], kv: list,
+                      backend_of: list[int], **shape) -> GraphBuilder:
+    """The one graph of a step over every shard: the lead's builder (its inputs are the graph's,
+    its outputs the step's), with ``graph`` holding every device's nodes, ordered by exchange
+    and device, and ``graph.pinned`` naming each node's scheduler backend (``backend_of[i]``
+    for shard i)."""
+    ex = Exchange(shards)
+    builders = []
+    shared: GraphInputs | None = None
+    for i, shard in enumerate(shards):
+        b = ShardBuilder(local_hparams(hp, shard), weights[i], kv[i], exchange=ex, index=i, global_hp=hp, **shape)
+        if shared is None:
+            shared = b.inputs
+        # each device reads the step's inputs from a copy of its own, made once per step (a read
+        # of the host's input would be copied anew into every split that makes it)
+        b.inputs = GraphInputs(**{f.name: ops.cont(getattr(shared, f.name)) if getattr(shared, f.name) is not None
+                                  else None for f in dataclasses.fields(GraphInputs)})
+        arch.build(b)
+        builders.append(b)
+    # each device's nodes in its own builder's order (which puts the cache writes before the
+    # attention that reads the cache: an order no source names), taken before the placeholders
+    # are pointed at the other devices' slices
+    own = [Graph() for _ in builders]
+    for i, b in enumerate(builders):
+        for t in list(b.graph.nodes) + list(ex.made[i].values()):
+            own[i].build_forward_expand(t)
+    owner = {id(t): i for i, g in enumerate(own) for t in g.nodes}
+    actual = {id(p): ex.made[j][key] for p, j, key in ex.wanted}
+    for g in own:
+        for t in g.nodes:
+            for k, s in enumerate(t.src):
+                if s is not None and id(s) in actual:
+                    real = actual[id(s)]
+                    if real.ne != s.ne:
+                        raise AssertionError(f"{s.name}: the slice made is {real.ne}, the one expected {s.ne}")
+                    t.src[k] = real
+    merged = Graph()
+    merged.nodes = merge_by_stage([g.nodes for g in own], owner)
+    result = builders[0].graph.nodes[-1]  # last, as graph.output() expects (nothing reads it)
+    merged.nodes.remove(result)
+    merged.nodes.append(result)
+    merged.leafs = list({id(x): x for g in own for x in g.leafs if id(x) not in actual}.values())
+    merged.pinned = {id(t): backend_of[owner[id(t)]] for t in merged.nodes}
+    lead = builders[0]
+    lead.graph = merged
+    lead.inputs = shared
+    return lead

@@ -1,0 +1,157 @@
+"""Split mode "tensor" (models/tensor_split.py): every layer's heads and rows divided among RPC
+servers that compute each step together - the same logits, bit for bit, as one device, over
+two and three servers, uneven shares, a KV head shared by devices, biases and q/k norms, from
+the servers' own copies of the file; the plan's arithmetic; and clear refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import hub
+from pyggml.models import PlacementError
+from pyggml.models.hparams import HParams
+from pyggml.models.tensor_split import Shard, SplitError, cuts, plan_tensor_split, shard_rows
+
+from .conftest import shared_model
+from .synthetic import Shape, random_weights, reference_logits, write_model
+from .test_rpc_models import prompt_ids
+
+
+def hparams(n_head: int, n_head_kv: int, n_embd: int = 576, n_ff: int = 1536, n_expert: int = 0) -> HParams:
+    return HParams(arch="llama", n_vocab=100, n_ctx_train=2048, n_embd=n_embd, n_layer=2, n_head=n_head,
+                   n_head_kv=n_head_kv, n_embd_head_k=64, n_embd_head_v=64, n_ff=n_ff, norm_eps=1e-5, rope_dims=64,
+                   rope_freq_base=1e4, rope_freq_scale=1.0, rope_freq_base_swa=1e4, n_expert=n_expert)
+
+
+def test_cuts_share_in_proportion_and_give_everyone_one():
+    assert cuts(9, [1, 1]) == [(0, 5), (5, 9)]
+    assert cuts(3, [3, 1]) == [(0, 2), (2, 3)]
+    assert cuts(4, [100, 1, 1]) == [(0, 2), (2, 3), (3, 4)]  # at least one each, however small the share
+    assert cuts(1536, [3, 1]) == [(0, 1152), (1152, 1536)]
+    with pytest.raises(SplitError, match="2 units cannot be shared among 3"):
+        cuts(2, [1, 1, 1])
+
+
+def test_heads_split_on_whole_groups_or_share_a_kv_head():
+    # SmolLM2: 9 query heads in 3 groups - whole groups, the KV heads with them
+    two = plan_tensor_split(hparams(9, 3), [0, 1], [1, 1])
+    assert [(s.q_heads, s.kv_heads) for s in two] == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
+    three = plan_tensor_split(hparams(9, 3), [0, 1, 2], [1, 1, 1])
+    assert [(s.q_heads, s.kv_heads) for s in three] == [((0, 3), (0, 1)), ((3, 6), (1, 2)), ((6, 9), (2, 3))]
+    # Gemma 3 270M: 4 query heads and one KV head - every device holds it
+    gemma = plan_tensor_split(hparams(4, 1, 640, 2048), [0, 1, 2], [1, 1, 1])
+    assert [(s.q_heads, s.kv_heads) for s in gemma] == [((0, 2), (0, 1)), ((2, 3), (0, 1)), ((3, 4), (0, 1))]
+    assert [s.ff_rows for s in gemma] == [(0, 683), (683, 1366), (1366, 2048)]
+    with pytest.raises(SplitError, match="cannot share 4 query heads"):
+        plan_tensor_split(hparams(4, 1, 640, 2048), list(range(5)), [1.0] * 5)
+    with pytest.raises(SplitError, match="mixture-of-experts"):
+        plan_tensor_split(hparams(4, 1, n_expert=8), [0, 1], [1, 1])
+
+
+def test_each_weight_has_its_rows():
+    hp = hparams(9, 3)
+    s = Shard(1, (6, 9), (2, 3), (768, 1536), (288, 576))
+    assert shard_rows("blk.3.attn_q.weight", s, hp) == (384, 576)
+    assert shard_rows("blk.3.attn_k.weight", s, hp) == (128, 192)
+    assert shard_rows("blk.3.attn_v.bias", s, hp) == (128, 192)
+    assert shard_rows("blk.3.attn_output.weight", s, hp) == (288, 576)
+    assert shard_rows("blk.3.ffn_up.weight", s, hp) == (768, 1536)
+    assert shard_rows("blk.3.ffn_down.weight", s, hp) == (288, 576)
+    assert shard_rows("blk.3.attn_norm.weight", s, hp) is None
+    assert shard_rows("token_embd.weight", s, hp) is None
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_two_servers_give_the_local_logits_and_text(alias, rpc_pair):
+    local = shared_model(alias)
+    ids = prompt_ids(alias)
+    with pg.Model(alias, n_ctx=256, rpc=[s.endpoint for s in rpc_pair], split_mode="tensor",
+                  progress=False) as m:
+        assert m.model.shards is not None and len(m.model.shards) == 2
+        got = m.logits(ids)
+        assert np.array_equal(got, local.logits(ids)), np.abs(got - local.logits(ids)).max()
+        # decoding token by token, top-k sampling's path included
+        assert list(m.generate(ids[:12], max_tokens=12, temperature=0)) == \
+            list(local.generate(ids[:12], max_tokens=12, temperature=0))
+
+
+def test_three_servers_and_uneven_shares(rpc_pair, start_server):
+    local = shared_model("smollm2")
+    ids = prompt_ids("smollm2")
+    want = local.logits(ids)
+    endpoints = [s.endpoint for s in rpc_pair] + [start_server().endpoint]
+    plans = []
+    with pg.Model("smollm2", n_ctx=256, rpc=endpoints, split_mode="tensor", progress=False,
+                  on_plan=plans.append) as m:
+        assert np.array_equal(m.logits(ids), want)
+    assert "heads 0-2 (kv 0)" in plans[0] and "heads 6-8 (kv 2)" in plans[0]
+    with pg.Model("smollm2", n_ctx=256, rpc=endpoints[:2], split_mode="tensor", tensor_split="3,1",
+                  progress=False) as m:
+        assert [s.ff_rows for s in m.model.shards] == [(0, 1152), (1152, 1536)]
+        assert np.array_equal(m.logits(ids), want)
+
+
+def test_a_batch_of_several_sequences_gives_each_its_solo_logits(rpc_pair):
+    """The serving engine's step: sequences side by side in one batch (their products in
+    runs, inp_token_runs), each with the logits it gets alone on one device."""
+    from pyggml.models.context import Batch
+    local = shared_model("smollm2")
+    a, b = local.tokenize("The capital of France is"), local.tokenize("Water boils at")
+    with pg.Model("smollm2", n_ctx=256, rpc=[s.endpoint for s in rpc_pair], split_mode="tensor",
+                  progress=False) as m:
+        ctx = m.context
+        tokens = np.array(a + b, dtype=np.int32)
+        pos = np.array(list(range(len(a))) + list(range(len(b))), dtype=np.int32)
+        seq = np.array([0] * len(a) + [1] * len(b), dtype=np.int32)
+        out = np.zeros(len(tokens), dtype=bool)
+        out[[len(a) - 1, len(tokens) - 1]] = True
+        got = ctx.decode_batch(Batch(tokens, pos, seq, out))
+        ctx.clear_cache()
+    assert np.array_equal(got[0], local.logits(a)[-1]) and np.array_equal(got[1], local.logits(b)[-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_biases_and_qk_norms_split_exactly(arch, tmp_path, rpc_pair):
+    """qwen2's q/k/v biases are cut with their rows; qwen3's per-head q/k norms go to every
+    device.  A synthetic model, so that its 4 query heads over 2 KV heads split on groups."""
+    from pyggml.models import Context, load_model
+    from pyggml.rpc import connect
+    s = Shape()
+    path = write_model(tmp_path / f"{arch}.gguf", arch, s, random_weights(arch, s))
+    tokens = [3, 17, 42, 99, 5, 64]
+    want = Context(load_model(path), n_ctx=64).decode(tokens, all_logits=True)
+    devices = connect([x.endpoint for x in rpc_pair]) + [pg.cpu_device()]
+    split = load_model(path, "all", devices, split_mode="tensor")
+    assert [sh.q_heads for sh in split.shards] == [(0, 2), (2, 4)]
+    try:
+        assert np.array_equal(Context(split, n_ctx=64).decode(tokens, all_logits=True), want)
+    finally:
+        split.free()
+        for d in devices[:-1]:
+            d.conn.close()
+    assert np.allclose(want, reference_logits(arch, s, random_weights(arch, s), tokens), atol=2e-2)
+
+
+def test_each_server_reads_its_rows_from_its_own_file(start_server):
+    """--gguf: a server holding the file reads only its own slices of the split weights."""
+    path = hub.resolve("smollm2")
+    servers = [start_server("--gguf", str(path)) for _ in range(2)]
+    ids = shared_model("smollm2").tokenize("The capital of France is")
+    with pg.Model(path, n_ctx=128, rpc=[s.endpoint for s in servers], split_mode="tensor", progress=False) as m:
+        for dev, mine in zip(m.rpc_devices, m.model.shard_weights):
+            conn = dev.conn
+            assert conn.loaded["wire"] == 0 and conn.loaded["disk"] == sum(t.nbytes() for t in mine.values())
+        # each holds about half of the layers' weights and one holds the embedding too
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+
+
+def test_refusals_are_clear(rpc_pair):
+    with pytest.raises(PlacementError, match="needs devices to divide"):
+        pg.Model("smollm2", n_ctx=64, split_mode="tensor", progress=False)
+    with pytest.raises(PlacementError, match="cannot be combined with -ngl 4"):
+        pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, ngl=4, split_mode="tensor", progress=False)
+    with pytest.raises(PlacementError, match="split mode 'diagonal'"):
+        pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="diagonal", progress=False)
+    with pytest.raises(ValueError, match="failover with split mode 'tensor'"):
+        pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="tensor", failover=True, progress=False)
