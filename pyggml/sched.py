@@ -50,12 +50,15 @@ class Partition:
     splits: list[Split]
     rewired: list[tuple[Tensor, int, Tensor, Tensor]]  # (node, src slot, original source, its copy)
     placement: list[tuple[object, int]] = field(default_factory=list)
+    runs: int = 0  # computes since it was split and placed as it is
+    kept: list[tuple[int, object]] | None = None  # (backend, its kept step) when its backends keep steps
 
     def drop_plans(self) -> None:
         """Forget the split graphs and their plans (made anew when this graph is computed again):
         a plan holds what its backend derived from the tensors' places, a CPU plan the arrays of
         the buffers themselves, which would outlive a buffer freed for a larger one."""
         self.placement = []
+        self.runs, self.kept = 0, None
         for split in self.splits:
             split.graph, split.plan = Graph(), None
 
@@ -209,11 +212,22 @@ class Scheduler:
                 split.graph.read_across = read_across
                 split.plan = self.backends[split.backend_id].graph_plan_create(split.graph)
             part.placement = placement
+            part.runs, part.kept = 0, None
         self._key = (graph, graph.n_nodes)
 
     # -- execution ---------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph) -> None:
         self.alloc_graph(graph)
+        part = self._partitions[id(graph)]
+        if part.kept is not None and all(self.backends[b].step_valid(step) for b, step in part.kept):
+            self._run_kept(part)
+            return
+        # the second run of a graph whose backends keep steps is recorded (the first may still
+        # send graphs and make links): later runs are its inputs and one request per backend
+        record = part.runs == 1 and self._keepable()
+        if record:
+            for b in self._kept_backends():
+                self.backends[b].step_begin()
         copied = 0
         for split in self.splits:
             for src, copy in split.copies:
@@ -226,6 +240,47 @@ class Scheduler:
             name = backend.get_name()
             self.busy_seconds[name] = self.busy_seconds.get(name, 0.0) + time.perf_counter() - t0
         self.n_copies = copied
+        part.runs += 1
+        if record:
+            kept = [(b, self.backends[b].step_end()) for b in self._kept_backends()]
+            part.kept = kept if all(step is not None for _, step in kept) else None
+
+    # -- steps kept by the backends (rpc/steps.py) ------------------------------------------------
+    def _kept_backends(self) -> list[int]:
+        return list(dict.fromkeys(split.backend_id for split in self.splits))
+
+    def _keepable(self) -> bool:
+        """Whether this graph's step can be kept: several splits on one backend (a tensor split),
+        every split on a backend that keeps steps, one backend per connection, and everything copied in from elsewhere (the inputs) copied into
+        its backend's first split - so that uploading it before the kept step runs is the same."""
+        used = self._kept_backends()
+        if len(self.splits) == len(used):  # one request per backend already: nothing to gain
+            return False
+        if not all(hasattr(self.backends[b], "step_begin") for b in used):
+            return False
+        if len({id(getattr(self.backends[b].get_device(), "conn", None)) for b in used}) != len(used):
+            return False
+        first = {b: next(i for i, sp in enumerate(self.splits) if sp.backend_id == b) for b in used}
+        for i, split in enumerate(self.splits):
+            for src, _ in split.copies:
+                home = self._backend_of(src)
+                if (home not in used or not hasattr(self.backends[home], "step_begin")) and first[split.backend_id] != i:
+                    return False
+        return True
+
+    def _run_kept(self, part: Partition) -> None:
+        """The inputs uploaded, then each backend's kept step."""
+        copied = 0
+        kept_by = {b for b, _ in part.kept}
+        for split in self.splits:
+            for src, copy in split.copies:
+                if self._backend_of(src) not in kept_by:
+                    tensor_copy(src, copy)
+                    copied += src.nbytes()
+        for b, step in part.kept:
+            self.backends[b].step_run(step)
+        self.n_copies = copied
+        part.runs += 1
 
     @property
     def n_splits(self) -> int:

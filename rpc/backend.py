@@ -25,6 +25,8 @@ from pyggml.opdefs import Op
 from pyggml.tensor import Tensor
 
 from . import protocol as P
+from . import steps
+from .steps import KeptStep
 from .cache import digest
 from .client import Connection
 from .protocol import Codec, Command, RPCError, WireTensor
@@ -264,6 +266,7 @@ class RPCBackend(Backend):
         self.device = device
         self._slots: OrderedDict[int, tuple[Graph, tuple, int]] = OrderedDict()  # id(graph) -> (graph, placement, slot)
         self._slot_tensors: dict[int, int] = {}  # slot -> tensors of the graph the server keeps there
+        self._slot_generation: dict[int, int] = {}  # slot -> how many graphs it has held (steps.KeptStep)
         self._errors_seen = device.conn.errors
         self.recomputes = 0
 
@@ -308,8 +311,41 @@ class RPCBackend(Backend):
             return
         conn.send(Command.GRAPH_COMPUTE, payload)
         self._slot_tensors[slot] = n_tensors
+        self._slot_generation[slot] = self._slot_generation.get(slot, 0) + 1
         self._slots[id(graph)] = (graph, signature, slot)
         conn.flush()  # (see below)
+
+    # -- steps kept on the server (rpc/steps.py) --------------------------------------------------
+    def step_begin(self) -> None:
+        conn = self.device.conn
+        conn.recording, conn.recording_spoiled = [], False
+
+    def step_end(self) -> KeptStep | None:
+        """Stop recording; keep what was recorded on the server, unless a request a step cannot
+        hold went out meanwhile (None then)."""
+        conn = self.device.conn
+        requests, conn.recording = conn.recording, None
+        if conn.recording_spoiled or not requests or len(requests) > P.MAX_STEP_REQUESTS:
+            return None
+        body = steps.encode(requests)
+        if len(body) > P.MAX_STEP_BYTES // 2:
+            return None
+        number = conn.steps_kept % P.MAX_STEPS + 1  # (the oldest is replaced: its KeptStep no longer valid)
+        conn.steps_kept += 1
+        conn.send(Command.STEP_STORE, P.STEP.pack(number), [body])
+        slots = {slot: self._slot_generation.get(slot, 0) for slot in steps.slots_of(requests)}
+        return KeptStep(number, slots, conn.errors, conn.steps_kept)
+
+    def step_valid(self, step: KeptStep) -> bool:
+        conn = self.device.conn
+        return (conn.errors == step.errors and conn.closed_reason is None
+                and conn.steps_kept - step.serial < P.MAX_STEPS
+                and all(self._slot_generation.get(slot, 0) == g for slot, g in step.slots.items()))
+
+    def step_run(self, step: KeptStep) -> None:
+        conn = self.device.conn
+        conn.send(Command.STEP_RUN, P.STEP.pack(step.number))
+        conn.flush()
 
     def synchronize(self) -> None:
         """Nothing to wait for here: every later request to this server is answered only

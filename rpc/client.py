@@ -48,6 +48,9 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+RECORDING_PASSES = frozenset({Command.SET_TENSOR})  # sent while a step records (its inputs), not part of it
+
+
 class Connection:
     """One server: HELLO on connect, then :meth:`request` / :meth:`send`."""
 
@@ -75,6 +78,11 @@ class Connection:
         # closed and collected must not lend its entry to a new one); the last tag used
         self.links_from: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
         self.peer_tag = 0
+        # a step being recorded to keep on the server (rpc/steps.py): its requests, and whether
+        # one that a step cannot hold went out meanwhile
+        self.recording: list[tuple[Command, bytes]] | None = None
+        self.recording_spoiled = False
+        self.steps_kept = 0  # step numbers handed out (rpc/steps.py)
         self.channel: transport.Channel | None = None
         if endpoint.startswith("zmq://"):
             self._connect_zmq(key, connect_timeout)
@@ -136,6 +144,11 @@ class Connection:
         """Queue one message; send the queue unless it is a small one without a reply, or
         ``more`` requests follow it."""
         self._check_open()
+        if self.recording is not None:
+            if flags & P.FLAG_NO_REPLY and cmd in P.STEP_COMMANDS and not frames:
+                self.recording.append((cmd, bytes(payload)))
+            elif cmd not in RECORDING_PASSES:  # (the step's inputs are uploaded anew every time)
+                self.recording_spoiled = True
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         self.sent[cmd] += 1
         message = [P.HEADER.pack(cmd, flags, 0, self.seq) + payload, *frames]

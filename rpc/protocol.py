@@ -51,6 +51,9 @@ class Command(enum.IntEnum):
     COPY_TO_PEER = 22    # client -> A (no reply): send a tensor of this session over a link, tagged
     PEER_SET = 23        # A -> B (no reply): the tagged bytes for a tensor of the session that gave the token
     WAIT_PEER = 24       # client -> B (no reply): hold this session's next requests until that tag arrived
+    # a step's requests kept on the server and run again by one request (see rpc/steps.py)
+    STEP_STORE = 25      # (no reply) keep the frame's requests as step N of this session
+    STEP_RUN = 26        # (no reply) serve step N's requests, in order, as if they had come now
 
 
 class Status(enum.IntEnum):
@@ -100,6 +103,12 @@ NAME_BYTES = 64
 # view_src id, view_offs, offset of its data in the buffer, name
 TENSOR = struct.Struct(f"<QIIQ4q4q{MAX_OP_PARAMS}ii{MAX_SRC}QQQQ{NAME_BYTES}s")
 
+STEP = struct.Struct("<I")                           # step number
+STEP_ENTRY = struct.Struct("<BH")                    # a kept request: command, payload length (then the payload)
+STEP_COMMANDS = frozenset({Command.GRAPH_RECOMPUTE, Command.COPY_TO_PEER, Command.WAIT_PEER})  # what a step may hold
+MAX_STEPS = 64                       # steps a session keeps ...
+MAX_STEP_REQUESTS = 1 << 14          # ... of at most this many requests each ...
+MAX_STEP_BYTES = 8 << 20             # ... and this many bytes together
 GRAPH_SLOTS = 1024                   # graphs a session may keep on the server for GRAPH_RECOMPUTE (a tensor
                                      # split runs a few per layer and step) ...
 HELD_GRAPH_TENSORS = 1 << 22         # ... holding at most this many tensors together (the memory they take)

@@ -43,7 +43,8 @@ from .transport import FREE_BYTES, Disconnected, Listener, Message, Peer, Pool
 from .validate import REBUILD, check_cost, read_graph, read_tensor, tensor_extent, tensor_from_wire
 
 log = logging.getLogger("pyggml.rpc.server")
-MAX_KNOWN_TENSORS = 1024  # wire tensors a session's SET/GET requests keep checked (Session.known)
+STEP_TURN = 64  # requests of a kept step served before the other clients' turn
+MAX_KNOWN_TENSORS = 4096  # wire tensors a session keeps checked (Session.known): a tensor split passes hundreds
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,10 @@ class Session:
     known: dict[bytes, Tensor] = field(default_factory=dict)
     owned_bytes: int = 0  # of the buffers it holds
     seq: int = 0          # of the request being served
+    # steps kept (STEP_STORE): number -> its requests; and the requests of the step being run
+    # that wait behind a WAIT_PEER (served before anything held meanwhile)
+    steps: dict[int, list[tuple[Command, bytes]]] = field(default_factory=dict)
+    step_rest: deque = field(default_factory=deque)
 
     def owned(self) -> int:
         """Bytes of the buffers this session holds."""
@@ -159,6 +164,7 @@ class RPCServer:
         self.max_message = max_message
         self.limits = limits
         self.sessions: dict[int, Session] = {}  # by connection
+        self.stepping: dict[int, Session] = {}  # sessions with a kept step part-served (served in turns)
         self.peer_links = peer_links  # False (--no-peers): never connect to another server
         self.peer_tls = peer_tls      # how to connect to another server (its client side of TLS)
         self.tokens = peers.Tokens()
@@ -201,6 +207,8 @@ class RPCServer:
             Command.COPY_TO_PEER: self._copy_to_peer,
             Command.PEER_SET: self._peer_set,
             Command.WAIT_PEER: self._wait_peer,
+            Command.STEP_STORE: self._step_store,
+            Command.STEP_RUN: self._step_run,
         }
         self.running = False
 
@@ -210,15 +218,18 @@ class RPCServer:
         self.listener.start_heartbeats()
         try:
             while self.running:
-                for event in self.listener.poll(0.5):
+                for event in self.listener.poll(0 if self.stepping else 0.5):
                     if event.peer.outgoing:
                         self._link_event(event)
                     elif isinstance(event, Disconnected):
                         self._disconnected(event)
-                    elif (session := self.sessions.get(event.peer.id)) is not None and session.waiting is not None:
+                    elif (session := self.sessions.get(event.peer.id)) is not None and (
+                            session.waiting is not None or session.step_rest):
                         self._hold(session, event)
                     else:
                         self._serve_event(event)
+                for session in list(self.stepping.values()):
+                    self._release_held(session)
                 self._expire_waits()
                 self.listener.send_held()  # the replies to what this read brought, together
         finally:
@@ -280,18 +291,18 @@ class RPCServer:
         s.arrived[tag] = tensor
         s.arrived_bytes += size
 
-    @staticmethod
-    def _write_arrived(s: Session, tensor: tuple) -> None:
+    def _write_arrived(self, s: Session, tensor: tuple) -> None:
         """Write a tagged tensor into the session's buffer it names (checked now: the buffer may
         have gone since it came)."""
         wire_dst, codec, body = tensor
         if codec == P.Codec.FAILED:
             raise ProtocolError(f"the server sending this tensor failed: {bytes(body).decode('utf-8', 'replace')}")
-        dst, _ = read_tensor(wire_dst, s.lookup)
+        dst = self._checked(s, wire_dst)
         dst.buffer.set_tensor(dst, P.decompress(codec, body, tensor_extent(dst)), 0)
 
     def _release_held(self, s: Session) -> None:
-        while s.held and s.waiting is None and s.peer.id in self.sessions:
+        self._continue_step(s)
+        while s.held and s.waiting is None and not s.step_rest and s.peer.id in self.sessions:
             message = s.held.popleft()
             size = sum(len(f) for f in message.frames)
             s.held_bytes -= size
@@ -340,6 +351,9 @@ class RPCServer:
         for handle in list(s.buffers):
             self._release(s, handle)
         s.graphs.clear()
+        s.steps.clear()
+        s.step_rest.clear()
+        self.stepping.pop(s.peer.id, None)
         if s.waiting is not None and s.waiting.link is not None:
             self._link_failed(s.waiting.link, None, answer=False)
         s.waiting = None
@@ -548,14 +562,20 @@ class RPCServer:
         """A request made of one tensor followed by a fixed struct."""
         if len(payload) != P.TENSOR.size + st.size:
             raise ProtocolError(f"payload of {len(payload)} bytes where {P.TENSOR.size + st.size} were expected")
-        key = bytes(payload[:P.TENSOR.size])
+        return self._checked(s, payload), st.unpack_from(payload, P.TENSOR.size)
+
+    @staticmethod
+    def _checked(s: Session, payload: memoryview | bytes, at: int = 0) -> Tensor:
+        """The wire tensor at ``at``: the same bytes name the same tensor while its buffer lives,
+        so each is checked once (a decoding step sets, reads and passes the same few)."""
+        key = bytes(payload[at:at + P.TENSOR.size])
         t = s.known.get(key)
-        if t is None:  # the same bytes name the same tensor while its buffer lives: checked once
-            t, _ = read_tensor(payload, s.lookup)
+        if t is None:
+            t, _ = read_tensor(payload, s.lookup, at)
             if len(s.known) >= MAX_KNOWN_TENSORS:
                 s.known.clear()
             s.known[key] = t
-        return t, st.unpack_from(payload, P.TENSOR.size)
+        return t
 
     def _init_tensor(self, s: Session, payload: memoryview, data: list) -> Reply:
         if len(payload) != P.TENSOR.size:
@@ -771,7 +791,7 @@ class RPCServer:
             raise ProtocolError(f"no link {number} in this session")
         if link.lost is not None or link.peer.closed:
             raise ProtocolError(f"link {number} to {link.endpoint} is gone ({link.lost or 'closed'})")
-        src, at = read_tensor(payload, s.lookup, P.COPY_TO_PEER.size)
+        src, at = self._checked(s, payload, P.COPY_TO_PEER.size), P.COPY_TO_PEER.size + P.TENSOR.size
         if s.deferred_error is not None:
             # this session failed earlier in the step (a server before it is gone): what it
             # computed since is not to be believed - the receiver hears that, not stale bytes
@@ -818,6 +838,64 @@ class RPCServer:
             raise ProtocolError(f"the server sending tensor {tag} is gone ({s.sender_lost or 'no link'})")
         s.waiting = Wait(time.monotonic() + peers.PEER_WAIT_S, tag=tag)
         return b"", []
+
+    # -- steps kept on the server (rpc/steps.py) ----------------------------------------------------
+    def _step_store(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(no reply) Keep the frame's requests (GRAPH_RECOMPUTE, COPY_TO_PEER, WAIT_PEER, each
+        checked when it runs, as if it had come then) as step N of this session."""
+        (number,) = unpack(P.STEP, payload)
+        self._frames(data, 1)
+        if not 1 <= number <= P.MAX_STEPS:
+            raise ProtocolError(f"step {number} out of range 1..{P.MAX_STEPS}")
+        body = bytes(data[0])
+        others = sum(len(p) for n, step in s.steps.items() if n != number for _, p in step)
+        if others + len(body) > P.MAX_STEP_BYTES:
+            raise ProtocolError(f"the session's steps would hold {others + len(body)} bytes; the limit is "
+                                f"{P.MAX_STEP_BYTES}")
+        requests, at = [], 0
+        while at < len(body):
+            if len(requests) >= P.MAX_STEP_REQUESTS or at + P.STEP_ENTRY.size > len(body):
+                raise ProtocolError(f"a step of more than {P.MAX_STEP_REQUESTS} requests, or cut short")
+            cmd_no, size = P.STEP_ENTRY.unpack_from(body, at)
+            at += P.STEP_ENTRY.size
+            if cmd_no not in P.STEP_COMMANDS or at + size > len(body):
+                raise ProtocolError(f"a step may hold only {', '.join(c.name for c in sorted(P.STEP_COMMANDS))}, "
+                                    f"whole (command {cmd_no}, {size} bytes)")
+            requests.append((Command(cmd_no), body[at:at + size]))
+            at += size
+        s.steps.pop(number, None)
+        s.steps[number] = requests
+        return b"", []
+
+    def _step_run(self, s: Session, payload: memoryview, data: list) -> Reply:
+        """(no reply) Serve step N's requests in order; a WAIT_PEER among them holds the rest
+        (and whatever comes meanwhile) until its tensor arrived, as it would on the wire."""
+        (number,) = unpack(P.STEP, payload)
+        self._frames(data, 0)
+        step = s.steps.get(number)
+        if step is None:
+            raise ProtocolError(f"no step {number} in this session")
+        s.step_rest.extend(step)
+        self._continue_step(s)
+        return b"", []
+
+    def _continue_step(self, s: Session) -> None:
+        """Serve the step's next requests: up to STEP_TURN, then the other clients get their
+        turn (a step of thousands of graphs must not keep them waiting), or up to a WAIT_PEER."""
+        for _ in range(STEP_TURN):
+            if not s.step_rest or s.waiting is not None or s.peer.id not in self.sessions:
+                break
+            cmd, payload = s.step_rest.popleft()
+            try:
+                self.handlers[cmd](s, memoryview(payload), [])
+            except Exception as e:  # noqa: BLE001 - a request of a step fails as it would on the wire
+                if not isinstance(e, (ProtocolError, ValueError, IndexError, MemoryError)):
+                    log.exception("unexpected error serving a step's request")
+                s.deferred_error = s.deferred_error or f"{cmd.name} of a kept step: {e or type(e).__name__}"
+        if s.step_rest and s.waiting is None and s.peer.id in self.sessions:
+            self.stepping[s.peer.id] = s
+        else:
+            self.stepping.pop(s.peer.id, None)
 
     def _compute(self, sd: ServedDevice, plan: object) -> None:
         self.listener.send_held()  # what was answered before the graph does not wait for it

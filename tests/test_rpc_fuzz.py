@@ -33,6 +33,7 @@ from pyggml import Type, ops
 from pyggml.ops import GluOp, RopeMode, UnaryOp
 from pyggml.rpc import RPCError, connect
 from pyggml.rpc import protocol as P
+from pyggml.rpc import steps
 from pyggml.rpc.backend import serialize_graph, wire
 
 from .rpc_helpers import RawClient, ServerProcess
@@ -138,7 +139,12 @@ class Session:
                           (C.PEER_CONNECT, P.PEER_CONNECT.pack(tokens[1]), [endpoint.encode()]),
                           (C.PEER_CONNECT, P.PEER_CONNECT.pack(tokens[2]), [b"127.0.0.1:1"]),
                           (C.COPY_TO_PEER, P.COPY_TO_PEER.pack(link, 7) + out + out, []),
-                          (C.WAIT_PEER, P.U32.pack(7), [])]
+                          (C.WAIT_PEER, P.U32.pack(7), []),
+                          (C.STEP_STORE, P.STEP.pack(1), [steps.encode([
+                              (C.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(0, 1)),
+                              (C.COPY_TO_PEER, P.COPY_TO_PEER.pack(link, 8) + out + out),
+                              (C.WAIT_PEER, P.U32.pack(8))])]),
+                          (C.STEP_RUN, P.STEP.pack(1), [])]
         if held_file is not None:  # (identity, offset, bytes) of an F32 tensor of the file: 16 x 4 here
             identity, offset, size = held_file
             leaf = wire(first_leaf).pack()

@@ -155,3 +155,86 @@ def test_refusals_are_clear(rpc_pair):
         pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="diagonal", progress=False)
     with pytest.raises(ValueError, match="failover with split mode 'tensor'"):
         pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="tensor", failover=True, progress=False)
+
+
+# -- steps kept on the servers (rpc/steps.py) ------------------------------------------------------
+
+def test_a_decoding_step_is_one_request_per_server(rpc_pair):
+    """After two runs of the decode graph each step is the inputs and one STEP_RUN per server:
+    no graph, copy or wait request crosses the client's link - and the tokens are those of
+    one device."""
+    from pyggml.rpc.protocol import Command as C
+    local = shared_model("smollm2")
+    ids = local.tokenize("The capital of France is")
+    with pg.Model("smollm2", n_ctx=256, rpc=[s.endpoint for s in rpc_pair], split_mode="tensor",
+                  progress=False) as m:
+        ctx = m.context
+        conns = [d.conn for d in m.rpc_devices]
+        ctx.decode(ids)
+        token = int(np.argmax(ctx.decode([int(np.argmax(ctx.decode([ids[-1]])[-1]))])[-1]))  # recorded here
+        before = [dict(c.sent) for c in conns]
+        got = []
+        for _ in range(6):
+            got.append(token)
+            token = int(np.argmax(ctx.decode([token])[-1]))
+        for c, b in zip(conns, before):
+            assert c.sent[C.STEP_RUN] - b.get(C.STEP_RUN, 0) == 6
+            for cmd in (C.GRAPH_RECOMPUTE, C.GRAPH_COMPUTE, C.COPY_TO_PEER, C.WAIT_PEER):
+                assert c.sent[cmd] == b.get(cmd, 0), cmd.name
+    ref = local.context
+    ref.clear()
+    ref.decode(ids)
+    want = [int(np.argmax(ref.decode([ids[-1]])[-1]))]
+    for _ in range(7):
+        want.append(int(np.argmax(ref.decode([want[-1]])[-1])))
+    ref.clear()
+    assert got == want[1:7]
+
+
+def test_a_kept_step_whose_slot_took_another_graph_is_not_run(rpc_pair, monkeypatch):
+    """With few graph slots, the prompt's graphs take the slots a kept decode step runs: the
+    step is then run request by request and recorded anew - never run against other graphs."""
+    from pyggml.rpc import protocol as P
+    monkeypatch.setattr(P, "GRAPH_SLOTS", 24)  # (the client's side: it reuses slots sooner)
+    local = shared_model("smollm2")
+    prompts = [local.tokenize(t) for t in ("Hello there, my friend", "Two plus two is", "The sky is")]
+    with pg.Model("smollm2", n_ctx=256, rpc=[s.endpoint for s in rpc_pair], split_mode="tensor",
+                  progress=False) as m:
+        for p in prompts * 2:
+            assert list(m.generate(p, max_tokens=5, temperature=0)) == \
+                list(local.generate(p, max_tokens=5, temperature=0))
+
+
+def test_step_requests_are_checked_and_bounded(rpc_pair):
+    """STEP_STORE holds only graph runs, peer copies and waits, within its limits; STEP_RUN
+    names a kept step; a kept step's requests are checked when they run - each failure is the
+    session's next reply, and the server serves on."""
+    from pyggml.rpc import RPCError, connect
+    from pyggml.rpc import protocol as P
+    from pyggml.rpc import steps
+    from pyggml.rpc.protocol import Command as C
+    device = connect(rpc_pair[0].endpoint)[0]
+    conn = device.conn
+    buffer = device.get_buffer_type().alloc_buffer(4 << 20)  # (a session may send what it holds, and 64 KiB)
+
+    def refusal(cmd: int, payload: bytes, frames: list[bytes] = ()) -> str:
+        conn.send(cmd, payload, frames)
+        with pytest.raises(RPCError) as e:
+            conn.request(C.DEVICE_COUNT)  # the next reply carries what went wrong
+        return str(e.value)
+
+    assert "a step may hold only" in refusal(C.STEP_STORE, P.STEP.pack(1), [steps.encode([(C.SET_TENSOR, b"x" * 8)])])
+    assert "out of range" in refusal(C.STEP_STORE, P.STEP.pack(P.MAX_STEPS + 1),
+                                     [steps.encode([(C.WAIT_PEER, P.U32.pack(1))])])
+    assert "whole" in refusal(C.STEP_STORE, P.STEP.pack(1), [P.STEP_ENTRY.pack(C.WAIT_PEER, 400) + b"1234"])
+    assert "no step 2" in refusal(C.STEP_RUN, P.STEP.pack(2))
+    too_many = steps.encode([(C.WAIT_PEER, P.U32.pack(i)) for i in range(P.MAX_STEP_REQUESTS + 1)])
+    assert f"more than {P.MAX_STEP_REQUESTS} requests" in refusal(C.STEP_STORE, P.STEP.pack(4), [too_many])
+    # a kept step of a graph slot this session never filled: refused when it runs
+    conn.send(C.STEP_STORE, P.STEP.pack(3), [steps.encode([(C.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(0, 5))])])
+    assert conn.request(C.DEVICE_COUNT)
+    message = refusal(C.STEP_RUN, P.STEP.pack(3))
+    assert "GRAPH_RECOMPUTE of a kept step" in message and "no graph in slot 5" in message
+    buffer.free()
+    conn.close()
+    assert len(connect(rpc_pair[0].endpoint)) >= 1  # still serving
