@@ -211,7 +211,8 @@ def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Te
     """One order of every device's nodes.  A node depends on its sources and, where it reads
     memory that a node before it on its device wrote in place (the attention reads the cache
     the SET_ROWS before it wrote), on that writer.  Its stage is the number of exchanges on the
-    longest path to it (a dependency on another device adds one); nodes are sorted by stage,
+    longest path to it (a dependency on another device adds one, and so does one on a tensor
+    that another device reads: see below); nodes are sorted by stage,
     then device, then their own order - every slice before its readers, each writer before its
     readers, and one split per device and stage for the scheduler."""
     deps: dict[int, list[Tensor]] = {}
@@ -225,6 +226,9 @@ def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Te
             deps[id(t)] = mine
             if t.view_src is not None and t.op not in VIEW_OPS:
                 wrote[id(t.data_root())] = t
+    # a tensor another device reads ends its split on its own device too: it is sent as soon as
+    # it is made, not after whatever else its device computes next (else the devices take turns)
+    sent = {id(d) for nodes in orders for t in nodes for d in deps[id(t)] if owner[id(d)] != owner[id(t)]}
     stage: dict[int, int] = {}
     for nodes in orders:
         for root in nodes:
@@ -238,7 +242,8 @@ def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Te
                 if waiting:
                     stack.extend(waiting)
                     continue
-                stage[id(t)] = max([stage[id(d)] + (owner[id(d)] != owner[id(t)]) for d in deps[id(t)]], default=0)
+                stage[id(t)] = max([stage[id(d)] + (owner[id(d)] != owner[id(t)] or id(d) in sent)
+                                    for d in deps[id(t)]], default=0)
                 stack.pop()
     index = {id(t): k for nodes in orders for k, t in enumerate(nodes)}
     merged = [t for nodes in orders for t in nodes]

@@ -39,6 +39,9 @@ class Split:
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (source elsewhere, local copy)
     graph: Graph = field(default_factory=Graph)
     plan: object = None  # the backend's plan of ``graph`` (Backend.graph_plan_create)
+    # copies into later splits of what this split computes, which the destination's buffer can
+    # start as soon as it is computed (cpy_tensor_send: a server sends it to another itself)
+    sends: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -155,6 +158,7 @@ class Scheduler:
             if not self.splits or self.splits[-1].backend_id != b:
                 self.splits.append(Split(b))
             self.splits[-1].nodes.append(node)
+        made_in = {id(node): i for i, split in enumerate(self.splits) for node in split.nodes}
         for split in self.splits:
             local: dict[int, Tensor] = {}
             for node in split.nodes:
@@ -171,6 +175,8 @@ class Scheduler:
                         self.assigned[id(copy)] = split.backend_id
                         local[id(s)] = copy
                         split.copies.append((s, copy))
+                        if id(s) in made_in:
+                            self.splits[made_in[id(s)]].sends.append((s, copy))
                     self._rewired.append((node, j, s, copy))
                     node.src[j] = copy
 
@@ -229,9 +235,14 @@ class Scheduler:
             for b in self._kept_backends():
                 self.backends[b].step_begin()
         copied = 0
+        started: dict[int, int] = {}  # id(copy) -> its tag, for copies sent as soon as computed
         for split in self.splits:
             for src, copy in split.copies:
-                tensor_copy(src, copy)
+                tag = started.pop(id(copy), None)
+                if tag is not None:
+                    copy.buffer.cpy_tensor_wait(copy, tag)
+                else:
+                    tensor_copy(src, copy)
                 copied += src.nbytes()
             backend = self.backends[split.backend_id]
             t0 = time.perf_counter()
@@ -239,6 +250,11 @@ class Scheduler:
             backend.synchronize()
             name = backend.get_name()
             self.busy_seconds[name] = self.busy_seconds.get(name, 0.0) + time.perf_counter() - t0
+            for src, copy in split.sends:  # (else its server would send it only after its next split)
+                send = getattr(copy.buffer, "cpy_tensor_send", None)
+                tag = send(src, copy) if send is not None else None
+                if tag is not None:
+                    started[id(copy)] = tag
         self.n_copies = copied
         part.runs += 1
         if record:

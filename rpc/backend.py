@@ -202,6 +202,16 @@ class RPCBuffer(Buffer):
         self._check(tensor, offset, size)
         self.conn.send(Command.MEMSET_TENSOR, wire(tensor).pack() + P.MEMSET.pack(offset, size, value))
 
+    def cpy_tensor_send(self, src: Tensor, dst: Tensor) -> int | None:
+        """The first half of a copy from another server (the scheduler's early send): a tag
+        for :meth:`cpy_tensor_wait`, or None (then cpy_tensor does the whole copy later)."""
+        if isinstance(src.buffer, RPCBuffer) and src.buffer.conn is not self.conn:
+            return peer_send(src, dst)
+        return None
+
+    def cpy_tensor_wait(self, dst: Tensor, tag: int) -> None:
+        peer_wait(dst, tag)
+
     def cpy_tensor(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.buffer, RPCBuffer):
             return False  # from this machine: tensor_copy sets it
@@ -229,13 +239,24 @@ PEERS = os.environ.get("PYGGML_RPC_PEERS", "1") != "0"  # 0: tensors between ser
 
 def peer_copy(src: Tensor, dst: Tensor) -> bool:
     """Copy a tensor from one server to another without it passing through this client
-    (rpc/peers.py): the first time, introduce the two; then tell the sender to send it, tagged,
-    and the receiver to wait for the tag before its next requests - neither answers now.
-    False (tensor_copy then goes through this client) where the sender cannot reach the
-    receiver, said once per pair."""
+    (rpc/peers.py): :func:`peer_send`, then :func:`peer_wait` at once.  False (tensor_copy then
+    goes through this client) where the sender cannot reach the receiver, said once per pair."""
+    tag = peer_send(src, dst)
+    if tag is None:
+        return False
+    peer_wait(dst, tag)
+    return True
+
+
+def peer_send(src: Tensor, dst: Tensor) -> int | None:
+    """Tell the server holding ``src`` to send it to the server of ``dst``, tagged (the first
+    time, introduce the two); it answers nothing now.  The tag for :func:`peer_wait`, or None
+    where the sender cannot reach the receiver (said once per pair).  Sent as soon as ``src``
+    is computed, the receiver keeps it until its wait: the sender does not hold it back while
+    it computes what comes next."""
     sender, receiver = src.buffer.conn, dst.buffer.conn
     if not PEERS:
-        return False
+        return None
     link = receiver.links_from.get(sender)
     if link is None:
         try:
@@ -250,12 +271,16 @@ def peer_copy(src: Tensor, dst: Tensor) -> bool:
             link = 0
         receiver.links_from[sender] = link
     if not link:
-        return False
+        return None
     receiver.peer_tag = tag = (receiver.peer_tag + 1) & 0xFFFFFFFF
     sender.send(Command.COPY_TO_PEER, P.COPY_TO_PEER.pack(link, tag) + wire(src).pack() + wire(dst).pack())
     sender.flush()  # the receiver will wait for it: it must not wait in our queue
-    receiver.send(Command.WAIT_PEER, P.U32.pack(tag))
-    return True
+    return tag
+
+
+def peer_wait(dst: Tensor, tag: int) -> None:
+    """Tell the server of ``dst`` to hold this session's next requests until ``tag`` arrived."""
+    dst.buffer.conn.send(Command.WAIT_PEER, P.U32.pack(tag))
 
 
 _BUFFER, _OFFSET = attrgetter("buffer"), attrgetter("offset")

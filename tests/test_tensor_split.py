@@ -238,3 +238,35 @@ def test_step_requests_are_checked_and_bounded(rpc_pair):
     buffer.free()
     conn.close()
     assert len(connect(rpc_pair[0].endpoint)) >= 1  # still serving
+
+
+def test_a_server_that_makes_no_links_falls_back_to_the_client(start_server, caplog):
+    """--no-peers on one server: its slices go through the client, said once; the same bits."""
+    import logging
+    servers = [start_server("--no-peers"), start_server()]
+    local = shared_model("smollm2")
+    ids = local.tokenize("The capital of France is")
+    with caplog.at_level(logging.WARNING, logger="pyggml.rpc"), \
+            pg.Model("smollm2", n_ctx=128, rpc=[s.endpoint for s in servers], split_mode="tensor",
+                     progress=False) as m:
+        assert np.array_equal(m.logits(ids), local.logits(ids))
+        assert list(m.generate(ids, max_tokens=4, temperature=0)) == list(local.generate(ids, max_tokens=4,
+                                                                                        temperature=0))
+    said = [r.getMessage() for r in caplog.records if "go through this client" in r.getMessage()]
+    assert len(said) == 1 and "--no-peers" in said[0], said
+
+
+def test_tls_servers_split_a_model_between_them(start_server, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("openssl") is None:
+        pytest.skip("making TLS keys needs the openssl command")
+    subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(tmp_path / "k")],
+                   check=True, capture_output=True)
+    servers = [start_server("--key", str(tmp_path / "k")) for _ in range(2)]
+    local = shared_model("smollm2")
+    ids = local.tokenize("The capital of France is")
+    with pg.Model("smollm2", n_ctx=128, rpc=[s.endpoint for s in servers], rpc_key=str(tmp_path / "k.client"),
+                  split_mode="tensor", progress=False) as m:
+        assert np.array_equal(m.logits(ids), local.logits(ids))
