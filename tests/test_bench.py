@@ -96,3 +96,12 @@ def test_generate_bench_runs_with_rounds_and_profile():
     assert r.returncode == 0, r.stderr
     assert "smollm2" in r.stdout and "the spread of 2 rounds" in r.stdout
     assert "smollm2 profile" in r.stdout and "MUL_MAT" in r.stdout and "outside them" in r.stdout
+
+
+def test_scale_bench_runs_and_its_layouts_agree():
+    """bench/scale.py end to end on SmolLM2: three layouts, and the logits of each are one
+    server's (it prints DIFFER otherwise)."""
+    r = run(sys.executable, "bench/scale.py", "--model", "smollm2", "--tokens", "2", "--prompt", "16", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "two servers, tensor split" in r.stdout and "DIFFER" not in r.stdout, r.stdout
+    assert r.stdout.count("bit-identical") == 3, r.stdout
