@@ -55,13 +55,14 @@ class Partition:
     placement: list[tuple[object, int]] = field(default_factory=list)
     runs: int = 0  # computes since it was split and placed as it is
     kept: list[tuple[int, object]] | None = None  # (backend, its kept step) when its backends keep steps
+    keepable: bool | None = None  # whether they can (Scheduler._keepable; None: not asked yet)
 
     def drop_plans(self) -> None:
         """Forget the split graphs and their plans (made anew when this graph is computed again):
         a plan holds what its backend derived from the tensors' places, a CPU plan the arrays of
         the buffers themselves, which would outlive a buffer freed for a larger one."""
         self.placement = []
-        self.runs, self.kept = 0, None
+        self.runs, self.kept, self.keepable = 0, None, None
         for split in self.splits:
             split.graph, split.plan = Graph(), None
 
@@ -218,7 +219,7 @@ class Scheduler:
                 split.graph.read_across = read_across
                 split.plan = self.backends[split.backend_id].graph_plan_create(split.graph)
             part.placement = placement
-            part.runs, part.kept = 0, None
+            part.runs, part.kept, part.keepable = 0, None, None
         self._key = (graph, graph.n_nodes)
 
     # -- execution ---------------------------------------------------------------------------------
@@ -228,9 +229,13 @@ class Scheduler:
         if part.kept is not None and all(self.backends[b].step_valid(step) for b, step in part.kept):
             self._run_kept(part)
             return
-        # the second run of a graph whose backends keep steps is recorded (the first may still
-        # send graphs and make links): later runs are its inputs and one request per backend
-        record = part.runs == 1 and self._keepable()
+        # a graph whose backends keep steps is recorded from its second run on (the first may
+        # still send graphs and make links) until a recording is kept: later runs are its inputs
+        # and one request per backend
+        part.kept = None
+        if part.keepable is None:
+            part.keepable = self._keepable()
+        record = part.runs >= 1 and part.keepable
         if record:
             for b in self._kept_backends():
                 self.backends[b].step_begin()
