@@ -10,9 +10,12 @@ thread (``taskset -c N pyggml-rpc-server -t 1``), and prints for one model:
 
 with single-stream decode and prompt tokens/s, each layout's ratio to one server, the bytes
 each server receives from the other per generated token (tensor split), and whether the
-logits are bit-identical to one server's.
+logits are bit-identical to one server's.  With ``--streams N``, also the aggregate tokens/s
+of N concurrent streams through ``pyggml-server`` on each layout (with layer split, a decode
+step's sequences are cut into one group per server that flow through them one after another:
+Context.n_groups).
 
-    python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128]
+    python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128] [--streams 8]
 
 ``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
 SmolLM2's vocabulary and tokenizer), written once into ``~/.cache/pyggml/bench``.  The servers
@@ -140,6 +143,23 @@ def measure(model: pg.Model, n_tokens: int, n_prompt: int) -> dict:
     return {"prompt_tps": len(ids) / prompt_s, "decode_tps": n_tokens / decode_s, "logits": logits[-1]}
 
 
+def streams(path: Path, endpoints: list[str], mode: str, n_streams: int, n_tokens: int) -> float:
+    """Aggregate tokens/s of ``n_streams`` concurrent chat streams through ``pyggml-server``
+    placed over ``endpoints`` with split mode ``mode``."""
+    from bench.serve import Server, free_port
+    from bench.serve import measure as measure_streams
+    port = free_port()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-{port}.log"
+    server = Server([sys.executable, "-m", "pyggml.cli.server", "-m", str(path), "--port", str(port), "-c", "2048",
+                     "-np", str(n_streams), "--rpc", ",".join(endpoints), "-ngl", "all" if len(endpoints) == 1
+                     else "auto", "-sm", mode], f"http://127.0.0.1:{port}", log)
+    try:
+        measure_streams(server.url, n_streams, 4)  # warm-up: the batch shapes built and kept
+        return measure_streams(server.url, n_streams, n_tokens)["tok_s"]
+    finally:
+        server.stop()
+
+
 def exchanged_per_token(model: pg.Model) -> list[int]:
     """Bytes each server of a tensor split receives from the others per decoded token: four
     gathers per layer of float32 rows (the other devices' heads, projection rows, hidden rows
@@ -159,6 +179,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, dense-1b, or a GGUF path")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=0, help="also the aggregate tokens/s of this many concurrent "
+                                                            "streams through pyggml-server (0: not measured)")
     args = ap.parse_args()
     path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
@@ -172,6 +194,9 @@ def main() -> None:
                 rows[label] = measure(m, args.tokens, args.prompt)
                 if mode == "tensor":
                     rows[label]["exchanged"] = exchanged_per_token(m)
+            if args.streams:
+                rows[label]["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
+                                                     args.tokens)
             print(f"  {label}: done", file=sys.stderr, flush=True)
     finally:
         for s in servers:
@@ -184,6 +209,11 @@ def main() -> None:
         same = "bit-identical" if np.array_equal(r["logits"], base["logits"]) else "DIFFER"
         print(f"{label:<28} {r['decode_tps']:>12.2f} {r['decode_tps'] / base['decode_tps']:>7.2f} "
               f"{r['prompt_tps']:>13.1f} {r['prompt_tps'] / base['prompt_tps']:>7.2f}  {same}")
+    if args.streams:
+        print(f"\n{args.streams} concurrent streams through pyggml-server, {args.tokens} tokens each")
+        print(f"{'layout':<28} {'aggregate tok/s':>15} {'x one':>7}")
+        for label, r in rows.items():
+            print(f"{label:<28} {r['streams_tps']:>15.2f} {r['streams_tps'] / base['streams_tps']:>7.2f}")
     ex = rows["two servers, tensor split"]["exchanged"]
     print("tensor split, bytes each server receives from the other per decoded token: "
           + ", ".join(f"{b / 1024:.0f} KiB" for b in ex))

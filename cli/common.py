@@ -98,12 +98,13 @@ def model_options(f: Callable) -> Callable:
                           "default with --rpc) spreads the layers over the devices by their free memory."),
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="P0,P1,...",
                      help="Spread the layers over the devices before the CPU in these proportions, e.g. '3,1'."),
-        click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["layer", "tensor"]), default="layer",
+        click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["layer", "tensor", "auto"]), default="layer",
                      show_default=True,
                      help="How the model is divided among the RPC servers and GPUs: 'layer' gives each device "
                           "whole layers (they take turns); 'tensor' divides every layer's heads and rows among "
-                          "them (they compute each step together; the logits are the same bits). -ts sets the "
-                          "shares of either."),
+                          "them (they compute each step together; the logits are the same bits); 'auto' takes "
+                          "'tensor' where each CPU device's share of a layer is large enough to pay for its "
+                          "exchanges (--show-placement says which and why). -ts sets the shares of either."),
         click.option("--show-placement", is_flag=True,
                      help="Print which device gets which layers (weights, KV cache, free memory) before loading."),
         click.option("--dry-run", is_flag=True, help="Print the placement and exit without loading."),

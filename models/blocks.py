@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pyggml import Graph, Tensor, Type, new_tensor, ops
+from pyggml.backend import tensor_set
 from pyggml.opdefs import RopeMode
 
 from .hparams import HParams
@@ -63,6 +66,7 @@ class GraphBuilder:
     graph: Graph = field(default_factory=Graph)
     inputs: GraphInputs = field(init=False)
     top: TopOutputs | None = field(init=False, default=None)
+    logits: Tensor | None = field(init=False, default=None)  # build_output's
 
     def __post_init__(self) -> None:
         n, n_kv = self.n_tokens, self.n_kv
@@ -219,12 +223,12 @@ class GraphBuilder:
         if self.inputs.out_ids is not None:
             cur = self.cb(ops.get_rows(cur, self.inputs.out_ids), "out_rows")
         cur = self.build_norm(cur, self.weights["output_norm.weight"], "result_norm")
-        head = self.weights.get("output.weight", self.weights["token_embd.weight"])
-        logits = ops.mul_mat(head, cur, self.inputs.output_runs)
+        logits = ops.mul_mat(self.head_weight(), cur, self.inputs.output_runs)
         cap = self.hp.final_softcap
         if cap:
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / cap)), cap)
         logits = self.cb(logits, "result_output")
+        self.logits = logits
         if not self.n_top:
             logits.set_output()
             self.graph.build_forward_expand(logits)
@@ -240,3 +244,28 @@ class GraphBuilder:
                 self.graph.build_forward_expand(t)
         self.top = TopOutputs(ids, values, hist)
         return logits
+
+    def head_weight(self) -> Tensor:
+        """The output head (the embedding, tied, when the file has no ``output.weight``)."""
+        head = self.weights.get("output.weight")
+        return head if head is not None else self.weights["token_embd.weight"]
+
+    # -- what the caller reads (models/context.py) ----------------------------------------------------
+    def set_hist(self, hist: np.ndarray) -> None:
+        """The history tokens [n_outputs, n_hist] whose logits come along with the top k."""
+        tensor_set(self.inputs.hist_ids, np.ascontiguousarray(hist, dtype=np.int32))
+
+    def result_tensors(self) -> list[Tensor]:
+        """The tensors a step reads back: the logits, or the top k's ids, values and history's."""
+        t = self.top
+        if t is None:
+            return [self.logits]
+        return [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else [])
+
+    def results(self, arrays: list[np.ndarray], wanted: int, hist: np.ndarray | None = None):
+        """result_tensors' arrays as the step returns them: logits [wanted, n_vocab], or the
+        top k's (ids, values, history's values), each [wanted, ...]."""
+        arrays = [a.reshape(wanted, -1) for a in arrays]
+        if self.top is None:
+            return arrays[0]
+        return arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32)

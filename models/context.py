@@ -366,25 +366,17 @@ class Context:
             b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, *n_runs)
             self.sched.alloc_graph(b.graph)
             self._set_inputs(b, ub, cells, runs)
-            if b.inputs.hist_ids is not None:
-                tensor_set(b.inputs.hist_ids, np.ascontiguousarray(hist[row:row + wanted], dtype=np.int32))
+            rows_hist = hist[row:row + wanted] if b.inputs.hist_ids is not None else None
+            if rows_hist is not None:
+                b.set_hist(rows_hist)
             self.sched.graph_compute(b.graph)
             if wanted:
-                if top:
-                    t = b.top
-                    out = [t.ids, t.values] + ([t.hist_values] if t.hist_values is not None else [])
-                else:
-                    out = [b.graph.output()]
                 # asked for now, read once every piece is on its way: a server that holds the
                 # head answers between this piece's graph and the next, while the servers
                 # before it already work on the next piece (pipelining)
-                reads.append((wanted, top, tensor_arrays_async(out)))
+                reads.append((wanted, b, rows_hist, tensor_arrays_async(b.result_tensors())))
             row += wanted
-        outs = []
-        for wanted, top, read in reads:
-            arrays = [a.reshape(wanted, -1) for a in read()]
-            outs.append((*arrays[:2], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32))
-                        if top else arrays[0])
+        outs = [b.results(read(), wanted, rows_hist) for wanted, b, rows_hist, read in reads]
         self._logged(("b", batch), len(batch))
         if n_top:
             parts = list(zip(*outs)) if outs else [[np.zeros((0, n_top), np.int32)], [np.zeros((0, n_top), np.float32)],

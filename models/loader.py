@@ -134,7 +134,44 @@ def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
     return placement, describe(placement, sizes, names, free)
 
 
-SPLIT_MODES = ("layer", "tensor")
+SPLIT_MODES = ("layer", "tensor", "auto")
+
+# split mode "auto": tensor when each CPU device's share of a layer's weights is at least this
+# much.  A tensor split pays a layer's four exchanges (~0.7 ms between two one-core servers on
+# one host: bench/scale.py) to halve its compute; a one-core server reads about 3 GB/s of Q4_0
+# weights, so below a few MiB per share the exchanges cost more than they save - SmolLM2 (about
+# 2 MiB a share) decodes at 0.4x one server, a 1B llama (17 MiB a share) faster than one.
+AUTO_TENSOR_SHARE_BYTES = 8 * MiB
+
+
+def choose_split_mode(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
+                      tensor_split: str | None) -> tuple[str, str]:
+    """Split mode "auto": "tensor" where every layer is large enough to be worth dividing
+    among the devices before the CPU (AUTO_TENSOR_SHARE_BYTES), else "layer"; and why.  Never
+    tensor on GPUs (a layer's compute there takes less than one exchange), with -ngl N, or for a
+    mixture of experts (tensor split does not divide experts yet)."""
+    candidates = devices[:-1]
+    share = parse_split(tensor_split, len(candidates)) if candidates else None
+    n = len([w for w in share if w > 0]) if share else len(candidates)
+    layer_bytes = sum(f.new_tensor(name).nbytes() for name in f.tensors if name.startswith("blk.0."))
+    each = layer_bytes / max(n, 1)
+    if n < 2:
+        return "layer", "split mode auto: layer (fewer than two devices to divide a layer among)"
+    if hp.n_expert:
+        return "layer", "split mode auto: layer (tensor split does not divide experts yet)"
+    if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
+        return "layer", f"split mode auto: layer (-ngl {ngl} places layers)"
+    if any(d.get_type() != DeviceType.CPU for d in candidates):
+        return "layer", "split mode auto: layer (on GPUs a layer's compute takes less than its exchanges)"
+    if each < AUTO_TENSOR_SHARE_BYTES:
+        return "layer", (f"split mode auto: layer (each device's share of a layer, {each / MiB:.1f} MiB, is under "
+                         f"{AUTO_TENSOR_SHARE_BYTES / MiB:.0f} MiB: its exchanges would cost more than they save)")
+    try:
+        plan_tensor_split(hp, list(range(n)), [1.0] * n)
+    except SplitError as e:
+        return "layer", f"split mode auto: layer ({e})"
+    return "tensor", (f"split mode auto: tensor (each device's share of a layer, {each / MiB:.1f} MiB, is at "
+                      f"least {AUTO_TENSOR_SHARE_BYTES / MiB:.0f} MiB)")
 
 
 def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
@@ -162,17 +199,21 @@ def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[D
 
 def shard_weights(f: GGUFFile, shards: list[Shard], hp: HParams,
                   sources: dict[int, FileSlice]) -> list[dict[str, Tensor]]:
-    """Each shard's weights: its rows of the split ones (``sources`` says where they lie in the
-    file), a copy of the rest of each layer (the norms) and of the small tables every layer
-    reads; the embedding and head on the first alone."""
+    """Each shard's weights: its rows of the split ones and of the head (``sources`` says where
+    they lie in the file), a copy of the rest of each layer (the norms) and of the small tables
+    every layer reads; the embedding on the first alone (the others hold their rows of it where
+    it is the head too)."""
+    tied = "output.weight" not in f.tensors
     out = []
     for i, shard in enumerate(shards):
         mine = {}
         for name in f.tensors:
-            if i and name in ("token_embd.weight", "output.weight"):
-                continue
-            t = f.new_tensor(name)
             rows = shard_rows(name, shard, hp)
+            if i and name == "token_embd.weight":
+                if not tied:
+                    continue
+                rows = shard.vocab_rows
+            t = f.new_tensor(name)
             if rows is not None:
                 t, start, nbytes = shard_tensor(t, rows)
                 sources[id(t)] = FileSlice(name, start, nbytes)
@@ -221,7 +262,8 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
     """Open ``path``, place it (``on_plan`` hears the plan's description before any weight
     moves) and load its weights, in read_order (host weights stay in the file's map where
     map_weights says so).  ``split_mode`` "tensor" divides every layer among the devices
-    (tensor_split.py) instead of giving each device whole layers."""
+    (tensor_split.py) instead of giving each device whole layers; "auto" chooses
+    (choose_split_mode)."""
     if split_mode not in SPLIT_MODES:
         raise PlacementError(f"split mode {split_mode!r}: choose one of {', '.join(SPLIT_MODES)}")
     f, arch = open_gguf(path)
@@ -229,6 +271,9 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
     if hasattr(arch, "adjust_hparams"):
         arch.adjust_hparams(hp)
     devices = devices or default_devices()
+    chose = ""
+    if split_mode == "auto":
+        split_mode, chose = choose_split_mode(f, hp, ngl, devices, tensor_split)
     if split_mode == "tensor":
         shards, description = plan_shards(f, hp, ngl, devices, tensor_split)
         lead = shards[0].device
@@ -236,6 +281,8 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
     else:
         shards = None
         placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split)
+    if chose:
+        description = f"{chose}\n{description}"
     if on_plan is not None:
         on_plan(description)
     model = LoadedModel(Path(path), f, hp, arch, devices, placement, shards=shards)

@@ -89,7 +89,8 @@ class Model:
     everything on the CPU).  ``tensor_split``: proportions per device, as ``-ts 3,1``.
     ``split_mode``: "layer" (default: each device runs whole layers) or "tensor" (every
     layer's heads and rows divided among the RPC servers and GPUs, which then compute each
-    step together; the logits are those of one device).
+    step together; the logits are those of one device) or "auto" (tensor where each CPU
+    device's share of a layer is large enough to pay for its exchanges: the plan says why).
     ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"`` or a list), whose devices come
     first in the device ids; ``rpc_key``: the clients' key file (``FILE.client`` from
     ``pyggml-rpc-server --gen-key FILE``) when the servers use TLS.  ``seed``: default seed of sampling (None: random).
@@ -113,8 +114,6 @@ class Model:
                  use_mmap: bool | None = None, split_mode: str = "layer") -> None:
         self.path = hub.resolve(path_or_alias)
         self.split_mode = split_mode
-        if failover and split_mode != "layer":
-            raise ValueError("failover with split mode 'tensor' is not supported yet; use split mode 'layer'")
         self.rpc_key = rpc_key
         self.failover = failover
         self.lost_endpoints: list[str] = []
@@ -324,7 +323,7 @@ class Model:
                 raise RPCError(endpoint, f"{reason}; failover found no room on the devices left "
                                          f"({', '.join(d.get_name() for d in self.rpc_devices) or 'none'}): {e}") \
                     from None
-            used = sorted({self.model.devices[i].get_name() for i in self.model.placement.used()})
+            used = sorted({self.model.devices[i].get_name() for i in self.model.used_devices()})
             self._unplaced_history = None
             log.warning("%s (%s); placed on %s; recovered in %.1f s",
                         "lost " + ", ".join(sorted(self.lost_endpoints)) if first else "placed anew",

@@ -12,8 +12,9 @@ changes the order of the additions, and so the bits.  Here every product is spli
 device; the slices are then gathered (concatenated) on every device, in device order.  Four
 gathers per layer: the attention's heads before the output projection, the projection's rows,
 the feed-forward's hidden rows before the down projection, and its rows.  The norms and the
-residual stream are computed on every device (replicated), the embedding and the output head
-on the first device (the lead).
+residual stream are computed on every device (replicated), the embedding on the first device
+(the lead).  The output head is split by vocabulary rows and not gathered: the caller reads
+each device's logits (or its top k, merged exactly: :meth:`ShardBuilder.results`).
 
 How the graph is built (SPMD, as Megatron and exo do it): the architecture's ``build`` runs
 once per device on a :class:`ShardBuilder` - the same code as on one device, with that device's
@@ -29,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from pyggml import Graph, Tensor, ops
 from pyggml.opdefs import VIEW_OPS
@@ -52,12 +55,13 @@ class Shard:
     kv_heads: Range      # the KV heads those query heads read
     ff_rows: Range       # hidden rows of the feed-forward (gate, up)
     embd_rows: Range     # output rows of the attention's and the feed-forward's projections
+    vocab_rows: Range    # rows of the output head: the logits of these tokens
 
     def describe(self) -> str:
         def r(x: Range) -> str:
             return f"{x[0]}-{x[1] - 1}" if x[1] - x[0] > 1 else f"{x[0]}"
         return f"heads {r(self.q_heads)} (kv {r(self.kv_heads)}), ffn rows {r(self.ff_rows)}, " \
-               f"embd rows {r(self.embd_rows)}"
+               f"embd rows {r(self.embd_rows)}, vocab {r(self.vocab_rows)}"
 
 
 class FileSlice(NamedTuple):
@@ -106,8 +110,9 @@ def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> 
             if b - a > g:
                 raise SplitError(f"{n} devices cannot share {hp.n_head} query heads in {hp.n_head_kv} groups of {g}")
             q += [(kv * g + x, kv * g + y) for x, y in cuts(g, weights[a:b])]
-    ff, embd = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights)
-    return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i]) for i, dev in enumerate(devices)]
+    ff, embd, vocab = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights), cuts(hp.n_vocab, weights)
+    return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i], vocab[i])
+            for i, dev in enumerate(devices)]
 
 
 # the rows of each split weight (and of its bias): which of a shard's ranges, in units of what
@@ -118,7 +123,9 @@ SPLIT_ROWS = {"attn_q": ("q_heads", "k"), "attn_k": ("kv_heads", "k"), "attn_v":
 
 def shard_rows(name: str, shard: Shard, hp: HParams) -> Range | None:
     """The rows of weight ``name`` (elements, for a bias) that ``shard`` holds; None: all of it
-    (a norm, replicated), or none for the embedding and the head (the lead's alone)."""
+    (a norm, replicated; the embedding, which the lead alone holds)."""
+    if name == "output.weight":
+        return shard.vocab_rows
     parts = name.split(".")
     if len(parts) < 4 or parts[0] != "blk" or parts[2] not in SPLIT_ROWS:
         return None
@@ -179,6 +186,9 @@ class ShardBuilder(GraphBuilder):
     def __init__(self, *args, exchange: Exchange, index: int, global_hp: HParams, **kw) -> None:
         super().__init__(*args, **kw)
         self.exchange, self.index, self.global_hp = exchange, index, global_hp
+        # the step's results are every device's: the lead's builder answers for them all
+        self.parts: list[ShardBuilder] = [self]
+        self.n_top_all = self.n_top  # (n_top: this device's, no more than its rows)
 
     @property
     def lead(self) -> bool:
@@ -203,8 +213,52 @@ class ShardBuilder(GraphBuilder):
         self.exchange.wanted.append((t, 0, "inp_embd"))
         return t
 
-    def build_output(self, cur: Tensor) -> Tensor | None:
-        return super().build_output(cur) if self.lead else None
+    @property
+    def shard(self) -> Shard:
+        return self.exchange.shards[self.index]
+
+    def head_weight(self) -> Tensor:
+        head = super().head_weight()
+        a, b = self.shard.vocab_rows
+        if head.ne[1] != b - a:  # the lead's whole embedding, tied to the head: its rows of it
+            head = ops.view(head, (head.ne[0], b - a), (head.nb[1],), a * head.nb[1])
+        return head
+
+    def set_hist(self, hist: np.ndarray) -> None:
+        """Each device picks the history's logits from its rows: an id outside them reads its
+        first row, a value :meth:`results` drops."""
+        for p in self.parts:
+            a, b = p.shard.vocab_rows
+            GraphBuilder.set_hist(p, np.clip(hist, a, b - 1) - a)
+
+    def result_tensors(self) -> list[Tensor]:
+        return [t for p in self.parts for t in GraphBuilder.result_tensors(p)]
+
+    def results(self, arrays: list[np.ndarray], wanted: int, hist: np.ndarray | None = None):
+        """Every device's logits side by side; or the top k of every device's top k (a token
+        among the whole top k is among its device's: ``n_top`` above it on its device are above
+        it on all), largest first and ties lowest id first as on one device, and each history
+        token's logit from the device that holds it."""
+        per, at = [], 0
+        for p in self.parts:
+            n = len(GraphBuilder.result_tensors(p))
+            per.append(GraphBuilder.results(p, arrays[at:at + n], wanted))
+            at += n
+        if self.top is None:
+            return np.concatenate(per, axis=1)
+        starts = [p.shard.vocab_rows[0] for p in self.parts]
+        ids = np.concatenate([r[0].astype(np.int64) + a for r, a in zip(per, starts)], axis=1)
+        values = np.concatenate([r[1] for r in per], axis=1)
+        best = np.lexsort((ids, -values), axis=-1)[:, :self.n_top_all]
+        hist_values = np.zeros((wanted, 0), np.float32)
+        if hist is not None:
+            hist_values = np.zeros(hist.shape, np.float32)
+            for r, p in zip(per, self.parts):
+                a, b = p.shard.vocab_rows
+                mine = (hist >= a) & (hist < b)
+                hist_values[mine] = r[2][mine]
+        return (np.take_along_axis(ids, best, axis=1).astype(np.int32), np.take_along_axis(values, best, axis=1),
+                hist_values)
 
 
 def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Tensor]:
@@ -261,13 +315,18 @@ def build_split_graph(arch, hp: HParams, shards: list[Shard], weights: list[dict
     builders = []
     shared: GraphInputs | None = None
     for i, shard in enumerate(shards):
-        b = ShardBuilder(local_hparams(hp, shard), weights[i], kv[i], exchange=ex, index=i, global_hp=hp, **shape)
+        vocab = shard.vocab_rows[1] - shard.vocab_rows[0]
+        local = dict(shape, n_top=min(shape.get("n_top", 0), vocab))
+        b = ShardBuilder(local_hparams(hp, shard), weights[i], kv[i], exchange=ex, index=i, global_hp=hp, **local)
         if shared is None:
             shared = b.inputs
         # each device reads the step's inputs from a copy of its own, made once per step (a read
-        # of the host's input would be copied anew into every split that makes it)
+        # of the host's input would be copied anew into every split that makes it); the history's
+        # ids are each device's own (its rows of the head: set_hist)
+        own_hist = b.inputs.hist_ids
         b.inputs = GraphInputs(**{f.name: ops.cont(getattr(shared, f.name)) if getattr(shared, f.name) is not None
                                   else None for f in dataclasses.fields(GraphInputs)})
+        b.inputs.hist_ids = own_hist
         arch.build(b)
         builders.append(b)
     # each device's nodes in its own builder's order (which puts the cache writes before the
@@ -297,4 +356,6 @@ def build_split_graph(arch, hp: HParams, shards: list[Shard], weights: list[dict
     lead = builders[0]
     lead.graph = merged
     lead.inputs = shared
+    lead.parts = builders
+    lead.n_top_all = shape.get("n_top", 0)
     return lead

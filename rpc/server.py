@@ -111,7 +111,10 @@ class Session:
     arrived_bytes: int = 0
     waiting: Wait | None = None               # this session's requests are held meanwhile
     senders: int = 0                          # links that write into this session now
-    sender_lost: str | None = None            # why the last one went, if none is left
+    # why a link that wrote into it went (each of its senders may be the one a step waits for,
+    # so every later wait fails at once rather than when PEER_WAIT_S ran out); forgotten when a
+    # new placement starts (a new link comes, or the session's buffers are all freed)
+    sender_lost: str | None = None
     held: deque = field(default_factory=deque)  # the requests held meanwhile, in order
     held_bytes: int = 0
     # wire tensors of SET_TENSOR / GET_TENSOR requests, checked once: a decoding step sets and
@@ -317,8 +320,7 @@ class RPCServer:
         if target is None:
             return
         target.senders -= 1
-        if not target.senders:
-            target.sender_lost = reason
+        target.sender_lost = reason
         if target.waiting is not None and target.waiting.tag is not None and target.peer.id in self.sessions:
             self._end_wait(target, f"the server sending tensor {target.waiting.tag} is gone ({reason})")
 
@@ -396,6 +398,7 @@ class RPCServer:
                     raise ProtocolError("a link from another server may only send PEER_SET")
                 if session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
+                    self._forget_arrived(session)  # (the failed step's: no later step may read them)
                     raise ProtocolError(f"an earlier request failed: {err}")
                 t0 = time.perf_counter()
                 session.seq = seq
@@ -467,6 +470,14 @@ class RPCServer:
         buf.free()
         for slot in [k for k, (_, _, handles, _) in s.graphs.items() if handle in handles]:
             del s.graphs[slot]
+        if not s.buffers:  # a new placement starts
+            s.sender_lost = None
+            self._forget_arrived(s)
+
+    def _forget_arrived(self, s: Session) -> None:
+        self.pool.give(s.arrived_bytes)
+        s.arrived.clear()
+        s.arrived_bytes = 0
 
     @staticmethod
     def _range(t: Tensor, offset: int, size: int) -> None:
@@ -834,8 +845,11 @@ class RPCServer:
             self.pool.give(len(tensor[2]))
             self._write_arrived(s, tensor)
             return b"", []
-        if not s.senders:  # the server that would send it is gone already: nothing to wait for
+        if not s.senders or s.sender_lost:  # the server that would send it may be gone: nothing to wait for
             raise ProtocolError(f"the server sending tensor {tag} is gone ({s.sender_lost or 'no link'})")
+        if s.deferred_error is not None:
+            return b"", []  # the step failed already: what follows is not believed, so no wait
+            # for a tensor that may never come (each would cost PEER_WAIT_S)
         s.waiting = Wait(time.monotonic() + peers.PEER_WAIT_S, tag=tag)
         return b"", []
 

@@ -4,6 +4,8 @@ two and three servers, uneven shares, a KV head shared by devices, biases and q/
 the servers' own copies of the file; the plan's arithmetic; and clear refusals."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -51,7 +53,7 @@ def test_heads_split_on_whole_groups_or_share_a_kv_head():
 
 def test_each_weight_has_its_rows():
     hp = hparams(9, 3)
-    s = Shard(1, (6, 9), (2, 3), (768, 1536), (288, 576))
+    s = Shard(1, (6, 9), (2, 3), (768, 1536), (288, 576), (50, 100))
     assert shard_rows("blk.3.attn_q.weight", s, hp) == (384, 576)
     assert shard_rows("blk.3.attn_k.weight", s, hp) == (128, 192)
     assert shard_rows("blk.3.attn_v.bias", s, hp) == (128, 192)
@@ -60,6 +62,7 @@ def test_each_weight_has_its_rows():
     assert shard_rows("blk.3.ffn_down.weight", s, hp) == (288, 576)
     assert shard_rows("blk.3.attn_norm.weight", s, hp) is None
     assert shard_rows("token_embd.weight", s, hp) is None
+    assert shard_rows("output.weight", s, hp) == (50, 100)
 
 
 @pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
@@ -71,9 +74,21 @@ def test_two_servers_give_the_local_logits_and_text(alias, rpc_pair):
         assert m.model.shards is not None and len(m.model.shards) == 2
         got = m.logits(ids)
         assert np.array_equal(got, local.logits(ids)), np.abs(got - local.logits(ids)).max()
-        # decoding token by token, top-k sampling's path included
+        # decoding token by token, top-k sampling's path included, and with a penalty (the
+        # history's logits come from the device whose rows of the head hold them)
         assert list(m.generate(ids[:12], max_tokens=12, temperature=0)) == \
             list(local.generate(ids[:12], max_tokens=12, temperature=0))
+        assert list(m.generate(ids[:12], max_tokens=12, temperature=0, repeat_penalty=1.5)) == \
+            list(local.generate(ids[:12], max_tokens=12, temperature=0, repeat_penalty=1.5))
+        # the head is split by vocabulary rows: the top k of both devices' top k is one device's
+        n_vocab = local.n_vocab
+        hist = np.array([[0, 7, n_vocab // 2 - 1, n_vocab // 2, n_vocab - 1, ids[3]]], dtype=np.int32)
+        tops = []
+        for model in (m, local):
+            model.context.clear()
+            tops.append(model.context.eval_prefix(ids, n_top=40, hist=hist))
+        for part in ("ids", "values", "hist_values"):
+            assert np.array_equal(getattr(tops[0], part), getattr(tops[1], part)), part
 
 
 def test_three_servers_and_uneven_shares(rpc_pair, start_server):
@@ -90,6 +105,32 @@ def test_three_servers_and_uneven_shares(rpc_pair, start_server):
                   progress=False) as m:
         assert [s.ff_rows for s in m.model.shards] == [(0, 1152), (1152, 1536)]
         assert np.array_equal(m.logits(ids), want)
+
+
+def test_failover_mid_generation_gives_the_same_text(start_server, caplog):
+    """Three servers split every layer; one is killed mid-generation: the plan is made anew
+    over the two left, the cache rebuilt from its history, and the greedy text is one device's.
+    Every server sends slices to every other, so the ones left stop waiting for the lost one's
+    at once (a server whose link went fails its next wait) rather than after PEER_WAIT_S."""
+    local = shared_model("smollm2")
+    local.context.clear()
+    ids = local.tokenize("Once upon a time, in a land far away,")
+    want = list(local.generate(ids, max_tokens=24, temperature=0))
+    servers = [start_server() for _ in range(3)]
+    with pg.Model("smollm2", n_ctx=256, rpc=[s.endpoint for s in servers], split_mode="tensor", failover=True,
+                  progress=False) as m:
+        got = []
+        with caplog.at_level(logging.WARNING, logger="pyggml.models"):
+            for i, token in enumerate(m.generate(ids, max_tokens=24, temperature=0)):
+                got.append(token)
+                if i == 6:
+                    servers[1].kill()
+        assert got == want
+        assert len(m.model.shards) == 2 and m.lost_endpoints == [servers[1].endpoint]
+        said = [r.getMessage() for r in caplog.records if "recovered in" in r.getMessage()]
+        assert len(said) == 1 and servers[0].endpoint in said[0] and servers[2].endpoint in said[0]
+        # no server waited out a tensor that would never come (PEER_WAIT_S)
+        assert "is gone" in said[0] and "within" not in said[0], said[0]
 
 
 def test_a_batch_of_several_sequences_gives_each_its_solo_logits(rpc_pair):
@@ -146,6 +187,29 @@ def test_each_server_reads_its_rows_from_its_own_file(start_server):
         assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
 
 
+def test_split_mode_auto_divides_layers_only_where_they_are_large(rpc_pair, monkeypatch):
+    """-sm auto: SmolLM2's layers (about 2 MiB a share over two servers) are too small to pay
+    for their exchanges, so whole layers; with a lower bar, the same servers split every layer,
+    with the local logits."""
+    from pyggml.models import loader
+    ids = prompt_ids("smollm2")
+    endpoints = [s.endpoint for s in rpc_pair]
+    plans = []
+    with pg.Model("smollm2", n_ctx=128, rpc=endpoints, split_mode="auto", progress=False, on_plan=plans.append) as m:
+        assert m.model.shards is None and set(m.model.placement.layers) == {0, 1}
+    assert "split mode auto: layer" in plans[0] and "is under 8 MiB" in plans[0], plans[0]
+    monkeypatch.setattr(loader, "AUTO_TENSOR_SHARE_BYTES", 1 << 20)
+    with pg.Model("smollm2", n_ctx=128, rpc=endpoints, split_mode="auto", progress=False, on_plan=plans.append) as m:
+        assert len(m.model.shards) == 2
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+    assert "split mode auto: tensor" in plans[1] and "vocab" in plans[1], plans[1]
+    # one device, -ngl N: whole layers, and why
+    with pg.Model("smollm2", n_ctx=128, rpc=endpoints[:1], split_mode="auto", progress=False,
+                  on_plan=plans.append):
+        pass
+    assert "fewer than two devices" in plans[2]
+
+
 def test_refusals_are_clear(rpc_pair):
     with pytest.raises(PlacementError, match="needs devices to divide"):
         pg.Model("smollm2", n_ctx=64, split_mode="tensor", progress=False)
@@ -153,8 +217,6 @@ def test_refusals_are_clear(rpc_pair):
         pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, ngl=4, split_mode="tensor", progress=False)
     with pytest.raises(PlacementError, match="split mode 'diagonal'"):
         pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="diagonal", progress=False)
-    with pytest.raises(ValueError, match="failover with split mode 'tensor'"):
-        pg.Model("smollm2", n_ctx=64, rpc=rpc_pair[0].endpoint, split_mode="tensor", failover=True, progress=False)
 
 
 # -- steps kept on the servers (rpc/steps.py) ------------------------------------------------------
