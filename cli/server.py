@@ -27,8 +27,11 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
 @click.option("--api-key", default=None, metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
 @click.option("--alias", default=None, help="Model name shown by /v1/models and in replies (default: the file name).")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
+              help="A request's headers must arrive within this time (of the connection, or of the previous "
+                   "response); else 408 and the connection is closed.")
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, max_queue,
-         api_key, alias) -> None:
+         api_key, alias, header_timeout) -> None:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
     /tokenize and /detokenize.
@@ -47,8 +50,11 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         import uvicorn
 
         from pyggml.server import State, create_app
+        from pyggml.server.protocol import with_header_deadline
     except ImportError as e:
         fail(f"pyggml-server needs the server extra: pip install 'pyggml[server]' ({e})")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty (an unset variable?): give a key, or leave --api-key out to serve without one")
     if n_batch < n_parallel:
         fail(f"-b/--batch-size ({n_batch}) must be at least -np/--parallel ({n_parallel})")
     n_ctx = -(-(ctx_size or 4096) // CTX_PAD) * CTX_PAD
@@ -64,7 +70,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
     state = State(alias, api_key, model)
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level if log_level != "warning" else "warning",
-                            lifespan="off", access_log=log_level in ("debug", "info"))
+                            lifespan="off", access_log=log_level in ("debug", "info"),
+                            http=with_header_deadline(header_timeout))
     server = uvicorn.Server(config)
 
     def load() -> None:

@@ -32,6 +32,10 @@ from .requests import BadRequest, Completion, parse_completion
 log = logging.getLogger("pyggml.server")
 
 MAX_BODY = 8 << 20  # bytes of one request body
+# /tokenize: characters of text it reads; with pieces, each token's reply costs ~50 bytes and
+# as many Python objects, so fewer
+MAX_TOKENIZE_CHARS = 1 << 20
+MAX_PIECES_CHARS = 1 << 18
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
                503: "unavailable_error"}
@@ -134,9 +138,19 @@ def create_app(state: State) -> Starlette:
             if len(data) > MAX_BODY:
                 raise HTTPException(413, f"the request body is larger than {MAX_BODY} bytes")
         try:
-            return json.loads(data)
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply") from None
+        try:  # a lone surrogate (\ud800) is valid JSON but no text: it reaches no tokenizer
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"the request body holds a string that is not valid Unicode ({e.reason}: "
+                             f"{e.object[e.start:e.end]!r})") from None
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply") from None
+        return body
 
     def endpoint(name: str, needs_engine: bool = True, needs_key: bool = True) -> Callable:
         """Wrap a handler with the key check, the 503 while loading, errors in OpenAI's shape
@@ -254,15 +268,20 @@ def create_app(state: State) -> Starlette:
         body = await body_of(request)
         if not isinstance(body, dict) or not isinstance(body.get("content"), str):
             raise BadRequest("'content' must be a string")
-        add_special = body.get("add_special", False)
-        if not isinstance(add_special, bool):
-            raise BadRequest("'add_special' must be true or false")
+        add_special, with_pieces = body.get("add_special", False), body.get("with_pieces", False)
+        if not isinstance(add_special, bool) or not isinstance(with_pieces, bool):
+            raise BadRequest("'add_special' and 'with_pieces' must be true or false")
+        limit = MAX_PIECES_CHARS if with_pieces else MAX_TOKENIZE_CHARS
+        if len(body["content"]) > limit:
+            raise BadRequest(f"'content' holds {len(body['content'])} characters; /tokenize reads at most {limit}"
+                             + (" with pieces" if with_pieces else ""))
         m = state.engine.model
 
-        def tokens() -> list:  # off the event loop: a long text takes a while
+        def tokens() -> bytes:  # off the event loop, the reply's encoding too: a long text takes a while
             ids = m.tokenize(body["content"], add_special or None, True)
-            return [{"id": t, "piece": m.detokenize([t], special=True)} for t in ids] if body.get("with_pieces") else ids
-        return JSONResponse({"tokens": await asyncio.to_thread(tokens)})
+            out = [{"id": t, "piece": m.detokenize([t], special=True)} for t in ids] if with_pieces else ids
+            return json.dumps({"tokens": out}, ensure_ascii=False, separators=(",", ":")).encode()
+        return Response(await asyncio.to_thread(tokens), media_type="application/json")
 
     @endpoint("detokenize")
     async def detokenize(request: Request) -> Response:

@@ -12,6 +12,7 @@ from pyggml.models.sampling import SamplingParams
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # each generated token is checked against every stop string
 MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_ID = 1 << 31
 
 
 class BadRequest(ValueError):
@@ -116,6 +117,9 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(p, str):
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad = [t for t in p if not 0 <= t < MAX_TOKEN_ID]
+        if bad:  # (the engine names ids outside the vocabulary; these are no machine integer)
+            raise BadRequest(f"token id {bad[0]} in 'prompt' is outside the vocabulary")
         return p
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
