@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--streams", type=int, default=0, help="also the aggregate tokens/s of this many concurrent "
                                                             "streams through pyggml-server (0: not measured)")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream asks for (its prompt is read "
+                                                                  "too: few tokens measure mostly prompts)")
     args = ap.parse_args()
     path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
@@ -196,7 +198,7 @@ def main() -> None:
                     rows[label]["exchanged"] = exchanged_per_token(m)
             if args.streams:
                 rows[label]["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
-                                                     args.tokens)
+                                                     args.stream_tokens)
             print(f"  {label}: done", file=sys.stderr, flush=True)
     finally:
         for s in servers:
@@ -210,7 +212,7 @@ def main() -> None:
         print(f"{label:<28} {r['decode_tps']:>12.2f} {r['decode_tps'] / base['decode_tps']:>7.2f} "
               f"{r['prompt_tps']:>13.1f} {r['prompt_tps'] / base['prompt_tps']:>7.2f}  {same}")
     if args.streams:
-        print(f"\n{args.streams} concurrent streams through pyggml-server, {args.tokens} tokens each")
+        print(f"\n{args.streams} concurrent streams through pyggml-server, {args.stream_tokens} tokens each")
         print(f"{'layout':<28} {'aggregate tok/s':>15} {'x one':>7}")
         for label, r in rows.items():
             print(f"{label:<28} {r['streams_tps']:>15.2f} {r['streams_tps'] / base['streams_tps']:>7.2f}")
