@@ -52,7 +52,7 @@ import numpy as np
 from .completion import Shape, TextStream, Usage
 from .context import Batch, ContextFullError, prompt_cut, reusable_prefix
 from .kv_cache import PAGE
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, checked_logit_bias
 
 log = logging.getLogger("pyggml.engine")
 
@@ -217,7 +217,7 @@ class Engine:
                top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                frequency_penalty: float = 0.0, presence_penalty: float = 0.0, seed: int | None = None,
                stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               include_usage: bool = False):
+               include_usage: bool = False, logit_bias: dict[int, float] | None = None):
         """Complete ``prompt`` or answer ``messages``: an iterator of OpenAI-shaped chunks
         (``stream``) or the whole reply as a dict.  Safe to call from several threads;
         closing the iterator early cancels the request."""
@@ -225,7 +225,8 @@ class Engine:
         ids = self.prompt_ids(prompt, messages)
         options = Options(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty,
                                                      frequency_penalty=frequency_penalty,
-                                                     presence_penalty=presence_penalty),
+                                                     presence_penalty=presence_penalty,
+                                                     logit_bias=checked_logit_bias(logit_bias, self.model.n_vocab)),
                           seed, [stop] if isinstance(stop, str) else list(stop or []), logprobs)
         events: queue.Queue[Event] = queue.Queue()
         req = self.start(ids, options, events.put)
@@ -541,9 +542,8 @@ class Engine:
         needs = [s.sampler.n_top(vocab) if s.req.options.logprobs is None else 0 for s in out_slots]
         if not needs or min(needs) == 0:
             return 0, None
-        penalizing = [s for s in out_slots if s.sampler.params.penalizes]
-        n_hist = min(self.n_ctx, max((s.sampler.window() for s in penalizing), default=0))
-        hist = np.stack([s.sampler.recent(s.history, n_hist) for s in out_slots])
+        n_hist = max(s.sampler.n_watched(self.n_ctx) for s in out_slots)
+        hist = np.stack([s.sampler.watched(s.history, n_hist) for s in out_slots])
         return max(needs), hist
 
     def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:

@@ -18,7 +18,7 @@ from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, checked_logit_bias
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("pyggml.models")
@@ -369,7 +369,7 @@ class Model:
 
     def generate(self, ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 seed: int | None = None) -> Iterator[int]:
+                 seed: int | None = None, logit_bias: dict[int, float] | None = None) -> Iterator[int]:
         """Yield sampled token ids after ``ids``; stops at an end-of-generation token, after
         ``max_tokens``, or when the context is full (``finish_reason`` says which)."""
         self._check_free()
@@ -378,18 +378,19 @@ class Model:
             raise ValueError("generate: the prompt has no tokens")
         if len(ids) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
-        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty,
+                                logit_bias=checked_logit_bias(logit_bias, self.n_vocab))
         sampler = Sampler(params, seed if seed is not None else self.seed)
         self.finish_reason = None
         history = ids
         # with top-k (or greedy), only the top of the row and the recent tokens' logits come back
         n_top = sampler.n_top(self.n_vocab)
-        n_hist = min(sampler.window(), self.n_ctx) if n_top and params.penalizes else 0
+        n_hist = sampler.n_watched(self.n_ctx) if n_top else 0
 
         def step(run: Callable[..., Any]) -> int:
             if not n_top:
                 return sampler.sample(self._guarded(run)[-1], history)
-            hist = sampler.recent(history, n_hist)[None, :]
+            hist = sampler.watched(history, n_hist)[None, :]
             top = self._guarded(lambda: run(n_top=n_top, hist=hist))
             return sampler.sample_top(top.ids[0], top.values[0], hist[0], top.hist_values[0], history)
 
@@ -451,11 +452,14 @@ class Model:
 
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                          stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False):
-        """Continue ``prompt`` (text, or token ids); a dict like OpenAI's, or chunks with ``stream``."""
+                          stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False,
+                          logit_bias: dict[int, float] | None = None):
+        """Continue ``prompt`` (text, or token ids); a dict like OpenAI's, or chunks with ``stream``.
+        ``logit_bias``: token id -> a value in [-100, 100] added to its logit before sampling."""
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt)
         return self._completion("text", ids, stream, max_tokens, stop, temperature=temperature, top_k=top_k,
-                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                                logit_bias=logit_bias)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -464,12 +468,14 @@ class Model:
     def create_chat_completion(self, messages: Sequence[dict[str, Any]], max_tokens: int | None = None,
                                temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                repeat_penalty: float = 1.0, stop: str | Sequence[str] | None = None,
-                               seed: int | None = None, stream: bool = False):
+                               seed: int | None = None, stream: bool = False,
+                               logit_bias: dict[int, float] | None = None):
         """Answer a conversation (``[{"role": "user", "content": ...}, ...]``) with the model's
         chat template; a dict like OpenAI's, or chunks with ``stream``."""
         ids = self.apply_chat_template(messages)
         return self._completion("chat", ids, stream, max_tokens, stop, temperature=temperature, top_k=top_k,
-                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                                logit_bias=logit_bias)
 
     def close(self) -> None:
         self._unplace()

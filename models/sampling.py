@@ -1,10 +1,10 @@
-"""Picking the next token from logits, in llama.cpp's default order: penalties (repetition,
-frequency, presence, over the last ``repeat_last_n`` tokens), top-k, top-p, min-p,
-temperature, then a draw.  Temperature <= 0 means greedy."""
+"""Picking the next token from logits, in llama.cpp's default order: logit biases (OpenAI's
+``logit_bias``), penalties (repetition, frequency, presence, over the last ``repeat_last_n``
+tokens), top-k, top-p, min-p, temperature, then a draw.  Temperature <= 0 means greedy."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,11 +21,36 @@ class SamplingParams:
     repeat_last_n: int = 64   # 0: no penalties, -1: the whole history
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def penalizes(self) -> bool:
         return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
                                             or self.presence_penalty != 0.0)
+
+
+MAX_LOGIT_BIAS = 1024  # biased tokens per request: each one's logit comes back every step
+
+
+def checked_logit_bias(bias: dict | None, n_vocab: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id, or its decimal string -> a value in [-100, 100]) as
+    {id: value}; ValueError naming what is wrong."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError("'logit_bias' must be an object mapping token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"'logit_bias' names {len(bias)} tokens, more than {MAX_LOGIT_BIAS}")
+    out = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else \
+            int(key) if isinstance(key, str) and key.strip().isdecimal() and len(key) < 12 else None
+        if token is None or not 0 <= token < n_vocab:
+            raise ValueError(f"'logit_bias' key {key!r} is not a token id of the vocabulary (0..{n_vocab - 1})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"'logit_bias' value {value!r} for token {token} must be a number in [-100, 100]")
+        out[token] = float(value)
+    return out
 
 
 class Sampler:
@@ -39,32 +64,53 @@ class Sampler:
 
     def n_top(self, n_vocab: int) -> int:
         """How many of the largest logits ``sample_top`` needs: top_k, and room for as many
-        tokens as the penalties can push down (or 0: a whole row is needed)."""
+        tokens as the penalties and negative biases can push down (or 0: a whole row is needed).
+        A token a bias pushes up is among the watched ones (``watched``), whose logits come
+        back whatever their rank."""
         p = self.params
         k = 1 if p.temperature <= 0 else p.top_k
         if not 0 < k < n_vocab:
             return 0
-        return min(n_vocab, k + (self.window() if p.penalizes else 0))
+        lowered = sum(1 for b in p.logit_bias.values() if b < 0)
+        return min(n_vocab, k + (self.window() if p.penalizes else 0) + lowered)
 
     def window(self) -> int:
         """The most distinct tokens the penalties look at."""
         p = self.params
         return p.repeat_last_n if p.repeat_last_n > 0 else 1 << 30
 
-    def recent(self, history: Sequence[int], n: int) -> np.ndarray:
-        """The distinct tokens the penalties apply to (sorted), padded with token 0 to ``n``
-        ids: those whose logits a top-k step brings back beside the top (a padding id's true
-        logit comes along, which changes no draw)."""
+    def n_watched(self, n_ctx: int) -> int:
+        """The most tokens ``watched`` names: the penalties' window (no more than the context
+        holds) and the biased tokens."""
+        p = self.params
+        return (min(self.window(), n_ctx) if p.penalizes else 0) + len(p.logit_bias)
+
+    def watched(self, history: Sequence[int], n: int) -> np.ndarray:
+        """The distinct tokens the biases and penalties apply to (sorted), padded with token 0
+        to ``n`` ids: those whose logits a top-k step brings back beside the top (a padding id's
+        true logit comes along, which changes no draw)."""
         p = self.params
         out = np.zeros(n, dtype=np.int32)
-        if p.penalizes and len(history) and n:
-            ids = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))[:n]
-            out[:ids.size] = ids
+        ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+        if p.penalizes and len(history):
+            ids = np.concatenate([ids, history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history])
+        ids = np.unique(ids)[:n]
+        out[:ids.size] = ids
         return out
 
     def _penalized(self, ids: np.ndarray, vals: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """``vals`` (the logits of ``ids``) with llama.cpp's penalties applied to the recent tokens."""
+        """``vals`` (the logits of ``ids``) with the biases added, then llama.cpp's penalties
+        applied to the recent tokens."""
         p = self.params
+        if p.logit_bias:
+            bias_ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+            bias = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+            order = np.argsort(bias_ids)
+            bias_ids, bias = bias_ids[order], bias[order]
+            at = np.minimum(np.searchsorted(bias_ids, ids), bias_ids.size - 1)
+            hit = np.flatnonzero(bias_ids[at] == ids)
+            vals = vals.copy()
+            vals[hit] += bias[at[hit]]
         if not p.penalizes or not len(history):
             return vals
         recent, count = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history),

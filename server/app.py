@@ -188,8 +188,8 @@ def create_app(state: State) -> Starlette:
         return wrap
 
     async def completion(request: Request, kind: str) -> Response:
-        c: Completion = parse_completion(await body_of(request), kind)
         engine = state.engine
+        c: Completion = parse_completion(await body_of(request), kind, engine.model.n_vocab)
         if c.model is not None and c.model not in state.names():
             return error(404, f"model {c.model!r} not found; this server serves {state.model_id!r}")
         try:

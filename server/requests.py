@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyggml.models.engine import Options
-from pyggml.models.sampling import SamplingParams
+from pyggml.models.sampling import SamplingParams, checked_logit_bias
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # each generated token is checked against every stop string
@@ -124,7 +124,7 @@ def _prompt(body: dict) -> str | list[int]:
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
-def parse_completion(body: Any, kind: str) -> Completion:
+def parse_completion(body: Any, kind: str, n_vocab: int) -> Completion:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     n = _integer(body, "n", 1)
@@ -158,6 +158,10 @@ def parse_completion(body: Any, kind: str) -> Completion:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
     )
+    try:
+        sampling.logit_bias = checked_logit_bias(body.get("logit_bias"), n_vocab)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
     seed = _integer(body, "seed", None, -2**63, 2**64 - 1)
     if seed is not None and seed < 0:
         seed = None  # llama-server's -1: a random seed

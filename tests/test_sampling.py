@@ -63,6 +63,9 @@ def test_frequency_and_presence_penalties_are_llama_cpps():
     dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.1, repeat_penalty=1.5, frequency_penalty=0.5),
     dict(temperature=0.7, top_k=10, presence_penalty=-1.5, frequency_penalty=-0.5),  # penalties that raise
     dict(temperature=0.9, top_k=3, repeat_penalty=3.0, repeat_last_n=8),
+    # biases that lift tokens from far down the row into the top k, and push the top ones out
+    dict(temperature=0.0, top_k=40, logit_bias={17: 30.0, 999: 12.5, 0: -100.0, 5: -3.0}),
+    dict(temperature=0.8, top_k=8, repeat_penalty=1.3, logit_bias={3: 9.0, 400: -9.0, 401: -9.0}),
 ])
 def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
     """What the head's device sends back under top-k (the n_top largest logits and the
@@ -74,11 +77,13 @@ def test_the_top_of_a_row_gives_the_draws_of_the_whole_row(params):
     for _ in range(200):
         row = (np.round(rng.standard_normal(1000) * 4) / 4).astype(np.float32)  # many equal values
         row[history[-3:]] += 3  # recent tokens near the top, where the penalties move them
+        lowered = [t for t, b in top.params.logit_bias.items() if b < 0]
+        row[lowered] += 4  # tokens at the top that their biases push down
         n_top = top.n_top(row.size)
         assert n_top == min(1000, (1 if params["temperature"] <= 0 else params["top_k"])
-                            + (top.window() if top.params.penalizes else 0))
+                            + (top.window() if top.params.penalizes else 0) + len(lowered))
         ids = top_k_indices(row, n_top)
-        hist = top.recent(history, min(top.window(), 64) if top.params.penalizes else 0)
+        hist = top.watched(history, top.n_watched(64))
         a = whole.sample(row, history)
         b = top.sample_top(ids, row[ids], hist, row[hist], history)
         assert a == b

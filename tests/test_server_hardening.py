@@ -133,3 +133,37 @@ def test_a_client_that_trickles_its_headers_is_cut_off(server):
             rest += chunk
         assert rest.startswith(b"HTTP/1.1 408"), rest
     still_serves(server)
+
+
+def test_logit_bias_has_openai_semantics(server):
+    """logit_bias is added to the logits before top-k (so a token far down the row can be
+    forced, and the top one banned), with OpenAI's bounds: ids of the vocabulary, values in
+    [-100, 100]."""
+    from .conftest import shared_model
+    local = shared_model("smollm2")
+    prompt = "The capital of France is"
+    ids = local.tokenize(prompt)
+    local.context.clear()
+    first = next(iter(local.generate(ids, max_tokens=1, temperature=0)))
+    forced = local.tokenize(" banana")[-1]
+
+    def complete(bias: dict) -> dict:
+        r = post(server, "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                  "logit_bias": bias})
+        assert r.status_code == 200, r.text
+        return r.json()
+    assert complete({str(forced): 100})["choices"][0]["text"] == local.detokenize([forced] * 4)
+    banned = complete({str(first): -100})["choices"][0]["text"]
+    local.context.clear()
+    want = list(local.generate(ids, max_tokens=4, temperature=0, logit_bias={first: -100}))
+    assert first not in want and banned == local.detokenize(want)
+    # the same through the Python API
+    local.context.clear()
+    assert local.create_completion(prompt, max_tokens=3, temperature=0, logit_bias={forced: 100})["choices"][0][
+        "text"] == local.detokenize([forced] * 3)
+    n_vocab = local.n_vocab
+    for bias, says in [({str(n_vocab): 1}, "not a token id"), ({"-1": 1}, "not a token id"), ({"x": 1}, "not a token"),
+                       ({"5": 101}, "[-100, 100]"), ({"5": "high"}, "[-100, 100]"), ([1, 2], "must be an object")]:
+        refused(post(server, "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "logit_bias": bias}),
+                400, says)
+    still_serves(server)
