@@ -175,9 +175,10 @@ def choose_split_mode(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: 
 
 
 def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
-                tensor_split: str | None) -> tuple[list[Shard], str]:
+                tensor_split: str | None, n_ctx: int = 2048, n_ubatch: int = 256) -> tuple[list[Shard], str]:
     """Split mode "tensor": every device before the CPU (RPC servers, GPUs) takes a share of
-    every layer, in proportion to ``-ts`` or to its free memory; the description lists them."""
+    every layer, in proportion to ``-ts`` or to its free memory; the description lists them.
+    A share larger than its device's free memory is an error that says how much is missing."""
     if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
         raise PlacementError(f"--split-mode tensor divides every layer among the devices; it cannot be combined "
                              f"with -ngl {ngl} (use auto or all)")
@@ -191,10 +192,28 @@ def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[D
         shards = plan_tensor_split(hp, chosen, [weights[d] for d in chosen])
     except SplitError as e:
         raise PlacementError(str(e)) from None
-    rows = [f"{'id':>3}  {'device':<28} share (split mode tensor; the first also holds the embedding and head)"]
+    need = [shard_bytes(f, hp, shards, i, n_ctx, n_ubatch) for i in range(len(shards))]
+    free_of = {s.device: devices[s.device].get_memory()[0] for s in shards}
+    rows = [f"{'id':>3}  {'device':<28} share (split mode tensor; the first also holds the embedding)"]
     rows += [f"{s.device:>3}  {devices[s.device].get_name():<28} {s.describe()}, "
-             f"{devices[s.device].get_memory()[0] / MiB:.0f} M free" for s in shards]
+             f"{n / MiB:.0f} MiB of {free_of[s.device] / MiB:.0f} M free" for s, n in zip(shards, need)]
+    over = [(s, n) for s, n in zip(shards, need) if n > free_of[s.device]]
+    if over:
+        raise PlacementError("the model does not fit the devices' memory with split mode tensor: " + "; ".join(
+            f"{devices[s.device].get_name()} would need {n / MiB:.0f} MiB and has {free_of[s.device] / MiB:.0f} MiB "
+            f"free ({(n - free_of[s.device]) / MiB:.0f} MiB missing)" for s, n in over))
     return shards, "\n".join(rows)
+
+
+def shard_bytes(f: GGUFFile, hp: HParams, shards: list[Shard], i: int, n_ctx: int, n_ubatch: int) -> int:
+    """What shard ``i`` needs on its device: its weights, its heads' KV cache (F16 keys and
+    values) and compute buffers as model_sizes reckons them, for its rows of the head too."""
+    s = shards[i]
+    weights = sum(t.nbytes() for t in shard_weights(f, shards, hp, {})[i].values())
+    kv_heads = s.kv_heads[1] - s.kv_heads[0]
+    kv = n_ctx * hp.n_layer * kv_heads * (hp.n_embd_head_k + hp.n_embd_head_v) * 2
+    compute = n_ubatch * (6 * hp.n_embd + 3 * hp.n_ff) * 4 + n_ubatch * (s.vocab_rows[1] - s.vocab_rows[0]) * 4
+    return weights + kv + compute
 
 
 def shard_weights(f: GGUFFile, shards: list[Shard], hp: HParams,
@@ -275,7 +294,7 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
     if split_mode == "auto":
         split_mode, chose = choose_split_mode(f, hp, ngl, devices, tensor_split)
     if split_mode == "tensor":
-        shards, description = plan_shards(f, hp, ngl, devices, tensor_split)
+        shards, description = plan_shards(f, hp, ngl, devices, tensor_split, n_ctx, n_ubatch)
         lead = shards[0].device
         placement = Placement(lead, lead, [lead] * hp.n_layer)
     else:

@@ -210,6 +210,20 @@ def test_split_mode_auto_divides_layers_only_where_they_are_large(rpc_pair, monk
     assert "fewer than two devices" in plans[2]
 
 
+def test_shares_that_do_not_fit_are_refused_before_any_weight_moves(start_server):
+    """Each server's share (its rows, its heads' cache, compute buffers) against its free
+    memory: too little is the plan's error, saying how much is missing, not a refused
+    allocation halfway through loading."""
+    servers = [start_server("--mem", "40M"), start_server("--mem", "40M")]
+    with pytest.raises(PlacementError, match=r"does not fit the devices' memory with split mode tensor: .* MiB missing"):
+        pg.Model("smollm2", n_ctx=256, rpc=[s.endpoint for s in servers], split_mode="tensor", progress=False)
+    from pyggml.rpc import connect
+    for s in servers:  # nothing was allocated: the whole budget is still free
+        (dev,) = connect(s.endpoint)
+        assert dev.get_memory()[0] == 40 << 20
+        dev.conn.close()
+
+
 def test_refusals_are_clear(rpc_pair):
     with pytest.raises(PlacementError, match="needs devices to divide"):
         pg.Model("smollm2", n_ctx=64, split_mode="tensor", progress=False)
