@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from importlib import resources
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -295,6 +296,16 @@ def create_app(state: State) -> Starlette:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{m.n_vocab - 1})")
         return JSONResponse({"content": await asyncio.to_thread(m.detokenize, ids)})
 
+    page = (resources.files("pyggml.server") / "static" / "chat.html").read_bytes()
+
+    async def chat_page(request: Request) -> Response:
+        """The chat page: one file of the package (no CDN: it works offline), speaking to this
+        API; it asks for the key itself when the API answers 401."""
+        return Response(page, media_type="text/html; charset=utf-8", headers={
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
+
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         if status == 405:
@@ -302,6 +313,7 @@ def create_app(state: State) -> Starlette:
         return error(status, f"no such endpoint: {request.method} {request.url.path}")
 
     routes = [
+        Route("/", chat_page, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
