@@ -5,12 +5,17 @@ import sys
 
 import click
 
-from .common import fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging
+from .common import fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging, version_option
+
+
+CTX_DEFAULT = 2048
 
 
 def _show_devices(rpc: str | None, rpc_key: str | None) -> None:
     from pyggml.models.loader import default_devices
-    for i, dev in enumerate([*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]):
+    devices = [*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]  # (an unreachable server: said first)
+    click.echo("devices:")
+    for i, dev in enumerate(devices):
         free, total = dev.get_memory()
         click.echo(f"  {i}: {dev.get_name():<12} {dev.get_description()}  type {dev.get_type().name}  "
                    f"memory {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
@@ -41,9 +46,11 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@model_options
+@version_option
+@model_options(ctx_default=CTX_DEFAULT)
 @click.option("-p", "--prompt", default=None, help="Answer this one message and exit (otherwise: interactive chat).")
-@click.option("-sys", "--system", "system", default=None, help="System message that opens the conversation.")
+@click.option("-sys", "--system", "--system-prompt", "system", default=None,
+              help="System message that opens the conversation.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=-1, show_default=True,
               help="Most tokens per answer (-1: until the model stops or the context is full).")
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
@@ -52,7 +59,8 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
 @click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p sampling; 0 = off.")
 @click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="Repetition penalty; 1 = off.")
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
-@click.option("--show-devices", is_flag=True, help="List the devices (with their ids for -ngl) and exit.")
+@click.option("--show-devices", "--list-devices", "show_devices", is_flag=True,
+              help="List the devices (with their ids for -ngl) and exit.")
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt, system, n_predict, temp, top_k,
          top_p, min_p, repeat_penalty, seed, show_devices, timings) -> None:
@@ -60,13 +68,19 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
 
     With -p, print one streamed answer and exit.  Without it, chat interactively: type a
     message and press Enter; /exit or Ctrl-D quits, Ctrl-C stops the current answer.
+
+    \b
+    Examples:
+      pyggml-chat                                        # SmolLM2 (downloaded once), interactive
+      pyggml-chat -m smollm2 -p "Name three colours." --temp 0
+      pyggml-chat -m model.gguf -sys "Answer briefly." -n 128
+      pyggml-chat -m model.gguf --rpc "50052;50053" -ngl auto --show-placement
     """
     setup_logging(log_level)
     if show_devices:
-        click.echo("devices:")
         _show_devices(rpc, rpc_key)
         return
-    m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=ctx_size or 2048, ngl=ngl, rpc=rpc,
+    m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=ctx_size or CTX_DEFAULT, ngl=ngl, rpc=rpc,
                            rpc_key=rpc_key, seed=seed, n_threads=threads)
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,
                     min_p=min_p, repeat_penalty=repeat_penalty)
@@ -77,7 +91,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
             if timings:
                 _print_timings(m)
             return
-        click.echo(f"{m.name}: chat started; /exit or Ctrl-D to quit, Ctrl-C stops an answer.", err=True)
+        click.echo(f"{m.describe()}: chat started; /exit or Ctrl-D to quit, Ctrl-C stops an answer.", err=True)
         while True:
             try:
                 line = input("> ")

@@ -71,15 +71,24 @@ def rpc_devices_or_exit(rpc: str | None, rpc_key: str | None) -> list:
         fail(str(e))
 
 
+def version_option(f: Callable) -> Callable:
+    """--version: the installed pyggml's, as every command prints it."""
+    return click.version_option(package_name="pyggml", message="%(prog)s (pyggml) %(version)s")(f)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-def model_options(f: Callable) -> Callable:
+def model_options(f: Callable | None = None, *, ctx_default: int | None = None) -> Callable:
     """-m, -c, -ngl, -ts, -sm, --show-placement, --dry-run, --rpc, --rpc-key, --rpc-spare, --failover,
     --threads, --log-level (shared by the tools that load a model).  The placement and
-    failover flags reach the command as one ``loading`` dict, for load_model_or_exit."""
+    failover flags reach the command as one ``loading`` dict, for load_model_or_exit.
+    ``ctx_default``: the command's context size when -c is not given (its help says it)."""
+    if f is None:
+        return functools.partial(model_options, ctx_default=ctx_default)
+
     @functools.wraps(f)
     def command(*args: Any, tensor_split: str | None, split_mode: str, show_placement: bool, dry_run: bool,
                 failover: bool, rpc_spare: str | None, use_mmap: bool | None, **kwargs: Any) -> Any:
@@ -89,8 +98,8 @@ def model_options(f: Callable) -> Callable:
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
-        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=16), default=None,
-                     help="Context size in tokens."),
+        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=16), default=ctx_default,
+                     show_default=ctx_default is not None, help="Context size in tokens."),
         click.option("-ngl", "--n-gpu-layers", "ngl", default=None, metavar="SPEC",
                      help="Layer placement, '[id:]spec[;id:spec]...' with spec = N | prolog | epilog | all "
                           "(comma-joined). Device ids: RPC endpoints, then GPUs, then the CPU. "

@@ -12,7 +12,7 @@ import time
 import click
 import numpy as np
 
-from .common import fail, load_model_or_exit, model_options, setup_logging
+from .common import fail, load_model_or_exit, model_options, setup_logging, version_option
 
 
 def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -24,7 +24,8 @@ def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@model_options
+@version_option
+@model_options(ctx_default=512)
 @click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
               help="Text file to score.")
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Most chunks to score (-1: all).")

@@ -1,6 +1,7 @@
 """pyggml-rpc-server: offer this machine's devices to remote pyggml clients."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .common import fail, setup_logging
+from .common import fail, setup_logging, version_option
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_CACHE = Path("~/.cache/pyggml/rpc").expanduser()
@@ -71,6 +72,7 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option
 @click.argument("listen", required=False, metavar="[PORT[@DEVICE] | HOST:PORT[@DEVICE]]")
 @click.option("-d", "--device", "device_specs", multiple=True, metavar="ID|NAME",
               help="Device to offer (index or name such as CPU, CUDA0); repeat for several. Default: device 0.")
@@ -114,7 +116,7 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 @click.option("--idle-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
               help="Close a client's connection that holds nothing (no buffer, no link) after this long "
                    "without a request.")
-@click.option("--list-devices", is_flag=True, help="List the devices and exit.")
+@click.option("--list-devices", "--show-devices", "list_devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
@@ -141,9 +143,6 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         generate_key(gen_key)
         return
     devices = local_devices()
-    if not list_devices:  # a first compile would otherwise stall every client's first request
-        from .common import compile_kernels_once
-        compile_kernels_once()
     if list_devices:
         click.echo("devices:")
         for i, d in enumerate(devices):
@@ -199,7 +198,13 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                            cache_max=parse_size(cache_max), files=files, peer_links=not no_peers,
                            peer_tls=peer_key, peer_networks=networks, transport=transport, curve=curve, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
     except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
-        fail(f"cannot start the server on {host}:{l_port}: {e}")
+        if getattr(e, "errno", None) == errno.EADDRINUSE:
+            fail(f"port {l_port} is in use on {host}; choose another with --port")
+        fail(f"cannot start the server on {host}:{l_port}: {getattr(e, 'strerror', None) or e}")
+    # bound first (a port in use is said at once), then the kernels compiled before the first
+    # request is read: a first compile would otherwise stall every client's first request
+    from .common import compile_kernels_once
+    compile_kernels_once()
     shown = server.endpoint if "://" in server.endpoint else f"tcp://{server.endpoint}"
     click.echo(f"pyggml-rpc-server listening on {shown}, protocol version {PROTOCOL_VERSION}"
                + (", TLS on" if key else "") + (", CurveZMQ on" if curve else ""))

@@ -1,20 +1,23 @@
 """pyggml-server: an OpenAI-compatible HTTP server with continuous batching (llama-server's flags)."""
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 import threading
 
 import click
 
-from .common import fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging
+from .common import fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging, version_option
 from .rpc_server import LOCAL_HOSTS
 
 CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@model_options
+@version_option
+@model_options(ctx_default=4096)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Any other than 127.0.0.1 is reachable from the network: set --api-key.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port to listen on.")
@@ -64,10 +67,13 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
                       failover=loading["failover"], rpc_spare=loading["rpc_spare"], use_mmap=loading["use_mmap"])
     if loading["dry_run"]:
         load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits
+    sock = bind_or_exit(host, port)  # before the model loads: a port in use is said at once
     if host not in LOCAL_HOSTS:
         click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
                    f"connect may use it" + ("" if api_key else "; consider --api-key"), err=True)
-    state = State(alias, api_key, model)
+    if log_level not in ("error", "critical"):
+        logging.getLogger("pyggml.server.access").setLevel(logging.INFO)  # a line per request, as llama-server
+    state = State(alias, api_key)
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level if log_level != "warning" else "warning",
                             lifespan="off", access_log=log_level in ("debug", "info"),
@@ -98,13 +104,38 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
 
     threading.Thread(target=load, name="pyggml-load", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn stops on Ctrl-C, then raises it again: the stop is clean
+        pass
     finally:
         if state.engine is not None:
             state.engine.close()
             state.engine.model.close()
     if state.load_error is not None:
         sys.exit(1)
+    click.echo("pyggml-server: stopped", err=True)
+
+
+def bind_or_exit(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now, or a one-line error (a port in use, an address this
+    machine does not have)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        fail(f"--host {host}: {e.strerror}")
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            fail(f"port {port} is in use on {host}; choose another with --port")
+        fail(f"cannot listen on {host}:{port}: {e.strerror}")
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

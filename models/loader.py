@@ -2,6 +2,7 @@
 tensor lives (``-ngl``), and load the weights into those devices' buffers."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from . import gemma3, llama, qwen2, qwen3, qwen3moe
 from .hparams import HParams
 from .placement import MiB, Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
 from .tensor_split import FileSlice, Shard, SplitError, plan_tensor_split, shard_rows, shard_tensor
+
+log = logging.getLogger("pyggml.models")
 
 ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe,
                                          "gemma3": gemma3}
@@ -131,6 +134,9 @@ def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
         placement = plan_auto(sizes, names, free, parse_split(tensor_split, len(devices) - 1))
     else:
         placement = parse_ngl(ngl, hp.n_layer, names)
+        spec = str(ngl).strip().lower()
+        if len(devices) == 1 and (spec in ("all", "-1") or spec.isdigit() and int(spec) > 0):
+            log.warning("-ngl %s: there is no GPU here and no --rpc server; every layer runs on the CPU", ngl)
     return placement, describe(placement, sizes, names, free)
 
 
@@ -196,7 +202,7 @@ def plan_shards(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[D
     free_of = {s.device: devices[s.device].get_memory()[0] for s in shards}
     rows = [f"{'id':>3}  {'device':<28} share (split mode tensor; the first also holds the embedding)"]
     rows += [f"{s.device:>3}  {devices[s.device].get_name():<28} {s.describe()}, "
-             f"{n / MiB:.0f} MiB of {free_of[s.device] / MiB:.0f} M free" for s, n in zip(shards, need)]
+             f"{n / MiB:.0f} MiB of {free_of[s.device] / MiB:.0f} MiB free" for s, n in zip(shards, need)]
     over = [(s, n) for s, n in zip(shards, need) if n > free_of[s.device]]
     if over:
         raise PlacementError("the model does not fit the devices' memory with split mode tensor: " + "; ".join(

@@ -346,6 +346,23 @@ class Model:
     def name(self) -> str:
         return self.model.name
 
+    def describe(self) -> str:
+        """The file, its ``general.name`` as written, its size class and type, e.g.
+        ``SmolLM2-135M-Instruct.Q4_1.gguf ("Smollm2 135M ...", 135M, Q4_1, 90 MiB)``."""
+        g = self.model.gguf
+        parts = [f'"{g.get("general.name")}"'] if g.get("general.name") else []
+        if g.get("general.size_label"):
+            parts.append(str(g.get("general.size_label")))
+        kind = g.get("general.file_type")
+        if kind is not None:
+            try:
+                import gguf
+                parts.append(gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_"))
+            except ValueError:
+                pass
+        parts.append(f"{self.path.stat().st_size / 2**20:.0f} MiB")
+        return f"{self.path.name} ({', '.join(parts)})"
+
     @property
     def timings(self):
         return self.context.timings

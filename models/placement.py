@@ -199,14 +199,14 @@ def _fit(p: Placement, sizes: Sizes, free: list[int], candidates: list[int]) -> 
 
 def describe(p: Placement, sizes: Sizes, names: list[str], free: list[int]) -> str:
     """The plan as a table: per device its id, name, layers, weight, KV and free MiB."""
-    rows = [f"{'id':>3}  {'device':<28} {'layers':<16} {'weights':>9} {'KV':>8} {'free':>10}"]
+    rows = [f"{'id':>3}  {'device':<28} {'layers':<16} {'weights':>11} {'KV':>10} {'free':>12}"]
     for d in p.used():
         mine = [il for il, x in enumerate(p.layers) if x == d]
         spanned = spans(mine)
         extra = [s for s, on in (("prolog", p.prolog == d), ("epilog", p.epilog == d)) if on]
         weights, kv = sizes.need(p, d)
         rows.append(f"{d:>3}  {names[d]:<28} {','.join([spanned] * bool(spanned) + extra):<16} "
-                    f"{weights / MiB:>7.1f} M {kv / MiB:>6.1f} M {free[d] / MiB:>8.0f} M")
+                    f"{weights / MiB:>7.1f} MiB {kv / MiB:>6.1f} MiB {free[d] / MiB:>8.0f} MiB")
     return "\n".join(rows)
 
 

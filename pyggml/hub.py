@@ -99,4 +99,8 @@ def resolve(path_or_alias: str | os.PathLike | None) -> Path:
     name = str(path_or_alias)
     if name in KNOWN_MODELS:
         return fetch(name)
-    return Path(name).expanduser()
+    path = Path(name).expanduser()
+    if not path.exists():
+        from .gguf import GGUFError
+        raise GGUFError(path, f"no such file, nor a known model alias ({', '.join(KNOWN_MODELS)})")
+    return path

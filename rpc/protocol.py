@@ -224,8 +224,10 @@ def parse_endpoint(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = "127.0.0.1", text
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not port.isdigit():
         raise ValueError(f"bad RPC endpoint {text!r}: expected PORT, HOST:PORT or zmq://HOST:PORT")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"bad RPC endpoint {text!r}: port {int(port)} is out of range (1..65535)")
     return f"{host or '127.0.0.1'}:{int(port)}"
 
 

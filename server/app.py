@@ -31,6 +31,7 @@ from pyggml.models.engine import Engine, EngineStopped, Event, QueueFullError, R
 from .requests import BadRequest, Completion, parse_completion
 
 log = logging.getLogger("pyggml.server")
+access = logging.getLogger("pyggml.server.access")  # one line per request (pyggml-server logs it by default)
 
 MAX_BODY = 8 << 20  # bytes of one request body
 # /tokenize: characters of text it reads; with pieces, each token's reply costs ~50 bytes and
@@ -51,9 +52,8 @@ def error(status: int, message: str) -> JSONResponse:
 class State:
     """What the handlers share: the engine once the model is loaded, or why there is none."""
 
-    def __init__(self, alias: str | None, api_key: str | None, model_arg: str | None = None) -> None:
+    def __init__(self, alias: str | None, api_key: str | None) -> None:
         self.alias = alias
-        self.model_arg = model_arg  # what -m said (a path or a known alias): a name clients may use
         self.api_key = api_key
         self.engine: Engine | None = None
         self.load_error: str | None = None
@@ -64,12 +64,6 @@ class State:
         if self.alias:
             return self.alias
         return self.engine.model.path.name if self.engine is not None else "loading"
-
-    def names(self) -> set[str]:
-        names = {self.model_id} | ({self.model_arg} if self.model_arg else set())
-        if self.engine is not None:
-            names |= {self.engine.model.path.name, self.engine.model.path.stem}
-        return names
 
     def unavailable(self, health: bool = False) -> JSONResponse | None:
         """The 503 to answer while there is no working engine (for ``health``, also while the
@@ -158,8 +152,11 @@ def create_app(state: State) -> Starlette:
         and the request counter."""
         def wrap(handler: Callable) -> Callable:
             async def run(request: Request) -> Response:
+                request.state.t0 = time.perf_counter()
                 response = await _run(request)
                 requests_total.labels(name, str(response.status_code)).inc()
+                if not getattr(request.state, "streaming", False):  # (a stream says its line as it ends)
+                    log_request(request, response.status_code, getattr(request.state, "usage", None))
                 return response
 
             async def _run(request: Request) -> Response:
@@ -191,8 +188,8 @@ def create_app(state: State) -> Starlette:
     async def completion(request: Request, kind: str) -> Response:
         engine = state.engine
         c: Completion = parse_completion(await body_of(request), kind, engine.model.n_vocab)
-        if c.model is not None and c.model not in state.names():
-            return error(404, f"model {c.model!r} not found; this server serves {state.model_id!r}")
+        # any model name is served by the one model, as llama-server does (OpenAI code names its
+        # own); the reply's "model" says which one answered
         try:
             ids = await asyncio.to_thread(engine.prompt_ids, c.prompt, c.messages)
             engine.check_prompt(ids)
@@ -215,11 +212,16 @@ def create_app(state: State) -> Starlette:
                         return error(503 if engine.failure else 500, ev.error)
                     replies.add(ev)
                     if ev.kind == "done":
+                        request.state.usage = replies.usage
                         return JSONResponse(replies.reply())
             finally:
                 req.cancel()
 
+        request.state.streaming = True
+        usage = None
+
         async def sse() -> AsyncIterator[bytes]:
+            nonlocal usage
             try:
                 for chunk in replies.first():
                     yield _sse(chunk)
@@ -231,10 +233,12 @@ def create_app(state: State) -> Starlette:
                     for chunk in replies.chunks(ev):
                         yield _sse(chunk)
                     if ev.kind == "done":
+                        usage = ev.usage
                         yield b"data: [DONE]\n\n"
                         return
             finally:
                 req.cancel()  # the client went away, or the reply ended: the slot is free either way
+                log_request(request, 200, usage, "" if usage is not None else " (ended early)")
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -326,6 +330,16 @@ def create_app(state: State) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def log_request(request: Request, status: int, usage=None, note: str = "") -> None:
+    """llama-server's line per request: who, what, the status, the tokens, the time."""
+    if not access.isEnabledFor(logging.INFO):
+        return
+    tokens = f" {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens" if usage else ""
+    ms = (time.perf_counter() - getattr(request.state, "t0", time.perf_counter())) * 1000
+    client = request.client.host if request.client else "-"
+    access.info("%s %s %s %d%s %.0f ms%s", client, request.method, request.url.path, status, tokens, ms, note)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

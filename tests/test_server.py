@@ -225,7 +225,6 @@ def test_metrics_parse_and_move(server):
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "'n' must be 1"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [1]}, 400, "'stop'"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["x" * 300]}, 400, "longer than 256"),
-    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "not found"),
     ("/v1/completions", {"prompt": "word " * 3000}, 400, "more than the context"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
@@ -238,6 +237,14 @@ def test_errors_have_openais_shape(server, path, body, status, words):
     err = r.json()["error"]
     assert words in err["message"] and err["code"] == status and isinstance(err["type"], str)
     assert httpx.get(server.url + "/health").status_code == 200  # and it keeps serving
+
+
+def test_any_model_name_is_served_by_the_one_model(server):
+    """As llama-server: existing OpenAI code names its own model; the reply says which served it."""
+    client = server.client()
+    served = client.models.list().data[0].id
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=CHAT, max_tokens=2, temperature=0)
+    assert r.model == served and r.usage.completion_tokens == 2
 
 
 def test_openai_client_sees_the_errors(server):
