@@ -5,7 +5,8 @@ import sys
 
 import click
 
-from .common import fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging, version_option
+from .common import (Terminal, fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging,
+                     version_option)
 
 
 CTX_DEFAULT = 2048
@@ -39,9 +40,11 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
                 parts.append(piece)
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
+                Terminal.mid_line = not piece.endswith("\n")
     except KeyboardInterrupt:
         click.echo(" [stopped]", nl=False)
     click.echo()
+    Terminal.mid_line = False
     return "".join(parts)
 
 

@@ -76,9 +76,26 @@ def version_option(f: Callable) -> Callable:
     return click.version_option(package_name="pyggml", message="%(prog)s (pyggml) %(version)s")(f)
 
 
+class Terminal:
+    """Whether an answer being streamed to stdout has left its line open."""
+    mid_line = False
+
+
+class LineEndingHandler(logging.StreamHandler):
+    """A log line never lands in the middle of a streamed answer's line: it ends that line on
+    stderr first (stdout, the answer, is left as it is)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if Terminal.mid_line:
+            Terminal.mid_line = False
+            self.stream.write("\n")
+        super().emit(record)
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING), stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    handler = LineEndingHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING), handlers=[handler])
 
 
 def model_options(f: Callable | None = None, *, ctx_default: int | None = None) -> Callable:

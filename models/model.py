@@ -18,6 +18,7 @@ from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
+from .placement import spans
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 from .tokenizer import Tokenizer
 
@@ -323,15 +324,31 @@ class Model:
                 raise RPCError(endpoint, f"{reason}; failover found no room on the devices left "
                                          f"({', '.join(d.get_name() for d in self.rpc_devices) or 'none'}): {e}") \
                     from None
-            used = sorted({self.model.devices[i].get_name() for i in self.model.used_devices()})
             self._unplaced_history = None
-            log.warning("%s (%s); placed on %s; recovered in %.1f s",
+            log.warning("%s (%s); recovered in %.1f s; the model is now on\n%s",
                         "lost " + ", ".join(sorted(self.lost_endpoints)) if first else "placed anew",
-                        reason, ", ".join(used), time.perf_counter() - t0)
+                        reason, time.perf_counter() - t0, "\n".join(self.placement_lines()))
             self.recoveries.append((time.time(), reason, time.perf_counter() - t0))
             del self.recoveries[:-64]
             return
         raise RPCError(getattr(error, "endpoint", "RPC"), f"{reason}; servers kept being lost while recovering")
+
+    def placement_lines(self) -> list[str]:
+        """Each device and what it holds, one line each: every RPC server connected (a spare
+        the plan did not need says so) and the local devices that hold something."""
+        m = self.model
+        lines = []
+        for i, dev in enumerate(m.devices):
+            if m.shards:
+                share = next((s.describe() for s in m.shards if s.device == i), None)
+            else:
+                layers = [il for il, d in enumerate(m.placement.layers) if d == i]
+                ends = [x for x, on in (("prolog", m.placement.prolog == i), ("epilog", m.placement.epilog == i)) if on]
+                share = ", ".join(([f"layers {spans(layers)}"] if layers else []) + ends) or None
+            if share is None and getattr(dev, "conn", None) is None:
+                continue  # a local device that holds nothing
+            lines.append(f"  {dev.get_name()}: {share or 'nothing (the others hold the whole model)'}")
+        return lines
 
     # -- properties ---------------------------------------------------------------------------------
     @property

@@ -111,6 +111,18 @@ class EngineMetrics:
                                 value=st.recovery_seconds)
         yield GaugeMetricFamily("pyggml_recovering", "1 while the model is being placed anew",
                                 value=int(e.recovering is not None))
+        # llama-server's names, where they mean the same, for the dashboards that read them (its
+        # prompt and predict seconds are not: a step here decodes both at once)
+        yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.",
+                                  value=st.prompt_tokens)
+        yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.",
+                                  value=st.generated_tokens)
+        yield CounterMetricFamily("llamacpp:n_decode", "Total number of llama_decode() calls", value=st.steps)
+        yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                                value=e.ctx.kv.n_used / e.n_ctx if e.n_ctx else 0.0)
+        yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=e.ctx.kv.n_used)
+        yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", value=e.busy_slots)
+        yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", value=e.queued)
         dev = CounterMetricFamily("pyggml_device_seconds", "Compute time per device", labels=["device"])
         for name, seconds in sorted(e.ctx.sched.busy_seconds.items()):
             dev.add_metric([name], seconds)

@@ -79,6 +79,9 @@ def test_a_spare_takes_the_lost_servers_place(start_server):
         assert got == want
         names = {m.model.devices[d].get_name() for d in m.model.placement.used()}
         assert f"RPC[{spare.endpoint}]" in names and f"RPC[{servers[0].endpoint}]" not in names
+        lines = m.placement_lines()  # what the recovery's log line lists: the spare among them
+        assert any(line.startswith(f"  RPC[{spare.endpoint}]: layers") for line in lines), lines
+        assert not any(servers[0].endpoint in line for line in lines), lines
 
 
 def test_a_server_that_comes_back_is_attached_again(start_server):
@@ -133,6 +136,10 @@ def test_pyggml_chat_with_failover(start_server):
     assert p.returncode == 0, err.decode()
     assert first + rest == want
     assert b"lost" in err and servers[1].endpoint.encode() in err
+    # the warning ends the answer's open line first (on stderr: the answer is left whole), and
+    # the placement after it is on lines of its own, every server named
+    assert b"\nWARNING pyggml.models: lost" in err, err.decode()
+    assert f"\n  RPC[{servers[0].endpoint}]: layers 0-29, prolog, epilog".encode() in err, err.decode()
 
 
 def test_a_second_loss_while_recovering_is_one_more_loss(start_server, monkeypatch, caplog):

@@ -208,6 +208,12 @@ def test_metrics_parse_and_move(server):
     assert after["pyggml_prompt_tokens_total"] > before["pyggml_prompt_tokens_total"]
     assert after["pyggml_slots"] == 4 and after["pyggml_kv_cells"] == 2048
     assert after["pyggml_device_seconds_total"] > before.get("pyggml_device_seconds_total", 0)
+    # llama-server's names too, for its dashboards
+    assert after["llamacpp:tokens_predicted_total"] == before["llamacpp:tokens_predicted_total"] + 3
+    assert after["llamacpp:prompt_tokens_total"] == after["pyggml_prompt_tokens_total"]
+    assert after["llamacpp:n_decode_total"] > before["llamacpp:n_decode_total"]
+    assert 0 < after["llamacpp:kv_cache_usage_ratio"] <= 1 and after["llamacpp:kv_cache_tokens"] > 0
+    assert after["llamacpp:requests_processing"] == 0 and after["llamacpp:requests_deferred"] == 0
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'pyggml_requests_total\{endpoint="completions",status="200"\} [1-9]', text)
 
