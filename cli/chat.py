@@ -5,6 +5,8 @@ import sys
 
 import click
 
+from pyggml.models.chat import NAMED_TEMPLATES, ChatTemplate
+
 from .common import (Terminal, fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging,
                      version_option)
 
@@ -48,6 +50,21 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
     return "".join(parts)
 
 
+def _continue(model, text: str, sampling: dict) -> None:
+    """Stream the continuation of ``text`` (a base model's completion) to stdout."""
+    try:
+        for chunk in model.create_completion(text, stream=True, **sampling):
+            piece = chunk["choices"][0]["text"]
+            if piece:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+                Terminal.mid_line = not piece.endswith("\n")
+    except KeyboardInterrupt:
+        click.echo(" [stopped]", nl=False)
+    click.echo()
+    Terminal.mid_line = False
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option
 @model_options(ctx_default=CTX_DEFAULT)
@@ -65,8 +82,11 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
 @click.option("--show-devices", "--list-devices", "show_devices", is_flag=True,
               help="List the devices (with their ids for -ngl) and exit.")
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
+@click.option("--chat-template", "chat_template", type=click.Choice(sorted(NAMED_TEMPLATES)), default=None,
+              help="Talk in this turn format. By default the file's own template; a file with none is a base "
+                   "model, whose -p text is continued as given.")
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt, system, n_predict, temp, top_k,
-         top_p, min_p, repeat_penalty, seed, show_devices, timings) -> None:
+         top_p, min_p, repeat_penalty, seed, show_devices, timings, chat_template) -> None:
     """Chat with a GGUF model (llama, qwen2, qwen3, gemma3).
 
     With -p, print one streamed answer and exit.  Without it, chat interactively: type a
@@ -88,12 +108,22 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,
                     min_p=min_p, repeat_penalty=repeat_penalty)
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    base = m.chat_template.builtin and chat_template is None  # the file has no turn format: a base model
+    if chat_template is not None:
+        m.chat_template = ChatTemplate(NAMED_TEMPLATES[chat_template], m.model.hp.arch,
+                                       m.chat_template.bos_token, m.chat_template.eos_token)
     try:
         if prompt is not None:
-            _answer(m, messages + [{"role": "user", "content": prompt}], sampling)
+            if base:  # continued as given, as llama.cpp's completion does
+                _continue(m, prompt, sampling)
+            else:
+                _answer(m, messages + [{"role": "user", "content": prompt}], sampling)
             if timings:
                 _print_timings(m)
             return
+        if base:
+            click.echo(f"note: {m.path.name} has no chat template (a base model?): its answers may ramble; the "
+                       f"built-in {m.model.hp.arch} turn format is used (--chat-template picks one).", err=True)
         click.echo(f"{m.describe()}: chat started; /exit or Ctrl-D to quit, Ctrl-C stops an answer.", err=True)
         while True:
             try:

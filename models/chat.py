@@ -31,6 +31,7 @@ CHATML_TEMPLATE = (
 
 FALLBACK_TEMPLATES = {"gemma3": GEMMA_TEMPLATE, "llama": CHATML_TEMPLATE, "qwen2": CHATML_TEMPLATE,
                       "qwen3": CHATML_TEMPLATE}
+NAMED_TEMPLATES = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE}  # --chat-template NAME
 
 
 class ChatTemplateError(ValueError):

@@ -171,10 +171,10 @@ class Engine:
         model.engine = self
         self._thread = threading.Thread(target=self._loop, name="pyggml-engine", daemon=True)
         self._thread.start()
-        self._prober = None
-        if model.failover:
-            self._prober = threading.Thread(target=self._probe, name="pyggml-reattach", daemon=True)
-            self._prober.start()
+        # lost servers are tried again in the background, with failover or without: a server
+        # that comes back is taken back (without failover the engine serves again only then)
+        self._prober = threading.Thread(target=self._probe, name="pyggml-reattach", daemon=True)
+        self._prober.start()
 
     # -- submitting ---------------------------------------------------------------------------------
     @property
@@ -387,12 +387,21 @@ class Engine:
         message = str(e) or type(e).__name__
         log.error("decoding failed: %s", message, exc_info=not isinstance(e, RPCError))
         self.stats.errors += 1
+        if isinstance(e, RPCError) and not self.model.failover:
+            try:  # the lost server joins lost_endpoints, which the prober tries again
+                self.model._drop_dead(self.model._culprit(e))
+            except Exception as again:  # noqa: BLE001 - closing what is gone
+                log.debug("forgetting the lost server: %s", again)
         with self._cond:
             if isinstance(e, RPCError):
                 self.failure = f"lost a device: {message}"
                 if self.model.failover:  # the prober keeps trying the lost servers
                     self.failure = (f"recovering: {self.failure}; serving again once enough servers are back "
                                     f"(tried every {REATTACH_INTERVAL_S:.0f} s)")
+                else:
+                    self.failure += (f"; serving again when it is back (tried every {REATTACH_INTERVAL_S:.0f} s): "
+                                     f"restart it, or restart this server, or use --failover to go on with "
+                                     f"the servers left")
             self._fail_all(message if self.failure is None else self.failure, queued=self.failure is not None)
         for s in self.slots:  # their cells may hold half-written steps
             s.tokens = []

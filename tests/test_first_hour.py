@@ -99,3 +99,21 @@ def test_the_chat_banner_names_the_file_its_name_size_and_type():
     text = shared_model("smollm2").describe()
     assert text.startswith("SmolLM2-135M-Instruct.Q4_1.gguf (") and '"Smollm2 135M' in text
     assert "135M" in text and "Q4_1" in text and text.endswith("MiB)")
+
+
+def test_a_model_without_a_chat_template_is_a_base_model():
+    """Gemma 3 270M's file carries no chat template: -p continues the text as given (the
+    README's example), interactive chat says so once, --chat-template picks a turn format."""
+    from .conftest import shared_model
+    text = "The three primary colours are"
+    m = shared_model("gemma3-270m")
+    m.context.clear()
+    want = m.create_completion(text, max_tokens=8, temperature=0)["choices"][0]["text"]
+    r = run_cli("pyggml.cli.chat", "-m", "gemma3-270m", "-p", text, "-n", "8", "--temp", "0")
+    assert r.returncode == 0 and r.stdout == want + "\n", (r.stdout, want)
+    r = subprocess.run([sys.executable, "-m", "pyggml.cli.chat", "-m", "gemma3-270m"], input="/exit\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr.count("has no chat template") == 1, r.stderr
+    r = run_cli("pyggml.cli.chat", "-m", "gemma3-270m", "-p", "Name three colours.", "-n", "4", "--temp", "0",
+                "--chat-template", "gemma")
+    assert r.returncode == 0 and "has no chat template" not in r.stderr

@@ -256,8 +256,8 @@ def test_any_model_name_is_served_by_the_one_model(server):
 def test_openai_client_sees_the_errors(server):
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
         server.client().chat.completions.create(model="smollm2", messages=CHAT, n=3)
-    with pytest.raises(openai.NotFoundError):
-        server.client().chat.completions.create(messages=CHAT, model="no-such-model")
+    with pytest.raises(openai.NotFoundError):  # (any model name is served: a route that is not)
+        server.client().models.retrieve("no-such-model")
 
 
 def test_api_key(keyed):
@@ -403,5 +403,36 @@ def test_failover_keeps_streams_going(start_server, tmp_path):
             time.sleep(0.2)
         r = c.completions.create(model="smollm2", prompt=prompts[1], max_tokens=40, temperature=0)
         assert r.choices[0].text == want[prompts[1]]
+    finally:
+        s.stop()
+
+
+def test_without_failover_a_server_that_comes_back_is_taken_back(start_server, tmp_path):
+    """No --failover: a lost RPC server makes the server answer 503 saying what to do (wait,
+    restart, or --failover); when the RPC server is back, it is taken back and requests are
+    served again, with the text of an uninterrupted run - no restart needed."""
+    prompt = "The history of the clock begins"
+    m = shared_model("smollm2")
+    m.context.clear()
+    want = m.create_completion(prompt, max_tokens=12, temperature=0)["choices"][0]["text"]
+    servers = [start_server(), start_server()]
+    s = HTTPServer("-m", "smollm2", "-c", "1024", "-np", "1", "--rpc", ";".join(x.endpoint for x in servers),
+                   log_path=tmp_path / "nofailover.log")
+    try:
+        c = s.client(timeout=120)
+        assert c.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0).choices[0].text == want
+        servers[1].kill()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12}, timeout=120)
+        assert r.status_code in (500, 503)  # the request in flight fails with the loss
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12}, timeout=120)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert servers[1].endpoint in message and "--failover" in message and "when it is back" in message
+        start_server("-p", str(servers[1].port))
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server that came back was not taken back"
+            time.sleep(0.2)
+        assert c.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0).choices[0].text == want
     finally:
         s.stop()
