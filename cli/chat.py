@@ -7,21 +7,12 @@ import click
 
 from pyggml.models.chat import NAMED_TEMPLATES, ChatTemplate
 
-from .common import (Terminal, fail, load_model_or_exit, model_options, rpc_devices_or_exit, setup_logging,
+from .common import (Terminal, fail, load_model_or_exit, model_options, setup_logging, show_devices_option,
                      version_option)
+from .common import show_devices as show_devices_and_exit
 
 
 CTX_DEFAULT = 2048
-
-
-def _show_devices(rpc: str | None, rpc_key: str | None) -> None:
-    from pyggml.models.loader import default_devices
-    devices = [*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]  # (an unreachable server: said first)
-    click.echo("devices:")
-    for i, dev in enumerate(devices):
-        free, total = dev.get_memory()
-        click.echo(f"  {i}: {dev.get_name():<12} {dev.get_description()}  type {dev.get_type().name}  "
-                   f"memory {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
 
 
 def _print_timings(model) -> None:
@@ -79,8 +70,7 @@ def _continue(model, text: str, sampling: dict) -> None:
 @click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p sampling; 0 = off.")
 @click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="Repetition penalty; 1 = off.")
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
-@click.option("--show-devices", "--list-devices", "show_devices", is_flag=True,
-              help="List the devices (with their ids for -ngl) and exit.")
+@show_devices_option
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
 @click.option("--chat-template", "chat_template", type=click.Choice(sorted(NAMED_TEMPLATES)), default=None,
               help="Talk in this turn format. By default the file's own template; a file with none is a base "
@@ -101,8 +91,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
     """
     setup_logging(log_level)
     if show_devices:
-        _show_devices(rpc, rpc_key)
-        return
+        return show_devices_and_exit(rpc, rpc_key)
     m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=ctx_size or CTX_DEFAULT, ngl=ngl, rpc=rpc,
                            rpc_key=rpc_key, seed=seed, n_threads=threads)
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,

@@ -71,6 +71,24 @@ def rpc_devices_or_exit(rpc: str | None, rpc_key: str | None) -> list:
         fail(str(e))
 
 
+def show_devices(rpc: str | None, rpc_key: str | None) -> None:
+    """--show-devices / --list-devices: every device with its id for -ngl (an unreachable
+    server is said before anything is listed)."""
+    from pyggml.models.loader import default_devices
+    devices = [*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]
+    click.echo("devices:")
+    for i, dev in enumerate(devices):
+        free, total = dev.get_memory()
+        click.echo(f"  {i}: {dev.get_name():<12} {dev.get_description()}  type {dev.get_type().name}  "
+                   f"memory {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
+
+
+def show_devices_option(f: Callable) -> Callable:
+    """--show-devices, and llama.cpp's name for it, --list-devices."""
+    return click.option("--show-devices", "--list-devices", "show_devices", is_flag=True,
+                        help="List the devices (with their ids for -ngl) and exit.")(f)
+
+
 def version_option(f: Callable) -> Callable:
     """--version: the installed pyggml's, as every command prints it."""
     return click.version_option(package_name="pyggml", message="%(prog)s (pyggml) %(version)s")(f)

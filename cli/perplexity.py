@@ -12,7 +12,8 @@ import time
 import click
 import numpy as np
 
-from .common import fail, load_model_or_exit, model_options, setup_logging, version_option
+from .common import fail, load_model_or_exit, model_options, setup_logging, show_devices_option, version_option
+from .common import show_devices as list_devices
 
 
 def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -26,12 +27,16 @@ def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option
 @model_options(ctx_default=512)
-@click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
-              help="Text file to score.")
+@click.option("-f", "--file", "path", type=click.Path(dir_okay=False), help="Text file to score (required).")
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Most chunks to score (-1: all).")
-def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, path, chunks) -> None:
+@show_devices_option
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, path, chunks, show_devices) -> None:
     """Perplexity of a text file (-c: chunk size, default 512)."""
     setup_logging(log_level)
+    if show_devices:
+        return list_devices(rpc, rpc_key)
+    if path is None:
+        fail("-f/--file: the text file to score is required")
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()

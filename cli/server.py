@@ -9,7 +9,9 @@ import threading
 
 import click
 
-from .common import fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging, version_option
+from .common import (fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging,
+                     show_devices_option, version_option)
+from .common import show_devices as list_devices
 from .rpc_server import LOCAL_HOSTS
 
 CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
@@ -33,8 +35,9 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
 @click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="A request's headers must arrive within this time (of the connection, or of the previous "
                    "response); else 408 and the connection is closed.")
+@show_devices_option
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, max_queue,
-         api_key, alias, header_timeout) -> None:
+         api_key, alias, header_timeout, show_devices) -> None:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
     /tokenize and /detokenize.
@@ -49,6 +52,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
            -d '{"messages": [{"role": "user", "content": "Hello"}]}'
     """
     setup_logging(log_level)
+    if show_devices:
+        return list_devices(rpc, rpc_key)
     try:
         import uvicorn
 

@@ -86,8 +86,12 @@ def test_chat_flags_a_new_user_reaches_for():
     assert "--system-prompt" in r.stdout and "--list-devices" in r.stdout and "[default: 2048" in r.stdout
     r = run_cli("pyggml.cli.chat", "--list-devices")
     assert r.returncode == 0 and r.stdout.startswith("devices:") and "CPU" in r.stdout
-    r = run_cli("pyggml.cli.rpc_server", "--show-devices")
-    assert r.returncode == 0 and r.stdout.startswith("devices:")
+    for module in ("pyggml.cli.rpc_server", "pyggml.cli.perplexity", "pyggml.cli.server"):  # both names, everywhere
+        for flag in ("--show-devices", "--list-devices"):
+            r = run_cli(module, flag)
+            assert r.returncode == 0 and r.stdout.startswith("devices:"), (module, flag, r.stderr)
+    r = run_cli("pyggml.cli.perplexity", "-m", "smollm2")
+    assert r.returncode != 0 and "-f/--file" in r.stderr
     # -ngl 99 with no GPU and no --rpc: said once; the plan's sizes carry their unit
     r = run_cli("pyggml.cli.chat", "-m", "smollm2", "-ngl", "99", "--dry-run", "--system-prompt", "Be brief.")
     assert r.returncode == 0 and r.stderr.count("every layer runs on the CPU") == 1, r.stderr
