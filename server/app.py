@@ -32,6 +32,7 @@ from .requests import BadRequest, Completion, parse_completion
 
 log = logging.getLogger("pyggml.server")
 access = logging.getLogger("pyggml.server.access")  # one line per request (pyggml-server logs it by default)
+QUIET_PATHS = {"/health", "/metrics"}  # polled by monitors: not logged, as llama-server does not log /health
 
 MAX_BODY = 8 << 20  # bytes of one request body
 # /tokenize: characters of text it reads; with pieces, each token's reply costs ~50 bytes and
@@ -346,7 +347,7 @@ def create_app(state: State) -> Starlette:
 
 def log_request(request: Request, status: int, usage=None, note: str = "") -> None:
     """llama-server's line per request: who, what, the status, the tokens, the time."""
-    if not access.isEnabledFor(logging.INFO):
+    if not access.isEnabledFor(logging.INFO) or request.url.path in QUIET_PATHS:
         return
     tokens = f" {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens" if usage else ""
     ms = (time.perf_counter() - getattr(request.state, "t0", time.perf_counter())) * 1000

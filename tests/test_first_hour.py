@@ -38,6 +38,7 @@ def test_the_server_logs_each_request_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert any("POST /v1/chat/completions 200" in x and "prompt + 3 generated tokens" in x for x in lines), lines
     assert any("POST /v1/completions 200" in x and "+ 2 generated tokens" in x for x in lines), lines
     assert any("POST /v1/completions 400" in x for x in lines), lines
+    assert not any("/health" in x for x in lines), lines  # polled by monitors (and by HTTPServer): not logged
 
 
 def test_a_port_in_use_is_one_clear_line():
