@@ -16,6 +16,7 @@ step's sequences are cut into one group per server that flow through them one af
 Context.n_groups).
 
     python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128] [--streams 8]
+                          [--rounds 3]
 
 ``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
 SmolLM2's vocabulary and tokenizer), written once into ``~/.cache/pyggml/bench``.  The servers
@@ -181,31 +182,36 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--streams", type=int, default=0, help="also the aggregate tokens/s of this many concurrent "
                                                             "streams through pyggml-server (0: not measured)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure the layouts in turn this many times and "
+                                                          "print medians (this machine's speed drifts)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream asks for (its prompt is read "
                                                                   "too: few tokens measure mostly prompts)")
     args = ap.parse_args()
     path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
-    rows = {}
+    rounds: dict[str, list[dict]] = {}
     try:
         layouts = [("one server", [servers[0]], "layer"), ("two servers, layer split", servers, "layer"),
                    ("two servers, tensor split", servers, "tensor")]
-        for label, used, mode in layouts:
-            with pg.Model(path, n_ctx=512, rpc=[s.endpoint for s in used], ngl="all" if len(used) == 1 else "auto",
-                          split_mode=mode, progress=False) as m:
-                rows[label] = measure(m, args.tokens, args.prompt)
-                if mode == "tensor":
-                    rows[label]["exchanged"] = exchanged_per_token(m)
-            if args.streams:
-                rows[label]["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
-                                                     args.stream_tokens)
-            print(f"  {label}: done", file=sys.stderr, flush=True)
+        for r in range(args.rounds):  # the layouts in turn, round after round: a noisy spell hits them all
+            for label, used, mode in layouts:
+                with pg.Model(path, n_ctx=512, rpc=[s.endpoint for s in used],
+                              ngl="all" if len(used) == 1 else "auto", split_mode=mode, progress=False) as m:
+                    row = measure(m, args.tokens, args.prompt)
+                    if mode == "tensor":
+                        row["exchanged"] = exchanged_per_token(m)
+                if args.streams:
+                    row["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
+                                                 args.stream_tokens)
+                rounds.setdefault(label, []).append(row)
+                print(f"  round {r + 1}, {label}: done", file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.stop()
+    rows = {label: median_row(runs) for label, runs in rounds.items()}
     base = rows["one server"]
     print(f"\n{path.name}: servers pinned to one core each, one thread; {args.prompt}-token prompt, "
-          f"{args.tokens} decoded tokens")
+          f"{args.tokens} decoded tokens" + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"{'layout':<28} {'decode tok/s':>12} {'x one':>7} {'prompt tok/s':>13} {'x one':>7}  logits")
     for label, r in rows.items():
         same = "bit-identical" if np.array_equal(r["logits"], base["logits"]) else "DIFFER"
@@ -219,6 +225,23 @@ def main() -> None:
     ex = rows["two servers, tensor split"]["exchanged"]
     print("tensor split, bytes each server receives from the other per decoded token: "
           + ", ".join(f"{b / 1024:.0f} KiB" for b in ex))
+    if args.rounds > 1:
+        spread = {label: max(r["decode_tps"] for r in runs) / min(r["decode_tps"] for r in runs)
+                  for label, runs in rounds.items()}
+        print("decode tok/s, largest over smallest round: "
+              + ", ".join(f"{label} {x:.2f}" for label, x in spread.items()))
+
+
+def median_row(runs: list[dict]) -> dict:
+    """A layout's figures: the median of each rate over its rounds; the first round's logits
+    (every round's are checked equal) and bytes."""
+    row = dict(runs[0])
+    for key in ("decode_tps", "prompt_tps", "streams_tps"):
+        if key in row:
+            row[key] = float(np.median([r[key] for r in runs]))
+    if any(not np.array_equal(r["logits"], row["logits"]) for r in runs):
+        row["logits"] = np.full_like(row["logits"], np.nan)  # printed as DIFFER
+    return row
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def test_scale_bench_runs_and_its_layouts_agree():
     """bench/scale.py end to end on SmolLM2: three layouts, and the logits of each are one
     server's (it prints DIFFER otherwise)."""
     r = run(sys.executable, "bench/scale.py", "--model", "smollm2", "--tokens", "2", "--prompt", "16",
-            "--streams", "2", "--stream-tokens", "2", timeout=900)
+            "--streams", "2", "--stream-tokens", "2", "--rounds", "2", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "two servers, tensor split" in r.stdout and "DIFFER" not in r.stdout, r.stdout
     assert r.stdout.count("bit-identical") == 3, r.stdout
     assert "2 concurrent streams through pyggml-server" in r.stdout, r.stdout
+    assert "medians of 2 rounds" in r.stdout and "largest over smallest round" in r.stdout, r.stdout
