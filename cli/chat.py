@@ -23,12 +23,12 @@ def _print_timings(model) -> None:
                f"generation:  {t.gen_tokens} tokens in {t.gen_seconds * 1000:.0f} ms ({tg:.1f} tokens/s)", err=True)
 
 
-def _answer(model, messages: list[dict], sampling: dict) -> str:
-    """Stream one answer to stdout; Ctrl-C stops it (the partial answer is kept)."""
+def _stream(chunks, piece_of) -> str:
+    """Print each chunk's text to stdout as it comes; Ctrl-C stops it (what came is kept)."""
     parts: list[str] = []
     try:
-        for chunk in model.create_chat_completion(messages, stream=True, **sampling):
-            piece = chunk["choices"][0]["delta"].get("content")
+        for chunk in chunks:
+            piece = piece_of(chunk)
             if piece:
                 parts.append(piece)
                 click.echo(piece, nl=False)
@@ -41,19 +41,15 @@ def _answer(model, messages: list[dict], sampling: dict) -> str:
     return "".join(parts)
 
 
+def _answer(model, messages: list[dict], sampling: dict) -> str:
+    """Stream one answer to a conversation."""
+    return _stream(model.create_chat_completion(messages, stream=True, **sampling),
+                   lambda chunk: chunk["choices"][0]["delta"].get("content"))
+
+
 def _continue(model, text: str, sampling: dict) -> None:
-    """Stream the continuation of ``text`` (a base model's completion) to stdout."""
-    try:
-        for chunk in model.create_completion(text, stream=True, **sampling):
-            piece = chunk["choices"][0]["text"]
-            if piece:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
-                Terminal.mid_line = not piece.endswith("\n")
-    except KeyboardInterrupt:
-        click.echo(" [stopped]", nl=False)
-    click.echo()
-    Terminal.mid_line = False
+    """Stream the continuation of ``text`` (a base model's completion)."""
+    _stream(model.create_completion(text, stream=True, **sampling), lambda chunk: chunk["choices"][0]["text"])
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
