@@ -20,7 +20,8 @@ if [ -d .gpu-deps/site ]; then
     echo "gpu_check: .gpu-deps is for Python $(cat .gpu-deps/python-version 2>/dev/null || echo 3.12), $PY is $py_version: not used" >&2
   fi
 fi
-if ! "$PY" -c "import pathlib, sys, pyggml; sys.exit(pathlib.Path(pyggml.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null; then
+# pyggml.models, .rpc, ... live in top-level folders that only the install maps into pyggml
+if ! "$PY" -c "import pathlib, sys, pyggml.models; sys.exit(pathlib.Path(pyggml.models.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || echo "gpu_check: pip install -e . failed; trying the tree as it is" >&2
 fi

@@ -61,8 +61,9 @@ class KVCache:
         self.k, self.v = whole.k, whole.v
         for il, buft in enumerate(layer_bufts if not shards else ()):
             groups.setdefault(id(buft), (buft, []))[1].extend([self.k[il], self.v[il]])
-        # zero-filled on allocation: masked cells are read too, and must not hold NaNs
         self.buffers: list[Buffer] = [alloc_tensors(ts, buft, BufferUsage.ANY) for buft, ts in groups.values()]
+        for buf in self.buffers:  # masked cells are read too (0 * NaN is NaN); a new GPU buffer
+            buf.clear(0)          # holds whatever was there, as in ggml, so llama.cpp clears it too
         self.cell_seq = np.full(n_ctx, FREE, dtype=np.int32)
         self.cell_pos = np.zeros(n_ctx, dtype=np.int32)
         # what the tags say, kept while only occupy() changes them (a decoding step asks for

@@ -11,6 +11,8 @@ rules where breaking them would pass here and fail on a GPU:
 - device arrays do not mix with numpy arrays in arithmetic (TypeError, as in CuPy);
 - every allocation ends at a guard page (``cuda.alloc``, ``empty`` ...): a kernel that reads
   or writes past it raises instead of reading garbage;
+- fresh memory is not zeros, as on a GPU: it holds 0xff bytes (NaN as floats), so that reading
+  what nothing wrote shows;
 - allocations count against a fixed memory size (``PYGGML_FAKE_GPU_MEMORY``, bytes; 16 GiB by
   default), and running out raises ``cuda.memory.OutOfMemoryError``.
 """
@@ -76,6 +78,9 @@ class _Memory:
             raise OSError(ctypes.get_errno(), "mprotect failed")
         self.start, self.size, self.rounded = span - rounded, size, rounded
         self.ptr = base + self.start
+        # cudaMalloc's memory holds what was there before: poisoned here with 0xff bytes (NaN
+        # as F32 and F16, -1 as ints), so that a kernel or buffer that relies on zeros fails here too
+        ctypes.memset(self.ptr, 0xFF, rounded)
         _allocated += rounded
         _live.add(self)
 
