@@ -7,6 +7,11 @@ token and inter-token latency (p50, p99), the speedup over one stream, and the r
 llama-server's aggregate.
 
     python bench/serve.py [--model smollm2 --model gemma3-270m] [--tokens 64] [--llama-server BIN]
+    python bench/serve.py --model smollm2 --profile   # and where pyggml's steps spent their time
+
+``--profile`` reads pyggml-server's /metrics before and after each level and prints, per step:
+admission and batching, decoding (of which graphs of new batch shapes), sampling and text,
+then the steps by wall time, the slowest one and the garbage collector's pauses.
 
 Every request asks for exactly ``--tokens`` tokens (``ignore_eos`` is not in OpenAI's API,
 so the prompts ask for long answers and the counts come from the usage the server reports).
@@ -68,11 +73,12 @@ class Server:
 
 
 def one_stream(url: str, prompt: str, n: int, out: list) -> None:
-    t0 = time.perf_counter()
     times, tokens = [], 0
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    client = httpx.Client(timeout=600)  # made before the clock starts: a client's setup (~30 ms) is not the server's
+    t0 = time.perf_counter()
+    with client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -104,14 +110,70 @@ def measure(url: str, concurrency: int, n: int) -> dict:
             "itl50": pct(itl, 50), "itl99": pct(itl, 99)}
 
 
-def run(name: str, url: str, levels: list[int], n: int) -> dict[int, dict]:
+def scrape(url: str) -> dict[str, float]:
+    """pyggml-server's /metrics as {"name{label=value}": value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def profile_line(before: dict[str, float], after: dict[str, float]) -> str:
+    """Where the steps between two scrapes spent their time, per step."""
+    def d(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    steps = d("pyggml_decode_steps_total") or float("nan")
+    ms = {p: 1e3 * d(f"pyggml_step_phase_seconds_total{{phase={p}}}") / steps
+          for p in ("schedule", "decode", "graph", "sample")}
+    bounds = sorted({k.split("le=")[1].rstrip("}") for k in after if k.startswith("pyggml_step_seconds_bucket")},
+                    key=float)
+    counts = [d(f"pyggml_step_seconds_bucket{{le={b}}}") for b in bounds]
+    hist = ", ".join(f"<={float(b) * 1e3:g}ms {n - p:.0f}" for b, n, p in zip(bounds, counts, [0.0] + counts[:-1])
+                     if n - p and b != "+Inf")
+    over = counts[-1] - counts[-2] if len(counts) > 1 else 0
+    gc_ms = 1e3 * sum(d(f"pyggml_gc_pause_seconds_total{{generation={g}}}") for g in range(3))
+    gc_n = sum(d(f"pyggml_gc_collections_total{{generation={g}}}") for g in range(3))
+    return (f"  profile: {steps:.0f} steps, per step {ms['schedule']:.1f} ms batching, {ms['decode']:.1f} ms decoding "
+            f"({d('pyggml_graph_builds_total'):.0f} new graphs, {d('pyggml_graph_builds_decoding_total'):.0f} of them "
+            f"in steps with no prompt: {ms['graph']:.1f} ms a step), "
+            f"{ms['sample']:.1f} ms sampling and text; steps by time: {hist}"
+            f"{f', over the last bound {over:.0f}' if over else ''}; slowest so far "
+            f"{1e3 * after.get('pyggml_slowest_step_seconds', 0):.0f} ms; gc {gc_ms:.0f} ms in {gc_n:.0f} collections")
+
+
+def graphs_built(url: str, timeout: float = 120) -> None:
+    """Wait until pyggml-server has built its decoding steps' graphs (it does while idle)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and scrape(url).get("pyggml_graphs_to_build_ahead", 0) > 0:
+        time.sleep(0.2)
+
+
+def run(name: str, url: str, levels: list[int], n: int, profile: bool = False, log: Path | None = None,
+        pyggml: bool = False) -> dict[int, dict]:
+    if pyggml:
+        graphs_built(url)
     measure(url, 1, 8)  # warm-up: kernels compiled, graphs built
     rows = {}
     for c in levels:
+        before = scrape(url) if profile else {}
+        log_start = log.stat().st_size if profile and log else 0
         r = rows[c] = measure(url, c, n)
         print(f"{name:<13} {c:>3} streams: {r['tok_s']:7.1f} tok/s aggregate ({r['tokens']} tokens)  "
               f"TTFT p50 {r['ttft50'] * 1e3:6.0f} ms p99 {r['ttft99'] * 1e3:6.0f} ms  "
               f"ITL p50 {r['itl50'] * 1e3:6.1f} ms p99 {r['itl99'] * 1e3:6.1f} ms", flush=True)
+        if profile:
+            print(profile_line(before, scrape(url)), flush=True)
+            if log is not None:  # the server's own account of its slow steps (--log-level debug)
+                with open(log, errors="replace") as f:
+                    f.seek(log_start)
+                    slow = [line.split("slow step: ", 1)[1].rstrip() for line in f if "slow step: " in line]
+                for line in slow[:8]:
+                    print(f"    {line}")
+                if len(slow) > 8:
+                    print(f"    ... {len(slow) - 8} more slow steps")
     return rows
 
 
@@ -124,6 +186,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=8, help="slots (-np)")
     ap.add_argument("--levels", default="1,2,4,8", help="concurrent streams to measure")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
+    ap.add_argument("--profile", action="store_true", help="print where pyggml's steps spent their time")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -133,10 +196,11 @@ def main() -> None:
               f"context {args.ctx}")
         port = free_port()
         ours = Server([sys.executable, "-m", "pyggml.cli.server", "-m", str(path), "--port", str(port),
-                       "-c", str(args.ctx), "-np", str(args.parallel), "-t", str(args.threads)],
+                       "-c", str(args.ctx), "-np", str(args.parallel), "-t", str(args.threads),
+                       *(["--log-level", "debug"] if args.profile else [])],
                       f"http://127.0.0.1:{port}", logs / f"pyggml-{path.stem}.log")
         try:
-            mine = run("pyggml", ours.url, levels, args.tokens)
+            mine = run("pyggml", ours.url, levels, args.tokens, args.profile, ours.log, pyggml=True)
         finally:
             ours.stop()
         base = mine[levels[0]]["tok_s"]

@@ -92,6 +92,9 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         try:
             m = Model(**model_args, on_plan=click.echo if loading["show_placement"] else None)
             state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
+            # the decoding steps' graphs are built before the first request (a few seconds at
+            # most), then left out of the garbage collector's passes with the model
+            state.engine.wait_built_ahead(timeout=120)
             freeze_loaded_objects()
         except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             state.load_error = str(e)

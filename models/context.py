@@ -1,7 +1,7 @@
 """Running a loaded model (llama_context): the KV cache, graphs per batch shape, decoding.
 
 A graph is built per (batch size, cells read, rows of logits) and kept: while those do
-not change - every generated token for KV_PAD positions at a time - decoding only writes
+not change - every generated token until the cells read grow (kv_cache.py: n_kv) - decoding only writes
 the new inputs (token, position, cache cell, mask) and computes the same graph again,
 so the scheduler's split and allocation are reused as well.
 
@@ -81,6 +81,10 @@ class Timings:
     prompt_seconds: float = 0.0
     gen_tokens: int = 0
     gen_seconds: float = 0.0
+    # graphs of a shape not seen before (or evicted): built, assigned, split, allocated and
+    # planned on the decoding thread - what a step with a new shape waits for
+    graph_builds: int = 0
+    graph_seconds: float = 0.0
 
     def reset(self) -> None:
         self.prompt_tokens = self.gen_tokens = 0
@@ -202,6 +206,7 @@ class Context:
         self.log: list[tuple] | None = []
         self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
+        self.max_graphs = MAX_CACHED_GRAPHS
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
         self.n_groups = layer_servers(model) if self.n_micro else 0  # one group per server
@@ -302,10 +307,39 @@ class Context:
         else:
             b = GraphBuilder(self.hp, model.weights, self.kv, **shape)
             model.arch.build(b)
+        self.timings.graph_builds += 1
         self._graphs[key] = b
-        if len(self._graphs) > MAX_CACHED_GRAPHS:
+        if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return b
+
+    def keep_graphs(self, n: int) -> None:
+        """Keep the graphs (and their scheduler partitions) of ``n`` shapes, not fewer than the
+        default: what a server that builds its decoding steps' shapes ahead (Engine) needs."""
+        self.max_graphs = max(MAX_CACHED_GRAPHS, n)
+        self.sched.max_partitions = max(self.sched.max_partitions, self.max_graphs + 4)
+
+    def decode_shape(self, n_seqs: int, n_kv: int, n_top: int = 0, n_hist: int = 0) -> tuple[int, ...] | None:
+        """The shape of the graph that decodes one token of each of ``n_seqs`` sequences with
+        ``n_kv`` cells read (decode_batch's key), or None where such a batch is cut into several
+        graphs (pipelining over servers)."""
+        if self.n_groups and min(self.n_groups, n_seqs // MIN_GROUP_TOKENS) > 1:
+            return None
+        several = n_seqs if n_seqs > 1 else 0
+        return (n_seqs, min(n_kv, self.n_ctx), n_seqs, min(n_top, self.hp.n_vocab), n_hist if n_top else 0,
+                several, several)
+
+    def prepare(self, shape: tuple[int, ...]) -> bool:
+        """Build and plan the graph of ``shape`` (decode_shape's) now, unless it is kept: then a
+        step of that shape finds it ready.  True if it was built."""
+        if shape in self._graphs:
+            return False
+        b = self._graph(*shape)
+        self.sched.alloc_graph(b.graph)
+        return True
+
+    def has_graph(self, shape: tuple[int, ...]) -> bool:
+        return shape in self._graphs
 
     def _set_inputs(self, b: GraphBuilder, batch: Batch, cells: np.ndarray,
                     runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
@@ -363,8 +397,12 @@ class Context:
             # several sequences: each one's products computed as they would be for it alone
             runs = (runs_of(ub.seq), runs_of(ub.seq[ub.output])) if (ub.seq != ub.seq[0]).any() else None
             n_runs = (len(runs[0]) - 1, len(runs[1]) - 1) if runs else (0, 0)
+            t_graph = time.perf_counter()
+            builds = self.timings.graph_builds
             b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, *n_runs)
             self.sched.alloc_graph(b.graph)
+            if self.timings.graph_builds != builds:
+                self.timings.graph_seconds += time.perf_counter() - t_graph
             self._set_inputs(b, ub, cells, runs)
             rows_hist = hist[row:row + wanted] if b.inputs.hist_ids is not None else None
             if rows_hist is not None:

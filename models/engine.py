@@ -38,6 +38,8 @@ read (context.py: prompt_cut, reusable_prefix).
 """
 from __future__ import annotations
 
+import bisect
+import gc
 import logging
 import queue
 import threading
@@ -51,13 +53,43 @@ import numpy as np
 
 from .completion import Shape, TextStream, Usage
 from .context import Batch, ContextFullError, prompt_cut, reusable_prefix
-from .kv_cache import PAGE
+from .kv_cache import KV_PAD, KV_PAD_MAX, PAGE, kv_padded
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 
 log = logging.getLogger("pyggml.engine")
 
 DEFAULT_MAX_QUEUE = 64
 REATTACH_INTERVAL_S = 2.0
+KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_graphs): prompts' and mixed steps'
+SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds: a step's wall time, for Stats
+
+
+class GCPauses:
+    """How long Python's garbage collector stopped the process (every thread: the step loop
+    too), by generation, from ``gc.callbacks``; installed once, by the first Engine."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif phase == "stop":
+            g = info.get("generation", 0)
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.collections[g] += 1
+
+
+GC_PAUSES = GCPauses()
 
 
 class QueueFullError(RuntimeError):
@@ -139,6 +171,22 @@ class Stats:
     recoveries: int = 0          # placements made anew after a loss or to take servers back
     reattached: int = 0          # servers taken back
     recovery_seconds: float = 0.0  # the last re-placement's
+    # where a step's time goes (bench/serve.py --profile reads them from /metrics): admission
+    # and batch making, graphs of new shapes (inside step_seconds), sampling and handing out text
+    schedule_seconds: float = 0.0
+    graph_builds: int = 0            # in steps: a step waited for them
+    graph_builds_decoding: int = 0   # of those, in steps that read no prompt (only the shapes ahead avoid them)
+    graph_seconds: float = 0.0
+    graphs_ahead: int = 0            # built while idle
+    sample_seconds: float = 0.0
+    # steps by wall time, from admission to the last token handed out: counts per STEP_BUCKETS
+    # bound (the last one unbounded) - a stall is a step in the top buckets
+    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    slowest_step: float = 0.0
+
+    def count_step(self, seconds: float) -> None:
+        self.step_buckets[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+        self.slowest_step = max(self.slowest_step, seconds)
 
 
 class Engine:
@@ -169,6 +217,11 @@ class Engine:
         self._returned: list = []  # devices of lost servers that answer again, for the next step boundary
         self._cond = threading.Condition()
         model.engine = self
+        GC_PAUSES.install()
+        # the decoding steps' likely shapes, built while the engine is idle (_loop), so that a
+        # stream joining or leaving does not stop the others while a graph is built
+        self._warm: deque[tuple[int, ...]] = self._warm_shapes()
+        self.ctx.keep_graphs(len(self._warm) + KEPT_PROMPT_GRAPHS)
         self._thread = threading.Thread(target=self._loop, name="pyggml-engine", daemon=True)
         self._thread.start()
         # lost servers are tried again in the background, with failover or without: a server
@@ -289,24 +342,72 @@ class Engine:
         with self._cond:
             self._cond.notify_all()
 
+    # -- graphs built ahead -------------------------------------------------------------------------
+    def _warm_shapes(self) -> deque[tuple[int, ...]]:
+        """The shapes of decoding steps (one token of each of 1 .. n_parallel sequences) over
+        the cells read while few tokens are live (up to KV_PAD_MAX), with the top of greedy and
+        of the default sampling: most likely first."""
+        vocab = self.model.n_vocab
+        tops = dict.fromkeys(shape_bucket(Sampler(p).n_top(vocab))
+                             for p in (SamplingParams(temperature=0.0), SamplingParams()))
+        n_kvs = dict.fromkeys(min(self.n_ctx, kv_padded(cells)) for cells in range(1, KV_PAD_MAX + 1, KV_PAD))
+        shapes = (self.ctx.decode_shape(g, n_kv, top) for n_kv in n_kvs for top in tops
+                  for g in range(1, self.n_parallel + 1))
+        # first the largest step (every token of the batch, every cell, whole rows of logits):
+        # the compute buffers take its size at once, as llama.cpp's scheduler reserves them;
+        # a buffer that grew later would leave every kept graph to be planned again
+        p = self.n_parallel
+        largest = (self.n_batch, self.n_ctx, p, 0, 0, p, p)
+        return deque(dict.fromkeys(s for s in (largest, *shapes) if s is not None))
+
+    def wait_built_ahead(self, timeout: float | None = None) -> bool:
+        """Wait until the shapes built ahead are all built (True), or ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._warm or self._closed, timeout)
+
+    @property
+    def warming(self) -> int:
+        """Shapes still to be built ahead (0: every decoding step of the usual shapes finds its graph)."""
+        return len(self._warm)
+
+    def _build_ahead(self, shape: tuple[int, ...]) -> None:
+        try:
+            if self.ctx.prepare(shape):
+                self.stats.graphs_ahead += 1
+        except Exception as e:  # noqa: BLE001 - a step of that shape will build it, and say what fails
+            log.debug("building the graph of %s ahead failed: %s", shape, e)
+        if not self._warm:
+            self._wake()  # wait_built_ahead
+
     # -- the step loop ------------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return self.failure is None and bool(self.queue or any(s.req for s in self.slots))
+
     def _loop(self) -> None:
         while True:
+            ahead = None
             with self._cond:
-                while (not self._closed and not self._returned
-                       and not (self.failure is None and (self.queue or any(s.req for s in self.slots)))):
+                while not self._closed and not self._returned and not self._has_work():
+                    if self._warm:  # idle: build a shape a step would otherwise wait for
+                        ahead = self._warm.popleft()
+                        break
                     self._cond.wait()
+            if ahead is not None:
+                self._build_ahead(ahead)
+                continue
+            with self._cond:
                 if self._closed:
                     self._fail_all("the server is shutting down")
                     return
                 returned, self._returned = self._returned, []
+                t_step = time.perf_counter()
                 if not returned:
                     self._admit()
             if returned:  # at a step boundary: the requests running pause while the model is placed anew
                 self._attach(returned)
                 continue
             try:
-                self.step()
+                self.step(t_step)
             except Exception as e:  # a lost device, or a bug: no request may hang on it
                 if not self._fail_over(e):
                     self._on_step_failure(e)
@@ -351,6 +452,8 @@ class Engine:
             log.warning("reattached %s", ", ".join(back))
 
     def _recovered(self, seconds: float) -> None:
+        self._warm = self._warm_shapes()  # a new context: its graphs are built again
+        self.ctx.keep_graphs(len(self._warm) + KEPT_PROMPT_GRAPHS)
         self.stats.recoveries += 1
         self.stats.recovery_seconds = seconds
         with self._cond:
@@ -479,8 +582,10 @@ class Engine:
             self.ctx.seq_rm(s.seq, 0)
             s.tokens = []
 
-    def step(self) -> None:
-        """Decode one batch and hand each sequence its next token."""
+    def step(self, t_start: float | None = None) -> None:
+        """Decode one batch and hand each sequence its next token (``t_start``: when the
+        step's admission began, for Stats)."""
+        t_start = time.perf_counter() if t_start is None else t_start
         for s in self.slots:
             if s.req is not None and s.req.cancelled:
                 self._release(s)
@@ -521,13 +626,35 @@ class Engine:
                                 for s, c in parts for i in range(len(c))], dtype=bool))
         out_slots = [s for (s, c) in parts if s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids)]
         n_top, hist = self._top_request(out_slots)
+        prompt_pieces = [c for s, c in parts if s.pending is None]
         t0 = time.perf_counter()
+        timings = self.ctx.timings
+        builds, graph_seconds = timings.graph_builds, timings.graph_seconds
         try:
             logits = self.ctx.decode_batch(batch, n_top, hist)
         except ContextFullError:  # cannot happen with the room made above; said loudly if it does
             raise RuntimeError("KV cache bookkeeping error: a batch found fewer free cells than counted") from None
-        self.stats.steps += 1
-        self.stats.step_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.step_seconds += t1 - t0
+        st.schedule_seconds += t0 - t_start
+        st.graph_builds += timings.graph_builds - builds
+        if not prompt_pieces:
+            st.graph_builds_decoding += timings.graph_builds - builds
+        st.graph_seconds += timings.graph_seconds - graph_seconds
+        self._hand_out(parts, logits, n_top, hist)
+        t2 = time.perf_counter()
+        st.sample_seconds += t2 - t1
+        st.count_step(t2 - t_start)
+        if t2 - t_start > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
+            log.debug("slow step: %.0f ms (batching %.0f, decoding %.0f of which %d new graphs %.0f, sampling %.0f): "
+                      "%d generating, prompt pieces %s", 1e3 * (t2 - t_start), 1e3 * (t0 - t_start), 1e3 * (t1 - t0),
+                      timings.graph_builds - builds, 1e3 * (timings.graph_seconds - graph_seconds), 1e3 * (t2 - t1),
+                      len(generating), [len(c) for c in prompt_pieces])
+
+    def _hand_out(self, parts: list[tuple[Slot, list[int]]], logits, n_top: int, hist: np.ndarray | None) -> None:
+        """A step's results: each sequence's chunk counted in, and its token sampled and taken."""
         row = 0
         for s, chunk in parts:
             s.tokens.extend(chunk)
@@ -551,9 +678,12 @@ class Engine:
         needs = [s.sampler.n_top(vocab) if s.req.options.logprobs is None else 0 for s in out_slots]
         if not needs or min(needs) == 0:
             return 0, None
-        n_hist = max(s.sampler.n_watched(self.n_ctx) for s in out_slots)
+        # both are rounded up to a few sizes, which the graph's shape holds: requests with other
+        # sampling settings then share graphs (a larger top is cut by the sampler, padding ids
+        # of the watched ones change no draw)
+        n_hist = shape_bucket(max(s.sampler.n_watched(self.n_ctx) for s in out_slots))
         hist = np.stack([s.sampler.watched(s.history, n_hist) for s in out_slots])
-        return max(needs), hist
+        return min(vocab, shape_bucket(max(needs))), hist
 
     def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:
         req = s.req
@@ -593,6 +723,11 @@ class Engine:
             req.sink(Event("piece", tail, s.logprobs))
         req.sink(Event("done", finish=reason, usage=req.usage))
         self._release(s)
+
+
+def shape_bucket(n: int) -> int:
+    """0, or n rounded up to a power of two of at least 8."""
+    return 0 if n <= 0 else max(8, 1 << (n - 1).bit_length())
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -27,9 +27,23 @@ from pyggml.backend import Buffer, BufferType, BufferUsage, alloc_tensors
 
 from .hparams import HParams
 
-KV_PAD = 256  # attention reads the first multiple of KV_PAD cells, so the graph changes rarely
+# The attention reads the first n_kv cells (n_kv() below): the cells in use rounded up to a
+# power of two from KV_PAD to KV_PAD_MAX, then to a multiple of KV_PAD_MAX.  n_kv is part of a
+# graph's shape, and a new shape is a graph built and planned on the decoding thread (tens of
+# ms, a stall every stream in the step sees): few sizes, so that the graphs of each are kept.
+# The engine spreads its sequences over pages of the cache, so n_kv follows the tokens live in
+# all of them.  Cells past the ones in use are masked, and the kernels skip them.
+KV_PAD = 256
+KV_PAD_MAX = 1024
 PAGE = 64     # a multiple of the attention kernels' 64 lanes
 FREE = -1
+
+
+def kv_padded(end: int) -> int:
+    """The cells read when the last one in use is ``end - 1`` (before the context's bound)."""
+    if end <= KV_PAD_MAX:
+        return max(KV_PAD, 1 << max(0, end - 1).bit_length())
+    return -(-end // KV_PAD_MAX) * KV_PAD_MAX
 
 
 @dataclass
@@ -155,12 +169,11 @@ class KVCache:
         self._changed()
 
     def n_kv(self) -> int:
-        """Cells the attention reads: every cell up to the last one in use, padded to KV_PAD."""
+        """Cells the attention reads: every cell up to the last one in use, padded (KV_PAD)."""
         if self._end is None:
             used = np.flatnonzero(self.cell_seq != FREE)
             self._end = int(used[-1]) + 1 if used.size else 0
-        end = self._end
-        return min(self.n_ctx, max(KV_PAD, (end + KV_PAD - 1) // KV_PAD * KV_PAD))
+        return min(self.n_ctx, kv_padded(self._end))
 
     def masks(self, seq: np.ndarray, pos: np.ndarray, n_kv: int, swa: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """float32 [n_tokens, n_kv] masks (0 visible, -inf hidden): a token sees the cells of

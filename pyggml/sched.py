@@ -82,6 +82,7 @@ class Scheduler:
         self.splits: list[Split] = []
         self._rewired: list[tuple[Tensor, int, Tensor, Tensor]] = []  # (node, src slot, original source, copy)
         self._partitions: OrderedDict[int, Partition] = OrderedDict()  # by id(graph); each holds its graph
+        self.max_partitions = MAX_PARTITIONS
         # the graph last split and allocated, and its node count: held, not its id - a freed
         # graph's id can come back for a new graph of the same size
         self._key: tuple[Graph, int] | None = None
@@ -197,7 +198,7 @@ class Scheduler:
             self._split(graph)
             part = Partition(graph, graph.n_nodes, self.assigned, self.splits, list(self._rewired))
             self._partitions[id(graph)] = part
-            while len(self._partitions) > MAX_PARTITIONS:
+            while len(self._partitions) > self.max_partitions:
                 self._partitions.popitem(last=False)
         order: list[Tensor] = []
         for split in self.splits:

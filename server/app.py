@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from importlib import resources
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pyggml.models.completion import Shape
-from pyggml.models.engine import Engine, EngineStopped, Event, QueueFullError, Replies
+from pyggml.models.engine import GC_PAUSES, STEP_BUCKETS, Engine, EngineStopped, Event, QueueFullError, Replies
 
 from .requests import BadRequest, Completion, parse_completion
 
@@ -124,6 +125,35 @@ class EngineMetrics:
         yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=e.ctx.kv.n_used)
         yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", value=e.busy_slots)
         yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", value=e.queued)
+        phases = CounterMetricFamily("pyggml_step_phase_seconds", "Where the steps' time went: admission and "
+                                     "batching, graphs of new shapes (part of decode), decode, sampling and text",
+                                     labels=["phase"])
+        for phase, seconds in (("schedule", st.schedule_seconds), ("graph", st.graph_seconds),
+                               ("decode", st.step_seconds), ("sample", st.sample_seconds)):
+            phases.add_metric([phase], seconds)
+        yield phases
+        yield CounterMetricFamily("pyggml_graph_builds", "Graphs a step built for a batch shape not kept",
+                                  value=st.graph_builds)
+        yield CounterMetricFamily("pyggml_graph_builds_decoding", "Of those, graphs built in steps that read no prompt",
+                                  value=st.graph_builds_decoding)
+        yield CounterMetricFamily("pyggml_graphs_ahead", "Graphs built while idle, for steps to come",
+                                  value=st.graphs_ahead)
+        yield GaugeMetricFamily("pyggml_graphs_to_build_ahead", "Decoding steps' graphs still to build while idle",
+                                value=e.warming)
+        cumulative = list(itertools.accumulate(st.step_buckets))
+        yield HistogramMetricFamily(
+            "pyggml_step_seconds", "Wall time of a step, from admission to the last token handed out",
+            buckets=[(f"{b:g}", n) for b, n in zip(STEP_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])],
+            sum_value=st.schedule_seconds + st.step_seconds + st.sample_seconds)
+        yield GaugeMetricFamily("pyggml_slowest_step_seconds", "The slowest step so far", value=st.slowest_step)
+        gc_seconds = CounterMetricFamily("pyggml_gc_pause_seconds", "Time the garbage collector stopped the process",
+                                         labels=["generation"])
+        gc_runs = CounterMetricFamily("pyggml_gc_collections", "Garbage collections", labels=["generation"])
+        for g in range(3):
+            gc_seconds.add_metric([str(g)], GC_PAUSES.seconds[g])
+            gc_runs.add_metric([str(g)], GC_PAUSES.collections[g])
+        yield gc_seconds
+        yield gc_runs
         dev = CounterMetricFamily("pyggml_device_seconds", "Compute time per device", labels=["device"])
         for name, seconds in sorted(e.ctx.sched.busy_seconds.items()):
             dev.add_metric([name], seconds)

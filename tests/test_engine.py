@@ -122,6 +122,32 @@ def test_engine_from_threads_equals_the_model_alone(small):
     assert small.create_completion(PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"] == want[PROMPTS[1]]
 
 
+def test_decoding_steps_find_their_graphs_built_ahead(small):
+    """The stalls: a stream that joins or leaves changes the decoding step's shape, and a graph
+    built on the step loop stops every stream in the step for tens of ms.  The engine builds the
+    decoding steps' shapes while idle (1 .. n_parallel streams, greedy and default sampling),
+    so that no step that reads no prompt builds a graph; steps that read prompts still do."""
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        assert engine.wait_built_ahead(timeout=120) and engine.warming == 0
+        shapes = engine._warm_shapes()  # the largest step, then 1..3 streams, greedy and sampled
+        assert len(shapes) == 1 + 2 * 3 and all(engine.ctx.has_graph(s) for s in shapes)
+
+        def ask(prompt: str, n: int, **sampling) -> None:
+            list(engine.submit(prompt, max_tokens=n, **sampling))
+        # three streams that end one after another (3, 2, then 1 generating), one of them sampled
+        threads = [threading.Thread(target=ask, args=(p, n), kwargs=kw) for p, n, kw in
+                   [(PROMPTS[0], 4, {"temperature": 0}), (PROMPTS[1], 9, {"temperature": 0}),
+                    (PROMPTS[2], 14, {"temperature": 0.8, "seed": 1})]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        st = engine.stats
+        assert st.generated_tokens > 20
+        assert st.graph_builds > 0 and st.graph_builds_decoding == 0, (st.graph_builds, st.graph_builds_decoding)
+        assert sum(st.step_buckets) == st.steps and st.slowest_step > 0
+
+
 LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within fifty years "
         "printers worked in more than two hundred cities, and the price of a book fell so far that students, "

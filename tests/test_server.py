@@ -216,6 +216,14 @@ def test_metrics_parse_and_move(server):
     assert after["llamacpp:requests_processing"] == 0 and after["llamacpp:requests_deferred"] == 0
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'pyggml_requests_total\{endpoint="completions",status="200"\} [1-9]', text)
+    # where the steps' time goes (bench/serve.py --profile): the phases, the steps by wall time
+    steps = after["pyggml_decode_steps_total"] - before["pyggml_decode_steps_total"]
+    assert after["pyggml_step_seconds_count"] - before["pyggml_step_seconds_count"] == steps > 0
+    assert after["pyggml_step_seconds_sum"] > before["pyggml_step_seconds_sum"]
+    phases = {s.labels["phase"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "pyggml_step_phase_seconds_total"}
+    assert set(phases) == {"schedule", "graph", "decode", "sample"} and phases["decode"] > phases["graph"]
+    assert after["pyggml_graphs_to_build_ahead"] == 0 and after["pyggml_graphs_ahead_total"] > 0
 
 
 # -- errors -----------------------------------------------------------------------------------------

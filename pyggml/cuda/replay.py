@@ -1,7 +1,7 @@
 """Replaying a graph's kernel launches, and capturing them as a CUDA graph.
 
-A decode step computes the same graph, on the same allocation, for KV_PAD tokens in a row
-(models/context.py): only the bytes of its inputs change.  When every op of the graph is a
+A decode step computes the same graph, on the same allocation, for many tokens in a row
+(models/context.py, until the cells the attention reads grow): only the bytes of its inputs change.  When every op of the graph is a
 kernel launch (pyggml/cuda/kernels.py), the launches' arguments - pointers, sizes, constants -
 are the same each time, so the op table's Python (views, shapes, argument lists) need not
 run again:
