@@ -87,7 +87,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
     """
     setup_logging(log_level)
     if show_devices:
-        return show_devices_and_exit(rpc, rpc_key)
+        return show_devices_and_exit(rpc, rpc_key, loading)
     m = load_model_or_exit(**loading, path_or_alias=model, n_ctx=ctx_size or CTX_DEFAULT, ngl=ngl, rpc=rpc,
                            rpc_key=rpc_key, seed=seed, n_threads=threads)
     sampling = dict(max_tokens=n_predict if n_predict > 0 else None, temperature=temp, top_k=top_k, top_p=top_p,

@@ -62,20 +62,21 @@ def load_model_or_exit(show_placement: bool = False, dry_run: bool = False, **kw
         fail(str(e))
 
 
-def rpc_devices_or_exit(rpc: str | None, rpc_key: str | None) -> list:
+def rpc_devices_or_exit(rpc: str | None, rpc_key: str | None, discover_timeout: float | None = None) -> list:
     """The devices of the --rpc servers, or one line and exit 1 when one cannot be reached."""
     from pyggml.models.model import connect_rpc
     try:
-        return connect_rpc(rpc, rpc_key)
+        return connect_rpc(rpc, rpc_key, discover_timeout=discover_timeout)
     except (ValueError, OSError, RuntimeError) as e:
         fail(str(e))
 
 
-def show_devices(rpc: str | None, rpc_key: str | None) -> None:
+def show_devices(rpc: str | None, rpc_key: str | None, loading: dict | None = None) -> None:
     """--show-devices / --list-devices: every device with its id for -ngl (an unreachable
-    server is said before anything is listed)."""
+    server is said before anything is listed; with --rpc auto, the servers found, each
+    skipped one with why, are logged first)."""
     from pyggml.models.loader import default_devices
-    devices = [*rpc_devices_or_exit(rpc, rpc_key), *default_devices()]
+    devices = [*rpc_devices_or_exit(rpc, rpc_key, (loading or {}).get("discover_timeout")), *default_devices()]
     click.echo("devices:")
     for i, dev in enumerate(devices):
         free, total = dev.get_memory()
@@ -117,7 +118,8 @@ def setup_logging(level: str) -> None:
 
 
 def model_options(f: Callable | None = None, *, ctx_default: int | None = None) -> Callable:
-    """-m, -c, -ngl, -ts, -sm, --show-placement, --dry-run, --rpc, --rpc-key, --rpc-spare, --failover,
+    """-m, -c, -ngl, -ts, -sm, --show-placement, --dry-run, --rpc, --discover-timeout, --rpc-key, --rpc-spare,
+    --failover,
     --threads, --log-level (shared by the tools that load a model).  The placement and
     failover flags reach the command as one ``loading`` dict, for load_model_or_exit.
     ``ctx_default``: the command's context size when -c is not given (its help says it)."""
@@ -126,10 +128,11 @@ def model_options(f: Callable | None = None, *, ctx_default: int | None = None) 
 
     @functools.wraps(f)
     def command(*args: Any, tensor_split: str | None, split_mode: str, show_placement: bool, dry_run: bool,
-                failover: bool, rpc_spare: str | None, use_mmap: bool | None, **kwargs: Any) -> Any:
+                failover: bool, rpc_spare: str | None, use_mmap: bool | None, discover_timeout: float | None,
+                **kwargs: Any) -> Any:
         return f(*args, loading={"tensor_split": tensor_split, "split_mode": split_mode, "show_placement": show_placement,
                                  "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare,
-                                 "use_mmap": use_mmap}, **kwargs)
+                                 "use_mmap": use_mmap, "discover_timeout": discover_timeout}, **kwargs)
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -154,7 +157,11 @@ def model_options(f: Callable | None = None, *, ctx_default: int | None = None) 
         click.option("--dry-run", is_flag=True, help="Print the placement and exit without loading."),
         click.option("--rpc", default=None, metavar="ENDPOINTS",
                      help="RPC servers (pyggml-rpc-server), e.g. '8080;8081' or '10.0.0.2:8080'; a bare port "
-                          "means 127.0.0.1. Their devices get the first ids."),
+                          "means 127.0.0.1. Their devices get the first ids. 'auto' finds the servers started "
+                          "with --announce on this network (for --discover-timeout seconds); 'auto:N' waits "
+                          "until N of them are found."),
+        click.option("--discover-timeout", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+                     help="How long --rpc auto looks for servers. [default: 3; with auto:N, up to 60]"),
         click.option("--rpc-key", default=None, metavar="FILE",
                      help="The RPC servers' client key (FILE.client from pyggml-rpc-server --gen-key FILE): TLS, "
                           "encrypted and authenticated both ways."),

@@ -34,7 +34,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, path, 
     """Perplexity of a text file (-c: chunk size, default 512)."""
     setup_logging(log_level)
     if show_devices:
-        return list_devices(rpc, rpc_key)
+        return list_devices(rpc, rpc_key, loading)
     if path is None:
         fail("-f/--file: the text file to score is required")
     try:

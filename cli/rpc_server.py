@@ -116,12 +116,15 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 @click.option("--idle-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
               help="Close a client's connection that holds nothing (no buffer, no link) after this long "
                    "without a request.")
+@click.option("--announce", is_flag=True,
+              help="Announce this server on the local network (DNS-SD over mDNS, _pyggml-rpc._tcp) with its "
+                   "devices, free memory and GGUF files, for clients started with --rpc auto.")
 @click.option("--list-devices", "--show-devices", "list_devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, list_devices, log_level) -> None:
+         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -215,6 +218,16 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                    f"{server.cache.max_bytes / 2**20:.0f} MiB)")
     for f in (files.files.values() if files else ()):
         click.echo(f"  holds {f.path} ({f.path.stat().st_size / 2**20:.0f} MiB, sha256 {f.identity.hex()[:16]}...)")
+    announcement = None
+    if announce:
+        from pyggml.rpc.discovery import Announcement, txt_record
+        props = txt_record([(sd.device.get_name(), *sd.memory()) for sd in server.devices], transport,
+                           bool(key or curve), [f.identity.hex() for f in (files.files.values() if files else ())])
+        try:
+            announcement = Announcement(host, int(server.endpoint.rsplit(":", 1)[1]), props)
+        except OSError as e:
+            fail(f"cannot announce on {host}: {e}")
+        click.echo(f"  announced as {announcement.name} (_pyggml-rpc._tcp): clients find it with --rpc auto")
     click.echo("", nl=True)
     sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
@@ -222,6 +235,9 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        if announcement is not None:
+            announcement.close()
 
 
 if __name__ == "__main__":

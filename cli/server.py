@@ -53,7 +53,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
     """
     setup_logging(log_level)
     if show_devices:
-        return list_devices(rpc, rpc_key)
+        return list_devices(rpc, rpc_key, loading)
     try:
         import uvicorn
 
@@ -69,7 +69,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
     model_args = dict(path_or_alias=model, n_ctx=n_ctx, ngl=ngl, rpc=rpc, rpc_key=rpc_key, n_threads=threads,
                       n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"],
                       split_mode=loading["split_mode"],
-                      failover=loading["failover"], rpc_spare=loading["rpc_spare"], use_mmap=loading["use_mmap"])
+                      failover=loading["failover"], rpc_spare=loading["rpc_spare"], use_mmap=loading["use_mmap"],
+                      discover_timeout=loading["discover_timeout"])
     if loading["dry_run"]:
         load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits
     sock = bind_or_exit(host, port)  # before the model loads: a port in use is said at once

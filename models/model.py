@@ -56,14 +56,19 @@ def gate_part(arch) -> str | None:
 
 
 def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None,
-                connect_timeout: float | None = None) -> list:
+                connect_timeout: float | None = None, discover_timeout: float | None = None) -> list:
     """The devices of the RPC servers named by ``rpc`` (none when it is empty); ``key``: the
-    clients' key file from ``pyggml-rpc-server --gen-key`` (or a TLS context made from it)."""
+    clients' key file from ``pyggml-rpc-server --gen-key`` (or a TLS context made from it).
+    ``"auto"`` / ``"auto:N"``: the servers announced on the network (rpc/discovery.py), looked
+    for ``discover_timeout`` seconds."""
     if not rpc:
         return []
     from pyggml.rpc import connect, load_key
+    from pyggml.rpc.discovery import connect_auto, parse_auto
     if isinstance(key, (str, os.PathLike)):
         key = load_key(key)
+    if parse_auto(rpc) is not None:
+        return connect_auto(rpc, key=key, timeout=discover_timeout, connect_timeout=connect_timeout)
     return connect(rpc, key=key, connect_timeout=connect_timeout)
 
 
@@ -93,7 +98,9 @@ class Model:
     step together; the logits are those of one device) or "auto" (tensor where each CPU
     device's share of a layer is large enough to pay for its exchanges: the plan says why).
     ``rpc``: RPC servers (``"8080;8081"``, ``"host:port"`` or a list), whose devices come
-    first in the device ids; ``rpc_key``: the clients' key file (``FILE.client`` from
+    first in the device ids, or ``"auto"`` (``"auto:N"``): those announced on the network
+    (``pyggml-rpc-server --announce``), looked for ``discover_timeout`` seconds (default 3; with
+    N, until N are found, up to 60); ``rpc_key``: the clients' key file (``FILE.client`` from
     ``pyggml-rpc-server --gen-key FILE``) when the servers use TLS.  ``seed``: default seed of sampling (None: random).
     ``on_plan``: called with the placement's description before any weight moves.
     ``failover``: when an RPC server dies mid-generation, move its layers onto the devices
@@ -112,7 +119,7 @@ class Model:
                  rpc_key: str | os.PathLike | ssl.SSLContext | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
                  rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None,
-                 use_mmap: bool | None = None, split_mode: str = "layer") -> None:
+                 use_mmap: bool | None = None, split_mode: str = "layer", discover_timeout: float | None = None) -> None:
         self.path = hub.resolve(path_or_alias)
         self.split_mode = split_mode
         self.rpc_key = rpc_key
@@ -129,7 +136,8 @@ class Model:
         self.n_threads, self.progress, self.use_mmap = n_threads, progress, use_mmap
         compiling = _compile_kernels(self.path, progress)  # in other processes, while this one loads
         try:
-            self.rpc_devices = connect_rpc(rpc, rpc_key)  # every server reached before any weights move
+            # every server reached before any weights move
+            self.rpc_devices = connect_rpc(rpc, rpc_key, discover_timeout=discover_timeout)
             if ngl is None and self.rpc_devices:
                 ngl = "auto"
             try:

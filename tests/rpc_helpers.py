@@ -68,6 +68,50 @@ def network_namespace(rate: str | None = None):
         _ip("netns", "del", name)
 
 
+@contextmanager
+def bridged_namespaces(n: int):
+    """``n`` other hosts on one LAN with this one: a network namespace each, joined to a bridge
+    here by a veth pair (multicast flows over it, as mDNS needs).  Yields [(namespace, its
+    address)]; this namespace is on the bridge at .1.  Raises NamespaceUnavailable with the
+    reason where it cannot be made."""
+    pid = os.getpid()
+    subnet = 10 + pid % 200
+    bridge = f"pgbr{pid % 100000}"
+    r = _ip("link", "add", bridge, "type", "bridge", "mcast_snooping", "0")
+    if r.returncode != 0:
+        raise NamespaceUnavailable(f"cannot create a bridge here (needs root and iproute2): {r.stderr.strip()}")
+    made: list[tuple[str, str]] = []
+    try:
+        for step in [("addr", "add", f"10.78.{subnet}.1/24", "dev", bridge), ("link", "set", bridge, "up")]:
+            r = _ip(*step)
+            if r.returncode != 0:
+                raise NamespaceUnavailable(f"cannot set up the bridge: ip {' '.join(step)}: {r.stderr.strip()}")
+        for i in range(n):
+            name, veth, addr = f"pyggml-{pid}-{i}", f"pb{pid % 10000}x{i}", f"10.78.{subnet}.{i + 2}"
+            r = _ip("netns", "add", name)
+            if r.returncode != 0:
+                raise NamespaceUnavailable(f"cannot create network namespaces here: {r.stderr.strip()}")
+            made.append((name, veth))
+            inside = ("netns", "exec", name, "ip")
+            for step in [("link", "add", f"{veth}c", "type", "veth", "peer", "name", f"{veth}s"),
+                         ("link", "set", f"{veth}s", "netns", name),
+                         ("link", "set", f"{veth}c", "master", bridge), ("link", "set", f"{veth}c", "up"),
+                         (*inside, "addr", "add", f"{addr}/24", "dev", f"{veth}s"),
+                         (*inside, "link", "set", f"{veth}s", "up"), (*inside, "link", "set", "lo", "up"),
+                         # mDNS is sent to 224.0.0.251: a route for it, as a LAN's default route gives
+                         (*inside, "route", "add", "224.0.0.0/4", "dev", f"{veth}s")]:
+                r = _ip(*step)
+                if r.returncode != 0:
+                    raise NamespaceUnavailable(f"cannot join namespace {i} to the bridge: ip {' '.join(step)}: "
+                                               f"{r.stderr.strip()}")
+        yield [(name, f"10.78.{subnet}.{i + 2}") for i, (name, _) in enumerate(made)]
+    finally:
+        for name, veth in made:
+            _ip("link", "del", f"{veth}c")
+            _ip("netns", "del", name)
+        _ip("link", "del", bridge)
+
+
 class ServerProcess:
     """``pyggml-rpc-server`` on a free port of 127.0.0.1 (the server picks it and prints it)."""
 

@@ -1,0 +1,129 @@
+"""Finding RPC servers with nothing typed (rpc/discovery.py): servers in network namespaces of
+their own, joined by a bridge as hosts on one LAN, announce themselves (--announce); the
+client, here on the bridge, finds them (--rpc auto)."""
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyggml as pg
+from pyggml import hub
+from pyggml.file_identity import file_identity
+from pyggml.rpc import load_key
+from pyggml.rpc.discovery import browse, connect_auto, parse, parse_auto, txt_record
+from pyggml.rpc.protocol import PROTOCOL_VERSION
+
+from .conftest import shared_model
+from .rpc_helpers import NamespaceUnavailable, ServerProcess, bridged_namespaces
+
+
+@pytest.fixture(scope="module")
+def lan():
+    """[(namespace, address)] of two hosts on a bridge with this one; skipped where namespaces
+    cannot be made."""
+    try:
+        with bridged_namespaces(2) as hosts:
+            yield hosts
+    except NamespaceUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def remote(lan):
+    """start(i, *args): an announcing server on host i; all are stopped afterwards."""
+    started = []
+
+    def start(i: int, *args: str) -> ServerProcess:
+        name, addr = lan[i]
+        s = ServerProcess("-H", addr, "--announce", *args, prefix=("ip", "netns", "exec", name))
+        assert any("announced as" in line for line in s.banner), s.banner
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.stop()
+
+
+def test_discovery_finds_both_servers_with_their_memory_and_files(remote):
+    path = hub.resolve("smollm2")
+    a, b = remote(0, "--mem", "120M", "--gguf", str(path)), remote(1, "--mem", "300M")
+    found = {f.endpoint: f for f in browse(timeout=15, want=2)}
+    assert {a.endpoint, b.endpoint} <= set(found), found
+    fa, fb = found[a.endpoint], found[b.endpoint]
+    assert fa.skipped is None and fb.skipped is None and fa.protocol == PROTOCOL_VERSION and not fa.tls
+    assert [total for _, _, total in fa.devices] == [120 << 20] and [t for _, _, t in fb.devices] == [300 << 20]
+    assert fa.files == [file_identity(path).hex()] and fb.files == []
+
+
+def test_a_model_placed_over_the_servers_it_found(remote):
+    a, b = remote(0), remote(1)
+    with pg.Model("smollm2", n_ctx=256, rpc="auto:2", discover_timeout=20, progress=False) as m:
+        assert {d.conn.endpoint for d in m.rpc_devices} == {a.endpoint, b.endpoint}
+        assert set(m.model.placement.layers[:-1]) <= {0, 1} and len(set(m.model.placement.layers)) >= 2
+        ids = m.tokenize("The capital of France is")
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+
+
+def test_servers_a_client_cannot_use_are_listed_with_why(remote, tmp_path, caplog):
+    if shutil.which("openssl") is None:
+        pytest.skip("making TLS keys needs the openssl command")
+    key = tmp_path / "k"
+    subprocess.run([sys.executable, "-m", "pyggml.cli.rpc_server", "--gen-key", str(key)], check=True,
+                   capture_output=True)
+    tls, plain = remote(0, "--key", str(key)), remote(1)
+    with caplog.at_level(logging.WARNING, logger="pyggml.rpc.discovery"):
+        devices = connect_auto("auto", timeout=6)  # no key: the TLS server is skipped, said why
+    assert {d.conn.endpoint for d in devices} == {plain.endpoint}
+    assert f"{tls.endpoint}" in caplog.text and "it wants TLS: give its client key with --rpc-key" in caplog.text
+    for d in devices:
+        d.conn.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pyggml.rpc.discovery"):
+        devices = connect_auto("auto", key=load_key(f"{key}.client"), timeout=5)
+    assert {d.conn.endpoint for d in devices} == {tls.endpoint}
+    assert f"{plain.endpoint}" in caplog.text and "did not accept this client" in caplog.text
+    for d in devices:
+        d.conn.close()
+    with pytest.raises(ValueError, match=r"--rpc auto:3: 1 usable RPC server\(s\) found in 3 s \(need 3\)"):
+        connect_auto("auto:3", key=None, timeout=3)
+
+
+def test_show_devices_lists_the_servers_found(remote):
+    a = remote(0, "--mem", "150M")
+    r = subprocess.run([sys.executable, "-m", "pyggml.cli.chat", "--rpc", "auto", "--discover-timeout", "5",
+                        "--show-devices"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"RPC[{a.endpoint}]" in r.stdout and "150 MiB free of 150 MiB" in r.stdout
+
+
+def test_announcements_are_parsed_with_bounds():
+    """A TXT record is data from the network: another protocol version, a malformed entry, an
+    unknown transport, no address - each makes the server skipped, with why; never an error."""
+    props = {k.encode(): v.encode() for k, v in
+             txt_record([("CPU", 1 << 20, 2 << 20)], "tcp", False, ["ab" * 32]).items()}
+    ok = parse("h-1._pyggml-rpc._tcp.local.", ["10.0.0.5"], 5000, props)
+    assert (ok.endpoint, ok.name, ok.skipped, ok.devices, ok.files) == \
+        ("10.0.0.5:5000", "h-1", None, [("CPU", 1 << 20, 2 << 20)], ["ab" * 32])
+    zmq = parse("h", ["10.0.0.5"], 5000, {**props, b"transport": b"zmq"})
+    assert zmq.endpoint == "zmq://10.0.0.5:5000" and zmq.skipped is None
+    cases = {b"proto": (b"3", "protocol version 3"), b"dev0": (b"CPU;x;1", "malformed"),
+             b"transport": (b"udp", "unknown transport"), b"devices": (b"\xff\xfe", "malformed")}
+    for field, (value, why) in cases.items():
+        assert why in parse("h", ["10.0.0.5"], 5000, {**props, field: value}).skipped
+    assert "no IPv4 address" in parse("h", [], 5000, props).skipped
+    huge = {f"gguf{i}".encode(): b"x" * 64 for i in range(10_000)}  # read up to MAX_FILES, no further
+    many = parse("h", ["10.0.0.5"], 5000, {**props, b"files": b"10000", **huge})
+    assert many.skipped is None and len(many.files) == 32
+
+
+def test_rpc_auto_spellings():
+    assert parse_auto("auto") == 0 and parse_auto("AUTO:3") == 3
+    assert parse_auto("8080;8081") is None and parse_auto(None) is None and parse_auto(["auto"]) is None
+    for bad in ("auto:0", "auto:x", "automatic"):
+        with pytest.raises(ValueError, match="'auto' or 'auto:N'"):
+            parse_auto(bad)
