@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -119,12 +120,15 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 @click.option("--announce", is_flag=True,
               help="Announce this server on the local network (DNS-SD over mDNS, _pyggml-rpc._tcp) with its "
                    "devices, free memory and GGUF files, for clients started with --rpc auto.")
+@click.option("--leave-timeout", type=click.FloatRange(min=0), default=30, show_default=True, metavar="SECONDS",
+              help="On SIGTERM or Ctrl-C, how long to wait for the clients to move their work elsewhere before "
+                   "exiting (a second signal exits at once).")
 @click.option("--list-devices", "--show-devices", "list_devices", is_flag=True, help="List the devices and exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, list_devices, log_level) -> None:
+         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, leave_timeout, list_devices, log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -230,11 +234,25 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         click.echo(f"  announced as {announcement.name} (_pyggml-rpc._tcp): clients find it with --rpc auto")
     click.echo("", nl=True)
     sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    stops = []
+
+    def on_stop(signum: int, _frame) -> None:
+        """The first SIGTERM or Ctrl-C: clients move their work elsewhere, then the server
+        exits (within --leave-timeout); the second: at once."""
+        stops.append(signum)
+        if announcement is not None:  # no new client finds it (goodbye packets: not in the handler)
+            threading.Thread(target=announcement.close, daemon=True).start()
+        if len(stops) > 1:
+            server.stop()
+            return
+        holding = server.leave(leave_timeout)
+        if holding:
+            click.echo(f"leaving: {holding} client(s) are moving their work elsewhere (at most {leave_timeout:g} s; "
+                       f"stop again to exit at once)", err=True)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         if announcement is not None:
             announcement.close()

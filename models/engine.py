@@ -60,6 +60,7 @@ log = logging.getLogger("pyggml.engine")
 
 DEFAULT_MAX_QUEUE = 64
 REATTACH_INTERVAL_S = 2.0
+IDLE_CHECK_S = 2.0  # an idle engine asks its RPC servers this often whether they are leaving
 KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_graphs): prompts' and mixed steps'
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds: a step's wall time, for Stats
@@ -168,6 +169,7 @@ class Stats:
     step_seconds: float = 0.0
     errors: int = 0
     losses: int = 0              # devices lost (failover)
+    departures: int = 0          # servers that left (SIGTERM) and were let go
     recoveries: int = 0          # placements made anew after a loss or to take servers back
     reattached: int = 0          # servers taken back
     recovery_seconds: float = 0.0  # the last re-placement's
@@ -385,15 +387,20 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            ahead = None
+            ahead = idle = None
             with self._cond:
                 while not self._closed and not self._returned and not self._has_work():
                     if self._warm:  # idle: build a shape a step would otherwise wait for
                         ahead = self._warm.popleft()
                         break
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_CHECK_S) and self.model.rpc_devices:
+                        idle = True  # nothing to do for a while: are the servers staying?
+                        break
             if ahead is not None:
                 self._build_ahead(ahead)
+                continue
+            if idle:
+                self._check_leaving()
                 continue
             with self._cond:
                 if self._closed:
@@ -411,6 +418,16 @@ class Engine:
             except Exception as e:  # a lost device, or a bug: no request may hang on it
                 if not self._fail_over(e):
                     self._on_step_failure(e)
+
+    def _check_leaving(self) -> None:
+        """(idle) Ask each server whether it still serves; one that is leaving (SIGTERM) is let
+        go now, its layers placed on the others, rather than at the next request - by then it
+        may have given up waiting and gone."""
+        from pyggml.rpc import ServerLeaving
+        for conn in {id(d.conn): d.conn for d in self.model.rpc_devices}.values():
+            if conn.closed_reason is None and conn.answers(timeout=2.0) and conn.leaving:
+                self._fail_over(ServerLeaving(conn.endpoint, "leaving (asked while idle)"))
+                return
 
     def _probe(self) -> None:
         """(a thread of its own) Try the lost servers every REATTACH_INTERVAL_S; hand those
@@ -463,16 +480,24 @@ class Engine:
                 self._cond.notify_all()
 
     def _fail_over(self, e: Exception) -> bool:
-        """A lost RPC server with the model's ``failover`` on: the model moves its layers and
-        rebuilds the live cells (every sequence's bits as before), and the failed step runs
-        again; the requests in flight only see a pause.  If no placement fits what is left,
-        they end with that error, and the engine waits for servers to come back."""
-        from pyggml.rpc import RPCError
-        if not (isinstance(e, RPCError) and self.model.failover):
+        """A lost RPC server with the model's ``failover`` on, or one leaving (SIGTERM) either
+        way: the model moves its layers and rebuilds the live cells (every sequence's bits as
+        before), and the failed step runs again; the requests in flight only see a pause.  If
+        no placement fits what is left, they end with that error, and the engine waits for
+        servers to come back."""
+        from pyggml.rpc import RPCError, ServerLeaving
+        if isinstance(e, RPCError):
+            e = self.model._culprit(e)
+        if not (isinstance(e, RPCError) and (self.model.failover or isinstance(e, ServerLeaving))):
             return False
-        self.stats.losses += 1
+        leaving = isinstance(e, ServerLeaving)
+        if leaving:
+            self.stats.departures += 1
+        else:
+            self.stats.losses += 1
         last = self.stats.recovery_seconds
-        self.recovering = f"lost {e.endpoint}" + (f"; recovering, expected within {last + 1:.0f} s" if last else "")
+        self.recovering = (f"{e.endpoint} is leaving" if leaving else f"lost {e.endpoint}") + \
+            (f"; placing the model anew, expected within {last + 1:.0f} s" if last else "")
         t0 = time.perf_counter()
         try:
             self.model._recover(e)

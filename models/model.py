@@ -253,26 +253,43 @@ class Model:
 
     def _guarded(self, step: Callable[[], Any]) -> Any:
         """Run a decoding step; with ``failover``, a lost RPC server is replaced and the step
-        runs again on the new placement."""
-        from pyggml.rpc import RPCError
+        runs again on the new placement; a server leaving is let go so, failover or not."""
+        from pyggml.rpc import RPCError, ServerLeaving
         while True:
             try:
                 return step()
             except RPCError as e:
                 e = self._culprit(e)
-                if not self.failover:
+                if not (self.failover or isinstance(e, ServerLeaving)):
                     raise e from None
                 self._recover(e)
 
+    def _let_go(self, endpoint: str) -> None:
+        """Close and forget the devices of the server at ``endpoint`` (not a lost one)."""
+        gone = [d for d in self.rpc_devices if d.conn.endpoint == endpoint]
+        for d in gone:
+            d.conn.close("the server left")
+        self.rpc_devices = [d for d in self.rpc_devices if d not in gone]
+
     def _culprit(self, error):
         """The error, naming the server that failed: a server that waited for another's tensor
-        reports that one gone, and still answers itself."""
-        from pyggml.rpc import RPCError
+        reports that one gone, and still answers itself; a server that is leaving (it says so
+        when asked) is named first."""
+        from pyggml.rpc import RPCError, ServerLeaving
+        if isinstance(error, ServerLeaving):
+            return error
         conns = {d.conn.endpoint: d.conn for d in self.rpc_devices}
+
+        def leaving():  # (answers() hears a leaving server say so)
+            ep = next((ep for ep, c in conns.items() if c.leaving), None)
+            return ServerLeaving(ep, f"leaving (when {error.endpoint} reported: {str(error).split(': ', 1)[-1]})") \
+                if ep else None
         named = conns.get(error.endpoint)
         if named is None or not named.answers():
             return error
         dead = [ep for ep, c in conns.items() if ep != error.endpoint and not c.answers()]
+        if not dead and (gone := leaving()) is not None:
+            return gone
         return RPCError(dead[0], f"lost (reported by {error.endpoint}): {str(error).split(': ', 1)[-1]}") \
             if dead else error
 
@@ -292,7 +309,13 @@ class Model:
         """Move the lost server's layers onto the devices left (a spare first, and any lost
         server that answers again), load them, and rebuild the cache from the batches that
         wrote its live cells: the same rows give the same bits, so greedy and seeded
-        generation go on exactly as if nothing happened."""
+        generation go on exactly as if nothing happened.  A server that said it is leaving
+        (ServerLeaving) is let go the same way, without becoming a lost one to try again."""
+        from pyggml.rpc import ServerLeaving
+        if isinstance(error, ServerLeaving):
+            self._let_go(error.endpoint)
+            self._recover_with(self._take_spare, reason=f"{error.endpoint} is leaving", first=error)
+            return
         if not self._drop_dead(error) and self._placed:
             raise error  # every server answers: this error is not a loss
         self._recover_with(self._take_spare, reason=str(error).split(": ", 1)[-1], first=error)
@@ -333,8 +356,9 @@ class Model:
                                          f"({', '.join(d.get_name() for d in self.rpc_devices) or 'none'}): {e}") \
                     from None
             self._unplaced_history = None
+            lost = ", ".join(sorted(self.lost_endpoints))
             log.warning("%s (%s); recovered in %.1f s; the model is now on\n%s",
-                        "lost " + ", ".join(sorted(self.lost_endpoints)) if first else "placed anew",
+                        f"lost {lost}" if first is not None and lost else "placed anew",
                         reason, time.perf_counter() - t0, "\n".join(self.placement_lines()))
             self.recoveries.append((time.time(), reason, time.perf_counter() - t0))
             del self.recoveries[:-64]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .backend import RPCBackend, RPCBuffer, RPCBufferType, RPCDevice, connect
 from .client import Connection, load_key
-from .protocol import PROTOCOL_VERSION, ProtocolError, RPCError, parse_endpoint, parse_endpoints
+from .protocol import PROTOCOL_VERSION, ProtocolError, RPCError, ServerLeaving, parse_endpoint, parse_endpoints
 
 __all__ = ["PROTOCOL_VERSION", "Connection", "ProtocolError", "RPCBackend", "RPCBuffer", "RPCBufferType",
-           "RPCDevice", "RPCError", "connect", "load_key", "parse_endpoint", "parse_endpoints"]
+           "RPCDevice", "RPCError", "ServerLeaving", "connect", "load_key", "parse_endpoint", "parse_endpoints"]

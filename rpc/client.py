@@ -24,7 +24,7 @@ from . import keys
 from . import protocol as P
 from . import transport
 from .files import parse_listing
-from .protocol import Command, RPCError, Status
+from .protocol import Command, RPCError, ServerLeaving, Status
 
 CONNECT_TIMEOUT_S = float(os.environ.get("PYGGML_RPC_CONNECT_TIMEOUT", "5"))
 REQUEST_TIMEOUT_S = float(os.environ.get("PYGGML_RPC_TIMEOUT", "600"))
@@ -63,6 +63,7 @@ class Connection:
         self.bytes_received = 0
         self.closed_reason: str | None = None
         self.errors = 0  # error replies so far (an asynchronous request may have failed before them)
+        self.leaving = False  # the server said it is leaving (Status.LEAVING)
         self.wait_seconds = 0.0  # time spent waiting for answers (the server's work plus the network)
         self._lock = threading.Lock()
         self.round_trips = 0  # times we waited for answers
@@ -261,6 +262,9 @@ class Connection:
             message = bytes(body).decode("utf-8", "replace")
             if cmd == Command.HELLO:
                 self.close(message)
+            if status == Status.LEAVING:
+                self.leaving = True
+                raise ServerLeaving(self.endpoint, message)
             raise RPCError(self.endpoint, f"{cmd.name} failed: {message}")
         if reply is not None:
             if len(body) != reply.size:

@@ -70,6 +70,7 @@ class Announcement:
 
     def __init__(self, host: str, port: int, properties: dict[str, str]) -> None:
         from zeroconf import IPVersion, ServiceInfo, Zeroconf
+        self._lock, self._closed = threading.Lock(), False
         addresses = _addresses(host)
         self.zeroconf = Zeroconf(interfaces=addresses, ip_version=IPVersion.V4Only)
         hostname = socket.gethostname().split(".")[0] or "pyggml"
@@ -84,10 +85,14 @@ class Announcement:
         self.name = self.info.name.removesuffix("." + SERVICE)
 
     def close(self) -> None:
-        try:
-            self.zeroconf.unregister_service(self.info)
-        finally:
-            self.zeroconf.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self.zeroconf.unregister_service(self.info)
+            finally:
+                self.zeroconf.close()
 
 
 def _addresses(host: str) -> list[str]:

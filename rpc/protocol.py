@@ -59,6 +59,7 @@ class Command(enum.IntEnum):
 class Status(enum.IntEnum):
     OK = 0
     ERROR = 1
+    LEAVING = 2  # the server is shutting down (SIGTERM): its clients move their work elsewhere
 
 
 class Codec(enum.IntEnum):
@@ -125,6 +126,12 @@ class RPCError(RuntimeError):
     def __init__(self, endpoint: str, message: str) -> None:
         super().__init__(f"RPC[{endpoint}]: {message}")
         self.endpoint = endpoint
+
+
+class ServerLeaving(RPCError):
+    """The server said it is leaving (stopped with SIGTERM or Ctrl-C): not a failure, a hand-off.
+    A model places itself anew without it - failover or not - and the server exits once its
+    clients are gone."""
 
 
 class ProtocolError(ValueError):

@@ -152,6 +152,9 @@ DEFERRED: Reply = (b"", [])  # a handler's answer that it will answer later itse
 Handler = Callable[[Session, memoryview, list], Reply]
 
 
+LEAVING = "this server is leaving (stopped): place the model on the other devices"
+
+
 class RPCServer:
     def __init__(self, devices: list[Device], host: str = "127.0.0.1", port: int = 0, mem: int | None = None,
                  cache_dir: str | None = None, max_message: int = P.DEFAULT_MAX_MESSAGE,
@@ -214,6 +217,7 @@ class RPCServer:
             Command.STEP_RUN: self._step_run,
         }
         self.running = False
+        self.leave_deadline: float | None = None  # leave(): when to stop even if clients still hold buffers
 
     # -- the loop -----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -235,8 +239,23 @@ class RPCServer:
                     self._release_held(session)
                 self._expire_waits()
                 self.listener.send_held()  # the replies to what this read brought, together
+                if self.leave_deadline is not None and (not self.clients_holding()
+                                                        or time.monotonic() > self.leave_deadline):
+                    break
         finally:
             self.close()
+
+    def leave(self, timeout: float) -> int:
+        """Take no more work and stop once no client holds a buffer here, or after ``timeout``
+        seconds: every request but FREE_BUFFER is answered Status.LEAVING (requests without a
+        reply are dropped: the next that wants one is answered so), which tells a client to
+        place its model without this server - failover or not - and to let go of it.  Returns
+        the clients holding buffers now.  (Safe from a signal handler: it sets what the loop reads.)"""
+        self.leave_deadline = time.monotonic() + timeout
+        return self.clients_holding()
+
+    def clients_holding(self) -> int:
+        return sum(1 for s in list(self.sessions.values()) if s.buffers)
 
     def _serve_event(self, message: Message) -> None:
         self.listener.serving = message.peer
@@ -388,7 +407,11 @@ class RPCServer:
             except ValueError:
                 raise ProtocolError(f"unknown command {cmd_no}") from None
             payload = head[P.HEADER.size:]
+            leaving = self.leave_deadline is not None
             if cmd == Command.HELLO:
+                if leaving:
+                    self._send(peer, Status.LEAVING, seq, LEAVING.encode(), [])
+                    return
                 reply = self._hello(peer, payload, data)
             else:
                 session = self.sessions.get(peer.id)
@@ -396,7 +419,15 @@ class RPCServer:
                     raise ProtocolError(self._ended.get(peer.id, "HELLO must come first"))
                 if session.writes_into is not None and cmd != Command.PEER_SET:
                     raise ProtocolError("a link from another server may only send PEER_SET")
-                if session.deferred_error and not no_reply:
+                if leaving and session.writes_into is None and cmd != Command.FREE_BUFFER:
+                    # what this session sends other servers from now on is a failure naming
+                    # this (a step in flight ends at once there); a request with a reply hears
+                    # LEAVING, which tells the client to place its model without this server
+                    session.deferred_error = session.deferred_error or LEAVING
+                    if not no_reply:
+                        self._send(peer, Status.LEAVING, seq, LEAVING.encode(), [])
+                        return
+                elif session.deferred_error and not no_reply:
                     err, session.deferred_error = session.deferred_error, None
                     self._forget_arrived(session)  # (the failed step's: no later step may read them)
                     raise ProtocolError(f"an earlier request failed: {err}")

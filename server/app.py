@@ -106,6 +106,8 @@ class EngineMetrics:
         yield GaugeMetricFamily("pyggml_kv_cells_used", "KV cache cells in use", value=e.ctx.kv.n_used)
         yield GaugeMetricFamily("pyggml_kv_cells", "KV cache cells (-c)", value=e.n_ctx)
         yield CounterMetricFamily("pyggml_device_losses", "RPC servers lost while serving", value=st.losses)
+        yield CounterMetricFamily("pyggml_server_departures", "RPC servers that left (SIGTERM) and were let go",
+                                  value=st.departures)
         yield CounterMetricFamily("pyggml_recoveries", "Placements made anew (after a loss, or to take a server back)",
                                   value=st.recoveries)
         yield CounterMetricFamily("pyggml_reattached_servers", "Lost RPC servers taken back", value=st.reattached)

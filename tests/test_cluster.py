@@ -1,12 +1,15 @@
-"""Finding RPC servers with nothing typed (rpc/discovery.py): servers in network namespaces of
-their own, joined by a bridge as hosts on one LAN, announce themselves (--announce); the
-client, here on the bridge, finds them (--rpc auto)."""
+"""A cluster with nothing to configure, on servers in network namespaces of their own joined by
+a bridge as hosts on one LAN, the client here on the bridge: servers announce themselves
+(--announce) and clients find them (--rpc auto, rpc/discovery.py); a server stopped with
+SIGTERM hands its work over before it exits (Status.LEAVING), failover or not."""
 from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import pyggml as pg
 from pyggml import hub
 from pyggml.file_identity import file_identity
 from pyggml.rpc import load_key
+from pyggml.models import Engine
 from pyggml.rpc.discovery import browse, connect_auto, parse, parse_auto, txt_record
 from pyggml.rpc.protocol import PROTOCOL_VERSION
 
@@ -127,3 +131,58 @@ def test_rpc_auto_spellings():
     for bad in ("auto:0", "auto:x", "automatic"):
         with pytest.raises(ValueError, match="'auto' or 'auto:N'"):
             parse_auto(bad)
+
+
+def test_a_server_stopped_during_an_answer_hands_its_layers_over(remote):
+    """SIGTERM to a server while the model generates (no failover): no error, the answer the
+    model gives alone, and the server exits once the client has let go of it."""
+    local = shared_model("smollm2")
+    local.context.clear()  # the prompt read in one call, as the fresh model reads it
+    ids = local.tokenize("Once upon a time, in a land far away,")
+    want = list(local.generate(ids, max_tokens=24, temperature=0))
+    a, b = remote(0), remote(1)
+    with pg.Model("smollm2", n_ctx=256, rpc=[a.endpoint, b.endpoint], progress=False) as m:
+        assert not m.failover
+        got = []
+        for i, token in enumerate(m.generate(ids, max_tokens=24, temperature=0)):
+            got.append(token)
+            if i == 6:
+                a.proc.send_signal(signal.SIGTERM)
+        assert got == want
+        assert a.proc.wait(30) == 0  # gone once the client let go (well before --leave-timeout)
+        assert {d.conn.endpoint for d in m.rpc_devices} == {b.endpoint} and not m.lost_endpoints
+
+
+def test_servers_leave_a_serving_engine_mid_stream_and_while_idle(remote):
+    """The same under an Engine's streams (no failover): the stream goes on with the same text;
+    then a server stopped while the engine is idle is let go within seconds (the engine asks),
+    and the next request is answered on what is left."""
+    prompt = "The history of the printing press begins"
+    local = shared_model("smollm2")
+    want = local.create_completion(prompt, max_tokens=20, temperature=0)["choices"][0]["text"]
+    a, b = remote(0), remote(1)
+    with pg.Model("smollm2", n_ctx=512, rpc=[a.endpoint, b.endpoint], progress=False) as m, \
+            Engine(m, n_parallel=2, n_batch=64) as engine:
+        text = []
+        for i, chunk in enumerate(engine.submit(prompt, max_tokens=20, temperature=0)):
+            text.append(chunk["choices"][0]["text"])
+            if i == 5:
+                a.proc.send_signal(signal.SIGTERM)
+        assert "".join(text) == want and engine.stats.departures == 1 and engine.stats.errors == 0
+        assert a.proc.wait(30) == 0
+        t0 = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)  # idle now
+        assert b.proc.wait(30) == 0 and time.monotonic() - t0 < 15
+        assert engine.stats.departures == 2 and not m.rpc_devices
+        r = engine.submit(prompt, stream=False, max_tokens=20, temperature=0)
+        assert r["choices"][0]["text"] == want
+
+
+def test_a_second_signal_exits_at_once(remote):
+    a = remote(0)
+    with pg.Model("smollm2", n_ctx=128, rpc=[a.endpoint], progress=False):  # holds buffers there
+        a.proc.send_signal(signal.SIGTERM)  # the client is not asked to move: the server waits ...
+        time.sleep(1.0)
+        assert a.proc.poll() is None
+        a.proc.send_signal(signal.SIGTERM)  # ... until a second signal
+        assert a.proc.wait(10) == 0
