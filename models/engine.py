@@ -60,6 +60,8 @@ log = logging.getLogger("pyggml.engine")
 
 DEFAULT_MAX_QUEUE = 64
 REATTACH_INTERVAL_S = 2.0
+MAX_EVENTS = 64
+CLUSTER_REFRESH_S = 2.0
 IDLE_CHECK_S = 2.0  # an idle engine asks its RPC servers this often whether they are leaving
 KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_graphs): prompts' and mixed steps'
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
@@ -170,6 +172,7 @@ class Stats:
     errors: int = 0
     losses: int = 0              # devices lost (failover)
     departures: int = 0          # servers that left (SIGTERM) and were let go
+    joined: int = 0              # servers found on the network while serving (--rpc auto), taken in
     recoveries: int = 0          # placements made anew after a loss or to take servers back
     reattached: int = 0          # servers taken back
     recovery_seconds: float = 0.0  # the last re-placement's
@@ -213,6 +216,10 @@ class Engine:
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.queue: deque[Request] = deque()
         self.stats = Stats()
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # joined, left, lost, placed anew
+        self._cluster: list[dict[str, Any]] = []  # cluster_devices(), refreshed by the step loop
+        self._cluster_at = 0.0
+        self._watcher = None
         self.failure: str | None = None
         self.recovering: str | None = None  # what is being placed anew now (the steps wait meanwhile)
         self._closed = False
@@ -230,6 +237,11 @@ class Engine:
         # that comes back is taken back (without failover the engine serves again only then)
         self._prober = threading.Thread(target=self._probe, name="pyggml-reattach", daemon=True)
         self._prober.start()
+        # a model placed over the servers found on the network (--rpc auto) takes in those that
+        # appear later, at a step boundary, as it takes back lost ones
+        if getattr(model, "discovers", False):
+            from pyggml.rpc.discovery import Watcher
+            self._watcher = Watcher(self._found)
 
     # -- submitting ---------------------------------------------------------------------------------
     @property
@@ -327,6 +339,8 @@ class Engine:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._watcher is not None:
+            self._watcher.close()
         self._thread.join(timeout=30)
         if self._prober is not None:
             self._prober.join(timeout=10)
@@ -401,6 +415,7 @@ class Engine:
                 continue
             if idle:
                 self._check_leaving()
+                self._refresh_cluster()
                 continue
             with self._cond:
                 if self._closed:
@@ -415,9 +430,24 @@ class Engine:
                 continue
             try:
                 self.step(t_step)
+                self._refresh_cluster()
             except Exception as e:  # a lost device, or a bug: no request may hang on it
                 if not self._fail_over(e):
                     self._on_step_failure(e)
+
+    def _found(self, found) -> None:
+        """(the discovery's thread) A server announced itself: connect, and hand its devices to
+        the step loop, which places the model anew over them at the next step boundary."""
+        from pyggml.models.model import connect_rpc
+        if self._closed or found.endpoint in {d.conn.endpoint for d in self.model.rpc_devices}:
+            return
+        devices = connect_rpc(found.endpoint, self.model.rpc_key, connect_timeout=5.0)
+        log.warning("found %s: taking it in", found.describe())
+        self._event("joined", found.endpoint)
+        with self._cond:
+            self.stats.joined += 1
+            self._returned += devices
+            self._cond.notify_all()
 
     def _check_leaving(self) -> None:
         """(idle) Ask each server whether it still serves; one that is leaving (SIGTERM) is let
@@ -448,7 +478,7 @@ class Engine:
     def _attach(self, devices: list) -> None:
         from pyggml.rpc import RPCError
         names = ", ".join(dict.fromkeys(d.conn.endpoint for d in devices))
-        self.recovering = f"taking {names} back"
+        self.recovering = f"taking {names} in"
         t0 = time.perf_counter()
         try:
             back = self.model.attach(devices)
@@ -458,7 +488,7 @@ class Engine:
                 self._on_step_failure(e)
             return
         except Exception as e:  # noqa: BLE001 - the model stays as it was placed: keep serving
-            log.warning("taking %s back failed: %s", names, e)
+            log.warning("taking %s in failed: %s", names, e)
             self.recovering = None
             return
         self.recovering = None
@@ -466,9 +496,36 @@ class Engine:
         if back:
             self.stats.reattached += len(back)
             self._recovered(time.perf_counter() - t0)
-            log.warning("reattached %s", ", ".join(back))
+            log.warning("attached %s", ", ".join(back))
+
+    def _event(self, kind: str, text: str) -> None:
+        self.events.append({"time": time.time(), "event": kind, "detail": text})
+
+    def cluster(self) -> dict[str, Any]:
+        """The devices (what each holds, memory, bytes over its link: as the step loop last
+        read them, every CLUSTER_REFRESH_S at most) and the recent events, for /cluster."""
+        st = self.stats
+        return {"devices": list(self._cluster), "events": list(self.events),
+                "placing": self.recovering,
+                "counts": {"joined": st.joined, "left": st.departures, "lost": st.losses,
+                           "placed_anew": st.recoveries},
+                "tokens_generated": st.generated_tokens, "decode_seconds": st.step_seconds}
+
+    def _refresh_cluster(self, force: bool = False) -> None:
+        """(the step loop) Read the devices' state for cluster(), at most every CLUSTER_REFRESH_S."""
+        now = time.monotonic()
+        if not force and now - self._cluster_at < CLUSTER_REFRESH_S:
+            return
+        self._cluster_at = now
+        try:
+            self._cluster = self.model.cluster_devices()
+        except Exception as e:  # noqa: BLE001 - a server lost meanwhile: the next step says so
+            log.debug("reading the cluster's state: %s", e)
 
     def _recovered(self, seconds: float) -> None:
+        self._event("placed anew", f"in {seconds:.1f} s: " + "; ".join(line.strip() for line in
+                                                                        self.model.placement_lines()))
+        self._refresh_cluster(force=True)
         self._warm = self._warm_shapes()  # a new context: its graphs are built again
         self.ctx.keep_graphs(len(self._warm) + KEPT_PROMPT_GRAPHS)
         self.stats.recoveries += 1
@@ -495,6 +552,7 @@ class Engine:
             self.stats.departures += 1
         else:
             self.stats.losses += 1
+        self._event("left" if leaving else "lost", e.endpoint)
         last = self.stats.recovery_seconds
         self.recovering = (f"{e.endpoint} is leaving" if leaving else f"lost {e.endpoint}") + \
             (f"; placing the model anew, expected within {last + 1:.0f} s" if last else "")

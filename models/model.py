@@ -124,6 +124,8 @@ class Model:
         self.split_mode = split_mode
         self.rpc_key = rpc_key
         self.failover = failover
+        # --rpc auto: the servers were found on the network, and a server (an Engine) keeps looking
+        self.discovers = isinstance(rpc, str) and rpc.strip().lower().startswith("auto")
         self.lost_endpoints: list[str] = []
         self.recoveries: list[tuple[float, str, float]] = []  # (when, why, seconds) of each re-placement
         self._placed = False
@@ -365,22 +367,40 @@ class Model:
             return
         raise RPCError(getattr(error, "endpoint", "RPC"), f"{reason}; servers kept being lost while recovering")
 
-    def placement_lines(self) -> list[str]:
-        """Each device and what it holds, one line each: every RPC server connected (a spare
-        the plan did not need says so) and the local devices that hold something."""
+    def _shares(self) -> list[tuple[Any, list[int], str | None]]:
+        """Per device: the device, its layers, and what it holds in words (None: nothing)."""
         m = self.model
-        lines = []
+        out = []
         for i, dev in enumerate(m.devices):
+            layers = [il for il, d in enumerate(m.placement.layers) if d == i] if not m.shards else []
             if m.shards:
                 share = next((s.describe() for s in m.shards if s.device == i), None)
             else:
-                layers = [il for il, d in enumerate(m.placement.layers) if d == i]
                 ends = [x for x, on in (("prolog", m.placement.prolog == i), ("epilog", m.placement.epilog == i)) if on]
                 share = ", ".join(([f"layers {spans(layers)}"] if layers else []) + ends) or None
-            if share is None and getattr(dev, "conn", None) is None:
-                continue  # a local device that holds nothing
-            lines.append(f"  {dev.get_name()}: {share or 'nothing (the others hold the whole model)'}")
-        return lines
+            out.append((dev, layers, share))
+        return out
+
+    def placement_lines(self) -> list[str]:
+        """Each device and what it holds, one line each: every RPC server connected (a spare
+        the plan did not need says so) and the local devices that hold something."""
+        return [f"  {dev.get_name()}: {share or 'nothing (the others hold the whole model)'}"
+                for dev, _, share in self._shares() if share is not None or getattr(dev, "conn", None) is not None]
+
+    def cluster_devices(self) -> list[dict[str, Any]]:
+        """Each device with what it holds and its memory now (asks every RPC server: call it
+        from the thread that decodes), for /cluster."""
+        out = []
+        for dev, layers, share in self._shares():
+            conn = getattr(dev, "conn", None)
+            if share is None and conn is None:
+                continue
+            free, total = dev.get_memory()
+            out.append({"name": dev.get_name(), "endpoint": conn.endpoint if conn is not None else None,
+                        "holds": share or "nothing", "layers": layers, "memory_free": free, "memory_total": total,
+                        "bytes_sent": conn.bytes_sent if conn is not None else 0,
+                        "bytes_received": conn.bytes_received if conn is not None else 0})
+        return out
 
     # -- properties ---------------------------------------------------------------------------------
     @property

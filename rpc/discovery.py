@@ -20,6 +20,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .protocol import PROTOCOL_VERSION
@@ -175,6 +176,41 @@ def browse(timeout: float = DEFAULT_TIMEOUT_S, want: int | None = None) -> list[
         browser.cancel()
         zc.close()
     return sorted(found, key=lambda f: f.endpoint)
+
+
+class Watcher:
+    """Keeps browsing (a zeroconf thread) and calls ``on_found(found)`` once for each usable
+    server that appears (a Found whose ``skipped`` is None), until close().  What to do with it
+    is the caller's: an Engine connects and takes it in at a step boundary."""
+
+    def __init__(self, on_found: Callable[[Found], None]) -> None:
+        from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
+        self._seen: set[str] = set()
+
+        def on_change(zeroconf, service_type: str, name: str, state_change) -> None:
+            if state_change is ServiceStateChange.Removed:
+                self._seen.discard(name)  # (if it comes back, it is new again)
+                return
+            if state_change is not ServiceStateChange.Added or name in self._seen:
+                return
+            info = zeroconf.get_service_info(service_type, name, timeout=2000)
+            if info is None or info.port is None:
+                return
+            found = parse(name, info.parsed_addresses(IPVersion.V4Only), info.port, info.properties or {})
+            self._seen.add(name)
+            if found.skipped is None:
+                try:
+                    on_found(found)
+                except Exception as e:  # noqa: BLE001 - the browser thread must go on
+                    log.warning("taking in %s failed: %s", found.endpoint, e)
+            else:
+                log.warning("found %s", found.describe())
+        self.zeroconf = Zeroconf(ip_version=IPVersion.V4Only)
+        self.browser = ServiceBrowser(self.zeroconf, SERVICE, handlers=[on_change])
+
+    def close(self) -> None:
+        self.browser.cancel()
+        self.zeroconf.close()
 
 
 def parse_auto(spec: str | None) -> int | None:

@@ -345,15 +345,32 @@ def create_app(state: State) -> Starlette:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{m.n_vocab - 1})")
         return JSONResponse({"content": await asyncio.to_thread(m.detokenize, ids)})
 
-    page = (resources.files("pyggml.server") / "static" / "chat.html").read_bytes()
+    pages = {name: (resources.files("pyggml.server") / "static" / f"{name}.html").read_bytes()
+             for name in ("chat", "cluster")}
 
-    async def chat_page(request: Request) -> Response:
-        """The chat page: one file of the package (no CDN: it works offline), speaking to this
-        API; it asks for the key itself when the API answers 401."""
-        return Response(page, media_type="text/html; charset=utf-8", headers={
+    def page(name: str) -> Response:
+        """A page: one file of the package (no CDN: it works offline), speaking to this API."""
+        return Response(pages[name], media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
                                        "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
             "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
+
+    async def chat_page(request: Request) -> Response:
+        """The chat page; it asks for the key itself when the API answers 401."""
+        return page("chat")
+
+    @endpoint("cluster")
+    async def cluster_json(request: Request) -> Response:
+        return JSONResponse({"model": state.model_id, **state.engine.cluster()})
+
+    async def cluster(request: Request) -> Response:
+        """GET /cluster: the devices, what they hold, their memory and links, and the recent
+        events (joined, left, lost, placed anew) - JSON, or for a browser (which asks for HTML)
+        the live view that polls the JSON."""
+        accept = request.headers.get("accept", "")
+        if "text/html" in accept and "application/json" not in accept:
+            return page("cluster")
+        return await cluster_json(request)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -370,6 +387,7 @@ def create_app(state: State) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/cluster", cluster, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -186,3 +188,68 @@ def test_a_second_signal_exits_at_once(remote):
         assert a.proc.poll() is None
         a.proc.send_signal(signal.SIGTERM)  # ... until a second signal
         assert a.proc.wait(10) == 0
+
+
+def test_a_server_that_appears_joins_a_serving_engine(remote):
+    """A model placed over the servers found (--rpc auto) keeps looking: a server that announces
+    itself during a stream is taken in at a step boundary (the model placed anew over both, the
+    cache rebuilt by replay), and the stream's text is the one it has without the join."""
+    prompt = "Here is a long list of the countries of Europe and their capitals:\n"
+    want = shared_model("smollm2").create_completion(prompt, max_tokens=300, temperature=0)["choices"][0]["text"]
+    a = remote(0)
+    with pg.Model("smollm2", n_ctx=512, rpc="auto:1", discover_timeout=20, progress=False) as m, \
+            Engine(m, n_parallel=2, n_batch=64) as engine:
+        assert [d.conn.endpoint for d in m.rpc_devices] == [a.endpoint]
+        started: list[ServerProcess] = []
+        joiner = threading.Thread(target=lambda: started.append(remote(1)))
+        text = []
+        for i, chunk in enumerate(engine.submit(prompt, max_tokens=300, temperature=0)):
+            text.append(chunk["choices"][0]["text"])
+            if i == 1:
+                joiner.start()
+        ended = time.time()
+        joiner.join(120)
+        assert "".join(text) == want
+        joined = [e for e in engine.events if e["event"] == "joined"]
+        assert [e["detail"] for e in joined] == [started[0].endpoint] and joined[0]["time"] < ended
+        assert {d.conn.endpoint for d in m.rpc_devices} == {a.endpoint, started[0].endpoint}
+        assert engine.stats.joined == 1 and engine.stats.errors == 0
+        holds = {d["endpoint"]: d["holds"] for d in engine.cluster()["devices"]}
+        assert holds[a.endpoint] != "nothing" and holds[started[0].endpoint] != "nothing"
+
+
+def test_the_cluster_page_shows_both_servers(remote, tmp_path):
+    """GET /cluster: JSON for a client, and for a browser the live view, which lists the
+    servers, what they hold and the events (tested in the headless browser of the chat page)."""
+    from .test_chat_page import browser_or_skip
+    from .test_server import HTTPServer
+    a, b = remote(0), remote(1)
+    server = HTTPServer("-m", "smollm2", "-c", "512", "-np", "2", "--rpc", "auto:2", "--discover-timeout", "20",
+                        log_path=tmp_path / "server.log")
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the step loop refreshes what /cluster says
+            c = httpx.get(server.url + "/cluster", headers={"Accept": "application/json"}, timeout=10).json()
+            if {d["endpoint"] for d in c["devices"]} >= {a.endpoint, b.endpoint}:
+                break
+            time.sleep(0.5)
+        assert {d["endpoint"] for d in c["devices"]} >= {a.endpoint, b.endpoint}, c
+        assert all(d["memory_total"] > 0 for d in c["devices"]) and c["counts"]["lost"] == 0
+        html = httpx.get(server.url + "/cluster", headers={"Accept": "text/html"}, timeout=10)
+        assert html.headers["content-type"].startswith("text/html") and "pyggml cluster" in html.text
+        browser = browser_or_skip()
+        try:
+            from selenium.webdriver.common.by import By
+            from selenium.webdriver.support.ui import WebDriverWait
+            browser.get(server.url + "/cluster")
+            WebDriverWait(browser, 30).until(lambda br: len(br.find_elements(By.CSS_SELECTOR, "tr.device")) >= 2)
+            rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "tr.device")]
+            assert any(a.endpoint in r for r in rows) and any(b.endpoint in r for r in rows), rows
+            browser.save_screenshot(str(tmp_path / "cluster.png"))
+        finally:
+            browser.quit()
+    finally:
+        server.stop()
