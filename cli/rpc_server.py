@@ -120,6 +120,9 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 @click.option("--announce", is_flag=True,
               help="Announce this server on the local network (DNS-SD over mDNS, _pyggml-rpc._tcp) with its "
                    "devices, free memory and GGUF files, for clients started with --rpc auto.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics (sessions, bytes in and out, compute seconds, memory, the tensor "
+                   "cache) at http://HOST:PORT/metrics, on the address the server listens on.")
 @click.option("--leave-timeout", type=click.FloatRange(min=0), default=30, show_default=True, metavar="SECONDS",
               help="On SIGTERM or Ctrl-C, how long to wait for the clients to move their work elsewhere before "
                    "exiting (a second signal exits at once).")
@@ -128,7 +131,8 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, leave_timeout, list_devices, log_level) -> None:
+         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, metrics_port, leave_timeout, list_devices,
+         log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
     \b
@@ -222,6 +226,13 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                    f"{server.cache.max_bytes / 2**20:.0f} MiB)")
     for f in (files.files.values() if files else ()):
         click.echo(f"  holds {f.path} ({f.path.stat().st_size / 2**20:.0f} MiB, sha256 {f.identity.hex()[:16]}...)")
+    if metrics_port is not None:
+        from pyggml.rpc.metrics import serve_metrics
+        try:
+            metrics = serve_metrics(server, host, metrics_port)
+        except OSError as e:
+            fail(f"cannot serve metrics on {host}:{metrics_port}: {e.strerror or e}")
+        click.echo(f"  metrics: http://{host}:{metrics.server_address[1]}/metrics")
     announcement = None
     if announce:
         from pyggml.rpc.discovery import Announcement, txt_record

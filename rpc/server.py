@@ -60,6 +60,21 @@ class Limits:
 
 
 @dataclass
+class Counters:
+    """What the server did, for --metrics-port (rpc/metrics.py): per command, requests and the
+    seconds their handlers took; bytes of the requests read and the replies sent."""
+    requests: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    refused: int = 0
+
+    def served(self, command: str, seconds: float) -> None:
+        self.requests[command] = self.requests.get(command, 0) + 1
+        self.seconds[command] = self.seconds.get(command, 0.0) + seconds
+
+
+@dataclass
 class Wait:
     """Why a session's requests are held: a tagged tensor from another server (``tag``), or
     a link this server is making for it (``link``)."""
@@ -217,6 +232,7 @@ class RPCServer:
             Command.STEP_RUN: self._step_run,
         }
         self.running = False
+        self.counters = Counters()
         self.leave_deadline: float | None = None  # leave(): when to stop even if clients still hold buffers
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -395,6 +411,7 @@ class RPCServer:
         peer, frames = message.peer, message.frames
         head, data = frames[0], frames[1:]
         seq, no_reply = 0, False
+        self.counters.bytes_in += sum(len(f) for f in frames)
         try:
             if len(head) < P.HEADER.size:
                 raise ProtocolError(f"message of {len(head)} bytes is shorter than a header")
@@ -434,8 +451,10 @@ class RPCServer:
                 t0 = time.perf_counter()
                 session.seq = seq
                 reply = self.handlers[cmd](session, payload, data)
+                took = time.perf_counter() - t0
+                self.counters.served(cmd.name, took)
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("%s took %.3f ms", cmd.name, (time.perf_counter() - t0) * 1000)
+                    log.debug("%s took %.3f ms", cmd.name, took * 1000)
             if reply is DEFERRED:  # answered later (a link being made): its seq is kept
                 return
             if not no_reply:
@@ -445,6 +464,7 @@ class RPCServer:
                 log.exception("unexpected error serving a request")
             message_text = str(e) or type(e).__name__
             log.info("refused a request: %s", message_text)
+            self.counters.refused += 1
             session = self.sessions.get(peer.id)
             if no_reply:
                 if session is not None and session.deferred_error is None:
@@ -453,6 +473,7 @@ class RPCServer:
                 self._send(peer, Status.ERROR, seq, message_text.encode("utf-8", "replace"), [])
 
     def _send(self, peer: Peer, status: Status, seq: int, payload: bytes, frames: list) -> None:
+        self.counters.bytes_out += P.HEADER.size + len(payload) + sum(len(f) for f in frames)
         if self.listener.send(peer, [P.HEADER.pack(status, 0, 0, seq) + payload, *frames], now=False):
             return
         # its answers pile up unread: waiting for it would stall every other client

@@ -253,3 +253,35 @@ def test_the_cluster_page_shows_both_servers(remote, tmp_path):
             browser.quit()
     finally:
         server.stop()
+
+
+def test_rpc_server_metrics(tmp_path):
+    """--metrics-port: the server's sessions, bytes, requests, compute seconds, memory and tensor
+    cache in Prometheus's format, moving as a client uses it."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+    server = ServerProcess("--metrics-port", "0", "--cache-dir", str(tmp_path / "cache"), "--mem", "500M")
+    try:
+        url = re.search(r"metrics: (http://\S+)", "\n".join(server.banner)).group(1)
+
+        def scrape() -> dict[str, float]:
+            text = httpx.get(url, timeout=10).text
+            return {s.name + "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items())): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+        before = scrape()
+        assert before["pyggml_rpc_sessions[kind=client]"] == 0 and before["pyggml_rpc_leaving"] == 0
+        assert before["pyggml_rpc_device_memory_bytes[device=0][kind=total][name=CPU]"] == 500 << 20
+        with pg.Model("smollm2", n_ctx=128, rpc=server.endpoint, ngl="all", progress=False) as m:
+            m.logits(m.tokenize("Hello there"))
+            during = scrape()
+        assert during["pyggml_rpc_sessions[kind=client]"] == 1 and during["pyggml_rpc_clients_holding_memory"] == 1
+        assert during["pyggml_rpc_device_memory_bytes[device=0][kind=used][name=CPU]"] > 50 << 20
+        assert during["pyggml_rpc_requests_total[command=GRAPH_COMPUTE]"] >= 1
+        assert during["pyggml_rpc_compute_seconds_total"] > 0
+        assert during["pyggml_rpc_bytes_received_total"] > 50 << 20  # the weights, uploaded
+        assert during["pyggml_rpc_bytes_sent_total"] > 0
+        assert during["pyggml_rpc_cache_events_total[event=stores]"] > 0
+        assert httpx.get(url.replace("/metrics", "/other"), timeout=10).status_code == 404
+    finally:
+        server.stop()
