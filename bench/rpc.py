@@ -15,6 +15,7 @@ the next token.
     python bench/rpc.py --pipeline                              # a 512-token prompt, micro-batches or not
     python bench/rpc.py --transport zmq                         # ZeroMQ servers' rows beside TCP's
     python bench/rpc.py --failover-load 10,100                  # recovery under 4 streams, after 10 s and 100 s
+    python bench/rpc.py --place-by-speed                        # servers of -t 1 and -t 2: by memory, by speed
 
 ``--synthetic-moe`` measures generation only (local, one server, two servers), for the
 mixture of experts that ``bench/generate.py --synthetic-moe`` writes: its random vocabulary
@@ -222,10 +223,15 @@ def main() -> None:
     ap.add_argument("--failover-load", type=lambda t: [float(x) for x in t.split(",")], default=None,
                     metavar="S,S", help="recovery under load: 4 streams decoded together, a server in use killed "
                                         "after each of these many seconds of load (and started again)")
+    ap.add_argument("--place-by-speed", action="store_true",
+                    help="two servers, -t 1 and -t 2 (equal --mem): generation placed by memory, then by speed")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.server_env)
     if args.failover_load:
         failover_load_main(args, env)
+        return
+    if args.place_by_speed:
+        place_by_speed_main(args, env)
         return
     main_of = moe_main if args.synthetic_moe is not None else pipeline_main if args.pipeline else placements_main
     if not args.netns:
@@ -238,6 +244,32 @@ def main() -> None:
             main_of(args, env, Hosts(("ip", "netns", "exec", name), address))
     except NamespaceUnavailable as e:
         print(f"--netns skipped: {e}")
+
+
+def place_by_speed_main(args, env: dict) -> None:
+    """Tokens/s of generation over two servers of unequal speed (-t 1 and -t 2, the same --mem),
+    the layers spread by memory (half each) and by each server's measured speed (-ngl auto)."""
+    if args.model == "dense-1b":  # bench/scale.py's ~1B llama (written once)
+        from bench.scale import dense_1b
+        args.model = str(dense_1b())
+    servers = [ServerProcess("-t", "1", "--mem", "1G", env=env), ServerProcess("-t", "2", "--mem", "1G", env=env)]
+    try:
+        for s in servers:
+            print(f"{s.endpoint}: {s.banner[1].strip()}")
+        rows = {}
+        for place_by in ("memory", "speed"):
+            with pg.Model(args.model, n_ctx=args.ctx, rpc=[s.endpoint for s in servers], progress=False,
+                          place_by=place_by) as m:
+                layers = m.model.placement.layers
+                runs = sorted(generation(m, args.tokens)[0] for _ in range(args.rounds))
+                rows[place_by] = (runs[len(runs) // 2], layers.count(0), layers.count(1))
+        print(f"model {args.model}, {args.tokens} tokens, median of {args.rounds} runs:")
+        print(f"{'placed by':<10}{'layers -t 1':>12}{'layers -t 2':>12}{'tokens/s':>10}{'x memory':>10}")
+        for place_by, (tps, slow, fast) in rows.items():
+            print(f"{place_by:<10}{slow:>12}{fast:>12}{tps:>10.1f}{tps / rows['memory'][0]:>10.2f}")
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def failover_load_main(args, env: dict) -> None:

@@ -129,10 +129,11 @@ def model_options(f: Callable | None = None, *, ctx_default: int | None = None) 
     @functools.wraps(f)
     def command(*args: Any, tensor_split: str | None, split_mode: str, show_placement: bool, dry_run: bool,
                 failover: bool, rpc_spare: str | None, use_mmap: bool | None, discover_timeout: float | None,
-                **kwargs: Any) -> Any:
+                place_by: str, **kwargs: Any) -> Any:
         return f(*args, loading={"tensor_split": tensor_split, "split_mode": split_mode, "show_placement": show_placement,
                                  "dry_run": dry_run, "failover": failover, "rpc_spare": rpc_spare,
-                                 "use_mmap": use_mmap, "discover_timeout": discover_timeout}, **kwargs)
+                                 "use_mmap": use_mmap, "discover_timeout": discover_timeout, "place_by": place_by},
+                 **kwargs)
     opts = [
         click.option("-m", "--model", "model", default=None, metavar="PATH|ALIAS",
                      help="GGUF file, or an alias: smollm2 (default, downloaded once), gemma3-270m."),
@@ -143,6 +144,11 @@ def model_options(f: Callable | None = None, *, ctx_default: int | None = None) 
                           "(comma-joined). Device ids: RPC endpoints, then GPUs, then the CPU. "
                           "Example: '0:prolog,epilog;1:all'. Unplaced layers run on the CPU. 'auto' (the "
                           "default with --rpc) spreads the layers over the devices by their free memory."),
+        click.option("--place-by", "place_by", type=click.Choice(["speed", "memory"]), default="speed",
+                     show_default=True,
+                     help="What -ngl auto spreads the layers by: each device's measured speed through products "
+                          "(an RPC server measures its devices when it starts), within its memory; or its free "
+                          "memory, as llama.cpp does. Speed falls back to memory where a device's is unknown."),
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="P0,P1,...",
                      help="Spread the layers over the devices before the CPU in these proportions, e.g. '3,1'."),
         click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["layer", "tensor", "auto"]), default="layer",

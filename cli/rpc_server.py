@@ -216,11 +216,12 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     # request is read: a first compile would otherwise stall every client's first request
     from .common import compile_kernels_once
     compile_kernels_once()
+    server.measure_speeds()
     shown = server.endpoint if "://" in server.endpoint else f"tcp://{server.endpoint}"
     click.echo(f"pyggml-rpc-server listening on {shown}, protocol version {PROTOCOL_VERSION}"
                + (", TLS on" if key else "") + (", CurveZMQ on" if curve else ""))
     for i, sd in enumerate(server.devices):
-        click.echo(describe(i, sd.device, *sd.memory()))
+        click.echo(describe(i, sd.device, *sd.memory()) + (f", {sd.speed:.1f} GB/s through products" if sd.speed else ""))
     if server.cache:
         click.echo(f"  tensor cache: {server.cache.dir} ({server.cache.size / 2**20:.0f} MiB of at most "
                    f"{server.cache.max_bytes / 2**20:.0f} MiB)")

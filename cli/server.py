@@ -70,7 +70,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
                       n_batch=max(n_batch, 256), tensor_split=loading["tensor_split"],
                       split_mode=loading["split_mode"],
                       failover=loading["failover"], rpc_spare=loading["rpc_spare"], use_mmap=loading["use_mmap"],
-                      discover_timeout=loading["discover_timeout"])
+                      discover_timeout=loading["discover_timeout"], place_by=loading["place_by"])
     if loading["dry_run"]:
         load_model_or_exit(dry_run=True, **model_args)  # prints the plan and exits
     sock = bind_or_exit(host, port)  # before the model loads: a port in use is said at once

@@ -121,26 +121,53 @@ def model_sizes(f: GGUFFile, hp: HParams, n_ctx: int, n_ubatch: int) -> Sizes:
     return Sizes(layer, [kv] * hp.n_layer, prolog, epilog, tied, compute, n_ubatch * hp.n_vocab * 4)
 
 
+def device_speeds(devices: list[Device]) -> list[float] | None:
+    """Each device's GB/s through products (pyggml.speed): an RPC server's as it measured it,
+    a local GPU's measured now (once per process); None unless every one is known."""
+    speeds = []
+    for d in devices:
+        speed = getattr(d, "speed", None)
+        if speed is None and d.get_type() != DeviceType.CPU:
+            speed = _local_speed.get(d.get_name())
+            if speed is None:
+                from pyggml.speed import measure
+                speed = _local_speed[d.get_name()] = measure(d)
+        speeds.append(float(speed or 0.0))
+    return speeds if speeds and all(s > 0 for s in speeds) else None
+
+
+_local_speed: dict[str, float] = {}
+
+
 def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device], n_ctx: int = 2048,
-         n_ubatch: int = 256, tensor_split: str | None = None) -> tuple[Placement, str]:
-    """The placement (``-ngl``; ``auto`` or ``-ts`` spread layers by free memory or by the
-    given proportions) and its description, one row per device used."""
+         n_ubatch: int = 256, tensor_split: str | None = None, place_by: str = "speed") -> tuple[Placement, str]:
+    """The placement (``-ngl``; ``auto`` spreads layers by the devices' measured speed, or by
+    free memory with ``place_by`` "memory" or a speed unknown; ``-ts`` by the given
+    proportions) and its description, one row per device used."""
     names = [d.get_name() for d in devices]
     sizes = model_sizes(f, hp, n_ctx, n_ubatch)
     free = [d.get_memory()[0] for d in devices]
+    measured = None
     if str(ngl).strip().lower() == "auto" or tensor_split is not None:
         if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
             raise PlacementError(f"-ts/--tensor-split spreads every layer; it cannot be combined with -ngl {ngl}")
-        placement = plan_auto(sizes, names, free, parse_split(tensor_split, len(devices) - 1))
+        if place_by not in PLACE_BY:
+            raise PlacementError(f"placement by {place_by!r}: choose one of {', '.join(PLACE_BY)}")
+        speeds = device_speeds(devices[:-1]) if place_by == "speed" and tensor_split is None else None
+        if speeds:
+            measured = [f"{s:.1f} GB/s" + (f", {1e3 * d.conn.rtt:.2f} ms round trip" if hasattr(d, "conn") else "")
+                        for s, d in zip(speeds, devices)]
+        placement = plan_auto(sizes, names, free, parse_split(tensor_split, len(devices) - 1), speeds)
     else:
         placement = parse_ngl(ngl, hp.n_layer, names)
         spec = str(ngl).strip().lower()
         if len(devices) == 1 and (spec in ("all", "-1") or spec.isdigit() and int(spec) > 0):
             log.warning("-ngl %s: there is no GPU here and no --rpc server; every layer runs on the CPU", ngl)
-    return placement, describe(placement, sizes, names, free)
+    return placement, describe(placement, sizes, names, free, measured)
 
 
 SPLIT_MODES = ("layer", "tensor", "auto")
+PLACE_BY = ("speed", "memory")  # what -ngl auto spreads layers by
 
 # split mode "auto": tensor when each CPU device's share of a layer's weights is at least this
 # much.  A tensor split pays a layer's four exchanges (~0.7 ms between two one-core servers on
@@ -283,7 +310,7 @@ def map_weights(host_bytes: int, use_mmap: bool | None) -> bool:
 def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: list[Device] | None = None,
                progress: bool | None = None, n_ctx: int = 2048, n_ubatch: int = 256,
                tensor_split: str | None = None, on_plan: Callable[[str], None] | None = None,
-               use_mmap: bool | None = None, split_mode: str = "layer") -> LoadedModel:
+               use_mmap: bool | None = None, split_mode: str = "layer", place_by: str = "speed") -> LoadedModel:
     """Open ``path``, place it (``on_plan`` hears the plan's description before any weight
     moves) and load its weights, in read_order (host weights stay in the file's map where
     map_weights says so).  ``split_mode`` "tensor" divides every layer among the devices
@@ -305,7 +332,7 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
         placement = Placement(lead, lead, [lead] * hp.n_layer)
     else:
         shards = None
-        placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split)
+        placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split, place_by)
     if chose:
         description = f"{chose}\n{description}"
     if on_plan is not None:

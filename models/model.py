@@ -102,6 +102,8 @@ class Model:
     (``pyggml-rpc-server --announce``), looked for ``discover_timeout`` seconds (default 3; with
     N, until N are found, up to 60); ``rpc_key``: the clients' key file (``FILE.client`` from
     ``pyggml-rpc-server --gen-key FILE``) when the servers use TLS.  ``seed``: default seed of sampling (None: random).
+    ``place_by``: what ``"auto"`` spreads the layers by: "speed" (each device's measured GB/s
+    through products, within its memory; memory where a speed is unknown) or "memory".
     ``on_plan``: called with the placement's description before any weight moves.
     ``failover``: when an RPC server dies mid-generation, move its layers onto the devices
     left (``rpc_spare`` endpoints first), rebuild the cache and go on; the output is that
@@ -119,9 +121,11 @@ class Model:
                  rpc_key: str | os.PathLike | ssl.SSLContext | None = None, tensor_split: str | None = None,
                  on_plan: Callable[[str], None] | None = None, failover: bool = False,
                  rpc_spare: str | Sequence[str] | None = None, pre_tokenizer: str | None = None,
-                 use_mmap: bool | None = None, split_mode: str = "layer", discover_timeout: float | None = None) -> None:
+                 use_mmap: bool | None = None, split_mode: str = "layer", discover_timeout: float | None = None,
+                 place_by: str = "speed") -> None:
         self.path = hub.resolve(path_or_alias)
         self.split_mode = split_mode
+        self.place_by = place_by
         self.rpc_key = rpc_key
         self.failover = failover
         # --rpc auto: the servers were found on the network, and a server (an Engine) keeps looking
@@ -165,7 +169,7 @@ class Model:
         self.model: LoadedModel = load_model(self.path, ngl, [*self.rpc_devices, *default_devices()],
                                              progress=self.progress, n_ctx=n_ctx, n_ubatch=n_batch,
                                              tensor_split=tensor_split, on_plan=on_plan, use_mmap=self.use_mmap,
-                                             split_mode=self.split_mode)
+                                             split_mode=self.split_mode, place_by=self.place_by)
         try:
             self.context = Context(self.model, n_ctx=n_ctx, n_ubatch=n_batch)
         except BaseException:

@@ -134,10 +134,13 @@ def parse_split(text: str | None, n_devices: int) -> list[float] | None:
     return parts + [0.0] * (n_devices - len(parts))
 
 
-def plan_auto(sizes: Sizes, names: list[str], free: list[int], split: list[float] | None = None) -> Placement:
+def plan_auto(sizes: Sizes, names: list[str], free: list[int], split: list[float] | None = None,
+              speeds: list[float] | None = None) -> Placement:
     """Spread the layers over the devices before the CPU (RPC servers, GPUs) in proportion
-    to ``split`` or to each device's free memory less its compute buffers, as llama.cpp's
-    default split does; the embedding goes with the first layer, the head with the last.
+    to ``split``, or to ``speeds`` (each device's measured GB/s through products: a decoding
+    step then takes each device about as long), or to each device's free memory less its
+    compute buffers, as llama.cpp's default split does; the embedding goes with the first
+    layer, the head with the last.
     No device is given more than its free memory: layers move to a neighbour with room,
     and when none has room the error says how much is missing where.  With no device but
     the CPU, everything stays there."""
@@ -146,7 +149,8 @@ def plan_auto(sizes: Sizes, names: list[str], free: list[int], split: list[float
     if cpu == 0:
         return Placement(cpu, cpu, [cpu] * n_layer)
     candidates = list(range(cpu))
-    weights = split if split is not None else [max(0, free[d] - sizes.compute) for d in candidates]
+    weights = split if split is not None else list(speeds) if speeds else \
+        [max(0, free[d] - sizes.compute) for d in candidates]
     total = sum(weights)
     if total <= 0:
         raise PlacementError("-ngl auto: no device has free memory left after its compute buffers: "
@@ -197,16 +201,20 @@ def _fit(p: Placement, sizes: Sizes, free: list[int], candidates: list[int]) -> 
             return
 
 
-def describe(p: Placement, sizes: Sizes, names: list[str], free: list[int]) -> str:
-    """The plan as a table: per device its id, name, layers, weight, KV and free MiB."""
-    rows = [f"{'id':>3}  {'device':<28} {'layers':<16} {'weights':>11} {'KV':>10} {'free':>12}"]
+def describe(p: Placement, sizes: Sizes, names: list[str], free: list[int],
+             measured: list[str] | None = None) -> str:
+    """The plan as a table: per device its id, name, layers, weight, KV and free MiB (and
+    ``measured``: what -ngl auto placed by, per device, when it was speed)."""
+    rows = [f"{'id':>3}  {'device':<28} {'layers':<16} {'weights':>11} {'KV':>10} {'free':>12}"
+            + ("  measured" if measured else "")]
     for d in p.used():
         mine = [il for il, x in enumerate(p.layers) if x == d]
         spanned = spans(mine)
         extra = [s for s, on in (("prolog", p.prolog == d), ("epilog", p.epilog == d)) if on]
         weights, kv = sizes.need(p, d)
         rows.append(f"{d:>3}  {names[d]:<28} {','.join([spanned] * bool(spanned) + extra):<16} "
-                    f"{weights / MiB:>7.1f} MiB {kv / MiB:>6.1f} MiB {free[d] / MiB:>8.0f} MiB")
+                    f"{weights / MiB:>7.1f} MiB {kv / MiB:>6.1f} MiB {free[d] / MiB:>8.0f} MiB"
+                    + (f"  {measured[d]}" if measured and d < len(measured) else ""))
     return "\n".join(rows)
 
 

@@ -400,7 +400,7 @@ class RPCDevice(Device):
         self.conn = conn
         self.index = index
         info, frames = conn.request(Command.GET_DEVICE_INFO, P.U32.pack(index), reply=P.DEVICE_INFO)
-        dtype, _, _, self.alignment, self.max_size, exact = info
+        dtype, _, _, self.alignment, self.max_size, exact, self.speed = info
         if len(frames) != 3:
             raise RPCError(conn.endpoint, "malformed device description")
         self.remote_name = bytes(frames[0]).decode("utf-8", "replace")

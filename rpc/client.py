@@ -112,6 +112,17 @@ class Connection:
         # where the weights of loads came from: the server's files, its tensor cache, the wire
         self.loaded = {"disk": 0, "cache": 0, "wire": 0}
         self.warned_versions: set[str] = set()
+        self.rtt = self.round_trip_time()
+
+    def round_trip_time(self, tries: int = 3) -> float:
+        """Seconds of the quickest of ``tries`` request-and-answer exchanges (the link's share of
+        every step that waits on this server: --show-placement says it)."""
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            self.request(Command.DEVICE_COUNT)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def _connect_zmq(self, key: keys.ClientKey | ssl.SSLContext | None, timeout: float) -> None:
         """A ``zmq://`` server: CurveZMQ with the key file's keys (its HELLO answers whether it admits them)."""

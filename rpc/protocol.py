@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other
+PROTOCOL_VERSION = 5  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other;
+                      # 5: devices tell their measured speed (DEVICE_INFO)
 MAGIC = b"PYGM"
 
 
@@ -80,7 +81,7 @@ U8 = struct.Struct("<B")
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 DEVICE_MEMORY = struct.Struct("<QQ")                 # free, total
-DEVICE_INFO = struct.Struct("<IQQQQB")               # type, free, total, alignment, max size, exact alloc size
+DEVICE_INFO = struct.Struct("<IQQQQBf")  # type, free, total, alignment, max size, exact alloc size, GB/s (pyggml.speed)
 ALLOC_BUFFER = struct.Struct("<IQ")                  # device, size
 ALLOC_REPLY = struct.Struct("<QQ")                   # handle, size
 BUFFER_CLEAR = struct.Struct("<QB")                  # handle, value

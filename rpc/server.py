@@ -101,6 +101,7 @@ class ServedDevice:
     backend: Backend
     mem_limit: int
     used: int = 0
+    speed: float = 0.0  # GB/s of weights through a product (pyggml.speed), measured by measure_speeds()
 
     def memory(self) -> tuple[int, int]:
         free, total = self.device.get_memory()
@@ -260,6 +261,16 @@ class RPCServer:
                     break
         finally:
             self.close()
+
+    def measure_speeds(self) -> None:
+        """Time each device's products once (pyggml.speed), for the clients' placement by speed;
+        before serving, so that nothing else runs meanwhile."""
+        from pyggml.speed import measure
+        for sd in self.devices:
+            try:
+                sd.speed = measure(sd.device)
+            except Exception as e:  # noqa: BLE001 - an unknown speed: clients place by memory
+                log.warning("measuring %s: %s", sd.device.get_name(), e)
 
     def leave(self, timeout: float) -> int:
         """Take no more work and stop once no client holds a buffer here, or after ``timeout``
@@ -569,7 +580,7 @@ class RPCServer:
         buft = sd.device.get_buffer_type()
         free, total = sd.memory()
         info = P.DEVICE_INFO.pack(int(sd.device.get_type()), free, total, buft.get_alignment(),
-                                  min(buft.get_max_size(), sd.mem_limit), 1)
+                                  min(buft.get_max_size(), sd.mem_limit), 1, sd.speed)
         ops = np.array(sorted(supported_ops(sd.device)), dtype="<u2").tobytes()
         return info, [sd.device.get_name().encode(), sd.device.get_description().encode(), ops]
 

@@ -5,6 +5,7 @@ SIGTERM hands its work over before it exits (Status.LEAVING), failover or not.""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import signal
 import subprocess
@@ -258,8 +259,6 @@ def test_the_cluster_page_shows_both_servers(remote, tmp_path):
 def test_rpc_server_metrics(tmp_path):
     """--metrics-port: the server's sessions, bytes, requests, compute seconds, memory and tensor
     cache in Prometheus's format, moving as a client uses it."""
-    import re
-
     from prometheus_client.parser import text_string_to_metric_families
     server = ServerProcess("--metrics-port", "0", "--cache-dir", str(tmp_path / "cache"), "--mem", "500M")
     try:
@@ -285,3 +284,31 @@ def test_rpc_server_metrics(tmp_path):
         assert httpx.get(url.replace("/metrics", "/other"), timeout=10).status_code == 404
     finally:
         server.stop()
+
+
+def test_placement_by_measured_speed():
+    """-ngl auto places by each device's measured speed (an RPC server times its products when
+    it starts): of two servers on this machine, one with -t 1 and one with -t 2, the faster gets
+    the larger share, in proportion to the speeds measured (on a 2-core machine whose memory
+    both cores share, -t 2 streams weights about 1.4x as fast: ~58% of the layers, not two
+    thirds); --place-by memory splits them evenly by their equal --mem."""
+    slow, fast = ServerProcess("-t", "1", "--mem", "400M"), ServerProcess("-t", "2", "--mem", "400M")
+    try:
+        speeds = [float(re.search(r", ([\d.]+) GB/s through products", "\n".join(s.banner)).group(1))
+                  for s in (slow, fast)]
+        assert speeds[1] > 1.1 * speeds[0], speeds
+        plans: list[str] = []
+        with pg.Model("smollm2", n_ctx=256, rpc=[slow.endpoint, fast.endpoint], progress=False,
+                      on_plan=plans.append) as m:
+            layers = m.model.placement.layers
+            assert layers.count(1) >= layers.count(0) > 0
+            assert abs(layers.count(1) - len(layers) * speeds[1] / sum(speeds)) <= 1.5, (layers, speeds)
+            ids = m.tokenize("The capital of France is")
+            assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+        assert "measured" in plans[0].splitlines()[0] and "GB/s" in plans[0] and "ms round trip" in plans[0]
+        with pg.Model("smollm2", n_ctx=256, rpc=[slow.endpoint, fast.endpoint], progress=False,
+                      place_by="memory") as m:
+            assert abs(m.model.placement.layers.count(0) - m.model.placement.layers.count(1)) <= 2
+    finally:
+        slow.stop()
+        fast.stop()

@@ -42,7 +42,7 @@ def test_auto_placement_and_disk_weights_across_namespaces(remote):
     path = hub.resolve("smollm2")
     servers = [remote("--mem", "100M", "--gguf", str(path)), remote("--mem", "300M", "--gguf", str(path))]
     assert all(s.endpoint.startswith("10.77.") for s in servers)
-    with pg.Model(path, n_ctx=256, rpc=[s.endpoint for s in servers], progress=False) as m:
+    with pg.Model(path, n_ctx=256, rpc=[s.endpoint for s in servers], progress=False, place_by="memory") as m:
         layers = m.model.placement.layers
         assert 0 < layers.count(0) < layers.count(1)
         sent = sum(d.conn.bytes_sent for d in m.rpc_devices)

@@ -54,14 +54,15 @@ def test_logits_and_greedy_tokens_equal_the_local_run(alias, transport, request)
 
 
 def test_auto_placement_over_servers_of_different_memory(start_server):
-    """-ngl auto (the default with --rpc): layers in proportion to each server's --mem, the
+    """-ngl auto (the default with --rpc) by memory: layers in proportion to each server's --mem, the
     embedding with the first layer and the head with the last; logits equal the local run."""
     servers = [start_server("--mem", "100M"), start_server("--mem", "300M")]
     endpoints = [s.endpoint for s in servers]
     local = shared_model("smollm2")
     ids = prompt_ids("smollm2")[:24]
     plans = []
-    with pg.Model("smollm2", n_ctx=256, rpc=endpoints, progress=False, on_plan=plans.append) as m:
+    with pg.Model("smollm2", n_ctx=256, rpc=endpoints, progress=False, on_plan=plans.append,
+                  place_by="memory") as m:
         layers = m.model.placement.layers
         first = layers.count(0)
         assert 0 < first < layers.count(1) and layers == [0] * first + [1] * (30 - first)
