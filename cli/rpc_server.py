@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -15,6 +17,9 @@ from .common import fail, setup_logging, version_option
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_CACHE = Path("~/.cache/pyggml/rpc").expanduser()
+
+
+ANNOUNCE_REFRESH_S = 10.0  # the announcement's free memory, brought up to date this often
 
 
 def parse_size(text: str) -> int:
@@ -237,13 +242,23 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     announcement = None
     if announce:
         from pyggml.rpc.discovery import Announcement, txt_record
-        props = txt_record([(sd.device.get_name(), *sd.memory()) for sd in server.devices], transport,
-                           bool(key or curve), [f.identity.hex() for f in (files.files.values() if files else ())])
+        def props() -> dict[str, str]:
+            return txt_record([(sd.device.get_name(), *sd.memory()) for sd in server.devices], transport,
+                              bool(key or curve), [f.identity.hex() for f in (files.files.values() if files else ())])
         try:
-            announcement = Announcement(host, int(server.endpoint.rsplit(":", 1)[1]), props)
+            announcement = Announcement(host, int(server.endpoint.rsplit(":", 1)[1]), props())
         except OSError as e:
             fail(f"cannot announce on {host}: {e}")
         click.echo(f"  announced as {announcement.name} (_pyggml-rpc._tcp): clients find it with --rpc auto")
+
+        def refresh() -> None:  # the free memory it announces follows what clients hold
+            while not announcement._closed:
+                time.sleep(ANNOUNCE_REFRESH_S)
+                try:
+                    announcement.update(props())
+                except Exception as e:  # noqa: BLE001 - (sessions change meanwhile) the next round tries again
+                    logging.getLogger("pyggml.rpc.discovery").debug("refreshing the announcement: %s", e)
+        threading.Thread(target=refresh, name="pyggml-announce", daemon=True).start()
     click.echo("", nl=True)
     sys.stdout.flush()  # whoever started us (a test, a supervisor) waits for these lines
     stops = []

@@ -509,7 +509,7 @@ class Engine:
                 "placing": self.recovering,
                 "counts": {"joined": st.joined, "left": st.departures, "lost": st.losses,
                            "placed_anew": st.recoveries},
-                "tokens_generated": st.generated_tokens, "decode_seconds": st.step_seconds}
+                "tokens_generated": st.generated_tokens, "decode_seconds": st.step_seconds, "steps": st.steps}
 
     def _refresh_cluster(self, force: bool = False) -> None:
         """(the step loop) Read the devices' state for cluster(), at most every CLUSTER_REFRESH_S."""

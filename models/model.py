@@ -395,6 +395,7 @@ class Model:
         """Each device with what it holds and its memory now (asks every RPC server: call it
         from the thread that decodes), for /cluster."""
         out = []
+        busy = self.context.sched.busy_seconds
         for dev, layers, share in self._shares():
             conn = getattr(dev, "conn", None)
             if share is None and conn is None:
@@ -403,7 +404,8 @@ class Model:
             out.append({"name": dev.get_name(), "endpoint": conn.endpoint if conn is not None else None,
                         "holds": share or "nothing", "layers": layers, "memory_free": free, "memory_total": total,
                         "bytes_sent": conn.bytes_sent if conn is not None else 0,
-                        "bytes_received": conn.bytes_received if conn is not None else 0})
+                        "bytes_received": conn.bytes_received if conn is not None else 0,
+                        "compute_seconds": busy.get(dev.get_name(), 0.0)})
         return out
 
     # -- properties ---------------------------------------------------------------------------------

@@ -83,7 +83,19 @@ class Announcement:
                                 port=port, properties=properties, server=server)
         # allow_name_change: two servers of one host on one port (other namespaces) stay apart
         self.zeroconf.register_service(self.info, allow_name_change=True)
+        self.properties = properties
         self.name = self.info.name.removesuffix("." + SERVICE)
+
+    def update(self, properties: dict[str, str]) -> None:
+        """A new TXT record (the free memory changed), announced again."""
+        from zeroconf import ServiceInfo
+        with self._lock:
+            if self._closed or properties == self.properties:
+                return
+            self.properties = properties
+            self.info = ServiceInfo(SERVICE, self.info.name, addresses=self.info.addresses, port=self.info.port,
+                                    properties=properties, server=self.info.server)
+            self.zeroconf.update_service(self.info)
 
     def close(self) -> None:
         with self._lock:

@@ -286,13 +286,13 @@ def test_rpc_server_metrics(tmp_path):
         server.stop()
 
 
-def test_placement_by_measured_speed():
+def test_placement_by_measured_speed(remote):
     """-ngl auto places by each device's measured speed (an RPC server times its products when
     it starts): of two servers on this machine, one with -t 1 and one with -t 2, the faster gets
     the larger share, in proportion to the speeds measured (on a 2-core machine whose memory
     both cores share, -t 2 streams weights about 1.4x as fast: ~58% of the layers, not two
     thirds); --place-by memory splits them evenly by their equal --mem."""
-    slow, fast = ServerProcess("-t", "1", "--mem", "400M"), ServerProcess("-t", "2", "--mem", "400M")
+    slow, fast = remote(0, "-t", "1", "--mem", "400M"), remote(1, "-t", "2", "--mem", "400M")
     try:
         speeds = [float(re.search(r", ([\d.]+) GB/s through products", "\n".join(s.banner)).group(1))
                   for s in (slow, fast)]
