@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (all but those that need servers running)."""
+"""The Python examples of the README and docs/ run as written (all but those that need servers
+running)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [b for doc in DOCS for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
 
 
 def test_the_readme_has_examples():

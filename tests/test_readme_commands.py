@@ -1,4 +1,4 @@
-"""The README's commands run as written, on its loopback ports: the RPC servers it starts are
+"""The commands of the README and docs/ run as written, on their loopback ports: the RPC servers it starts are
 started first (and stopped after), pyggml-server until it listens, every pyggml-chat and
 pyggml-perplexity line to its end (an interactive one is told /exit).  Lines that need a GPU
 are left out where there is none."""
@@ -21,7 +21,9 @@ TOOLS = {"pyggml-chat": "pyggml.cli.chat", "pyggml-perplexity": "pyggml.cli.perp
 
 def readme_commands() -> list[list[str]]:
     out = []
-    for line in (ROOT / "README.md").read_text().splitlines():
+    lines = [line for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+             for line in doc.read_text().splitlines()]
+    for line in lines:
         m = LINE.match(line)
         if m:
             out.append(shlex.split(m.group(1), comments=True))
