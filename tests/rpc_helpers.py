@@ -112,6 +112,23 @@ def bridged_namespaces(n: int):
         _ip("link", "del", bridge)
 
 
+class HostedServers:
+    """Servers started on other hosts (network namespaces), each ``start(namespace, address,
+    *args)``; ``stop()`` stops them all (a fixture's teardown)."""
+
+    def __init__(self) -> None:
+        self.started: list[ServerProcess] = []
+
+    def start(self, namespace: str, address: str, *args: str) -> ServerProcess:
+        s = ServerProcess("-H", address, *args, prefix=("ip", "netns", "exec", namespace))
+        self.started.append(s)
+        return s
+
+    def stop(self) -> None:
+        for s in self.started:
+            s.stop()
+
+
 class ServerProcess:
     """``pyggml-rpc-server`` on a free port of 127.0.0.1 (the server picks it and prints it)."""
 

@@ -10,7 +10,7 @@ import pyggml as pg
 from pyggml import hub
 
 from .conftest import shared_model
-from .rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
+from .rpc_helpers import HostedServers, NamespaceUnavailable, network_namespace
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +26,9 @@ def netns():
 @pytest.fixture
 def remote(netns):
     """Start servers in the other namespace; all are stopped afterwards."""
-    name, addr = netns
-    started = []
-
-    def start(*args: str) -> ServerProcess:
-        s = ServerProcess("-H", addr, *args, prefix=("ip", "netns", "exec", name))
-        started.append(s)
-        return s
-    yield start
-    for s in started:
-        s.stop()
+    servers = HostedServers()
+    yield lambda *args: servers.start(*netns, *args)
+    servers.stop()
 
 
 def test_auto_placement_and_disk_weights_across_namespaces(remote):
