@@ -478,7 +478,8 @@ class Engine:
     def _attach(self, devices: list) -> None:
         from pyggml.rpc import RPCError
         names = ", ".join(dict.fromkeys(d.conn.endpoint for d in devices))
-        self.recovering = f"taking {names} in"
+        returning = any(d.conn.endpoint in self.model.lost_endpoints for d in devices)  # else: found new
+        self.recovering = f"taking {names} {'back' if returning else 'in'}"
         t0 = time.perf_counter()
         try:
             back = self.model.attach(devices)
@@ -496,7 +497,7 @@ class Engine:
         if back:
             self.stats.reattached += len(back)
             self._recovered(time.perf_counter() - t0)
-            log.warning("attached %s", ", ".join(back))
+            log.warning("%s %s", "reattached" if returning else "attached", ", ".join(back))
 
     def _event(self, kind: str, text: str) -> None:
         self.events.append({"time": time.time(), "event": kind, "detail": text})
