@@ -190,10 +190,11 @@ def test_a_second_signal_exits_at_once(remote):
 
 def test_a_server_that_appears_joins_a_serving_engine(remote):
     """A model placed over the servers found (--rpc auto) keeps looking: a server that announces
-    itself during a stream is taken in at a step boundary (the model placed anew over both, the
-    cache rebuilt by replay), and the stream's text is the one it has without the join."""
+    itself during a stream (450 tokens over RPC: several seconds) is taken in at a step boundary
+    (the model placed anew over both, the cache rebuilt by replay), and the stream's text is the
+    one it has without the join."""
     prompt = "Here is a long list of the countries of Europe and their capitals:\n"
-    want = shared_model("smollm2").create_completion(prompt, max_tokens=300, temperature=0)["choices"][0]["text"]
+    want = shared_model("smollm2").create_completion(prompt, max_tokens=450, temperature=0)["choices"][0]["text"]
     a = remote(0)
     with pg.Model("smollm2", n_ctx=512, rpc="auto:1", discover_timeout=20, progress=False) as m, \
             Engine(m, n_parallel=2, n_batch=64) as engine:
@@ -201,15 +202,15 @@ def test_a_server_that_appears_joins_a_serving_engine(remote):
         started: list[ServerProcess] = []
         joiner = threading.Thread(target=lambda: started.append(remote(1)))
         text = []
-        for i, chunk in enumerate(engine.submit(prompt, max_tokens=300, temperature=0)):
+        began = time.time()
+        joiner.start()  # it announces itself once started (seconds): by then the stream runs
+        for chunk in engine.submit(prompt, max_tokens=450, temperature=0):
             text.append(chunk["choices"][0]["text"])
-            if i == 1:
-                joiner.start()
         ended = time.time()
         joiner.join(120)
         assert "".join(text) == want
         joined = [e for e in engine.events if e["event"] == "joined"]
-        assert [e["detail"] for e in joined] == [started[0].endpoint] and joined[0]["time"] < ended
+        assert [e["detail"] for e in joined] == [started[0].endpoint] and began < joined[0]["time"] < ended
         assert {d.conn.endpoint for d in m.rpc_devices} == {a.endpoint, started[0].endpoint}
         assert engine.stats.joined == 1 and engine.stats.errors == 0
         holds = {d["endpoint"]: d["holds"] for d in engine.cluster()["devices"]}
