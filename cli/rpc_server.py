@@ -252,7 +252,7 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
         click.echo(f"  announced as {announcement.name} (_pyggml-rpc._tcp): clients find it with --rpc auto")
 
         def refresh() -> None:  # the free memory it announces follows what clients hold
-            while not announcement._closed:
+            while not announcement.closed:
                 time.sleep(ANNOUNCE_REFRESH_S)
                 try:
                     announcement.update(props())

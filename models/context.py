@@ -332,7 +332,7 @@ class Context:
     def prepare(self, shape: tuple[int, ...]) -> bool:
         """Build and plan the graph of ``shape`` (decode_shape's) now, unless it is kept: then a
         step of that shape finds it ready.  True if it was built."""
-        if shape in self._graphs:
+        if self.has_graph(shape):
             return False
         b = self._graph(*shape)
         self.sched.alloc_graph(b.graph)

@@ -432,8 +432,15 @@ class Engine:
                 self.step(t_step)
                 self._refresh_cluster()
             except Exception as e:  # a lost device, or a bug: no request may hang on it
+                e = self._blamed(e)
                 if not self._fail_over(e):
                     self._on_step_failure(e)
+
+    def _blamed(self, e: Exception) -> Exception:
+        """An RPC error naming the server to blame (Model._culprit asks every server once: a
+        leaving one says so), anything else as it is."""
+        from pyggml.rpc import RPCError
+        return self.model._culprit(e) if isinstance(e, RPCError) else e
 
     def _found(self, found) -> None:
         """(the discovery's thread) A server announced itself: connect, and hand its devices to
@@ -544,8 +551,6 @@ class Engine:
         no placement fits what is left, they end with that error, and the engine waits for
         servers to come back."""
         from pyggml.rpc import RPCError, ServerLeaving
-        if isinstance(e, RPCError):
-            e = self.model._culprit(e)
         if not (isinstance(e, RPCError) and (self.model.failover or isinstance(e, ServerLeaving))):
             return False
         leaving = isinstance(e, ServerLeaving)
@@ -576,7 +581,7 @@ class Engine:
         self.stats.errors += 1
         if isinstance(e, RPCError) and not self.model.failover:
             try:  # the lost server joins lost_endpoints, which the prober tries again
-                self.model._drop_dead(self.model._culprit(e))
+                self.model._drop_dead(e)
             except Exception as again:  # noqa: BLE001 - closing what is gone
                 log.debug("forgetting the lost server: %s", again)
         with self._cond:

@@ -10,6 +10,7 @@ and the allocator all of this looks exactly like a local device.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import ssl
 
@@ -400,7 +401,8 @@ class RPCDevice(Device):
         self.conn = conn
         self.index = index
         info, frames = conn.request(Command.GET_DEVICE_INFO, P.U32.pack(index), reply=P.DEVICE_INFO)
-        dtype, _, _, self.alignment, self.max_size, exact, self.speed = info
+        dtype, _, _, self.alignment, self.max_size, exact, speed = info
+        self.speed = speed if math.isfinite(speed) and speed > 0 else 0.0  # (0: unknown, place by memory)
         if len(frames) != 3:
             raise RPCError(conn.endpoint, "malformed device description")
         self.remote_name = bytes(frames[0]).decode("utf-8", "replace")

@@ -32,6 +32,7 @@ DEFAULT_TIMEOUT_S = 3.0
 WAIT_FOR_N_S = 60.0        # auto:N waits this long for its N servers, unless a timeout is given
 MAX_DEVICES = 64           # entries of a TXT record read, at most
 MAX_FILES = 32
+MAX_WATCHED = 1024         # announcements a Watcher remembers (a network could make up any number)
 
 
 @dataclass
@@ -85,6 +86,10 @@ class Announcement:
         self.zeroconf.register_service(self.info, allow_name_change=True)
         self.properties = properties
         self.name = self.info.name.removesuffix("." + SERVICE)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def update(self, properties: dict[str, str]) -> None:
         """A new TXT record (the free memory changed), announced again."""
@@ -203,7 +208,7 @@ class Watcher:
             if state_change is ServiceStateChange.Removed:
                 self._seen.discard(name)  # (if it comes back, it is new again)
                 return
-            if state_change is not ServiceStateChange.Added or name in self._seen:
+            if state_change is not ServiceStateChange.Added or name in self._seen or len(self._seen) >= MAX_WATCHED:
                 return
             info = zeroconf.get_service_info(service_type, name, timeout=2000)
             if info is None or info.port is None:

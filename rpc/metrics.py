@@ -2,17 +2,19 @@
 ``http://HOST:P/metrics`` (the server's own address: loopback unless it listens wider).
 
 Served by a thread of its own (the standard library's HTTP server, so the RPC server needs no
-web framework); it reads what the serving loop counts (RPCServer.counters, its sessions, the
-devices' memory, the tensor cache) and never changes it.
+web framework), one request at a time, each given REQUEST_TIMEOUT_S: a scraper cannot make it
+hold more than one connection.  It reads what the serving loop counts (RPCServer.counters,
+its sessions, the devices' memory, the tensor cache) and never changes it.
 """
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .server import RPCServer
 
 COMPUTE_COMMANDS = ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE")
+REQUEST_TIMEOUT_S = 5.0
 
 
 def exposition(server: RPCServer) -> str:
@@ -58,9 +60,11 @@ def exposition(server: RPCServer) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_metrics(server: RPCServer, host: str, port: int) -> ThreadingHTTPServer:
+def serve_metrics(server: RPCServer, host: str, port: int) -> HTTPServer:
     """Start the metrics endpoint on ``host:port`` in a daemon thread; shutdown() stops it."""
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # (the socket's: a client that sends nothing is let go)
+
         def do_GET(self) -> None:  # noqa: N802 - the standard library's name
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "only /metrics here")
@@ -83,7 +87,6 @@ def serve_metrics(server: RPCServer, host: str, port: int) -> ThreadingHTTPServe
         def log_message(self, format: str, *args) -> None:  # noqa: A002 - scraped every few seconds: not logged
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
+    httpd = HTTPServer((host, port), Handler)
     threading.Thread(target=httpd.serve_forever, name="pyggml-rpc-metrics", daemon=True).start()
     return httpd

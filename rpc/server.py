@@ -274,9 +274,10 @@ class RPCServer:
 
     def leave(self, timeout: float) -> int:
         """Take no more work and stop once no client holds a buffer here, or after ``timeout``
-        seconds: every request but FREE_BUFFER is answered Status.LEAVING (requests without a
-        reply are dropped: the next that wants one is answered so), which tells a client to
-        place its model without this server - failover or not - and to let go of it.  Returns
+        seconds: every request but FREE_BUFFER that wants a reply is answered Status.LEAVING,
+        which tells a client to place its model without this server - failover or not - and
+        to let go of it; what its sessions send other servers from then on is a failure naming
+        this one, so that a step in flight ends at once there.  Returns
         the clients holding buffers now.  (Safe from a signal handler: it sets what the loop reads.)"""
         self.leave_deadline = time.monotonic() + timeout
         return self.clients_holding()
