@@ -105,6 +105,10 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
               help="tcp: our own framing over TCP, with TLS under --key. zmq: ZeroMQ, with CurveZMQ under --key "
                    "(clients name zmq://HOST:PORT); required off loopback: --key. TCP is the default because a "
                    "ZeroMQ server lets peers choose their ids, which this server can only make hard to abuse.")
+@click.option("--protocol", type=click.Choice(["pyggml", "ggml"]), default="pyggml", show_default=True,
+              help="pyggml: ours, for pyggml clients. ggml: llama.cpp's ggml-rpc 7.x, for llama.cpp's clients "
+                   "(llama-cli, llama-server, llama-bench --rpc HOST:PORT); plain TCP only (no --key, no "
+                   "--transport zmq, no links to other servers).")
 @click.option("--max-message", default="512M", show_default=True, metavar="SIZE", help="Largest request accepted.")
 @click.option("--poll", type=click.IntRange(0, 100), default=50, show_default=True,
               help="How long idle compute threads busy-wait for the next kernel (0-100, as llama.cpp's "
@@ -136,7 +140,7 @@ SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
               show_default=True, help="Logging detail on stderr (info: clients coming and going, refused "
                                       "requests; debug: every command with its time).")
 def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max, gguf_paths, threads,
-         key_path, gen_key, transport, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, metrics_port, leave_timeout, list_devices,
+         key_path, gen_key, transport, protocol, max_message, poll, no_peers, max_transit, peer_allow, idle_timeout, announce, metrics_port, leave_timeout, list_devices,
          log_level) -> None:
     """Serve this machine's devices to pyggml clients over TCP, as ggml's rpc-server does.
 
@@ -184,6 +188,12 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                 peer_key = keys.context(key_path, server_side=False)  # for links to other servers
         except ValueError as e:
             fail(str(e))
+    if protocol == "ggml" and announce:
+        fail("--announce is for pyggml clients (--rpc auto); a server for llama.cpp's clients (--protocol ggml) "
+             "is named to them by address")
+    if protocol == "ggml" and (key_path or transport != "tcp"):
+        fail("--protocol ggml speaks llama.cpp's ggml-rpc, which has no encryption: it takes neither --key "
+             "nor --transport zmq")
     if transport == "zmq" and host not in LOCAL_HOSTS and curve is None:
         fail(f"--transport zmq on {host} needs --key: without CurveZMQ anyone who can connect could choose "
              f"routing ids that abort the server (see --gen-key)")
@@ -193,9 +203,11 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     if host not in LOCAL_HOSTS:
         click.echo(f"WARNING: binding {host}: this server is reachable from the network and anyone who can "
                    f"connect may use its devices and memory" +
-                   ("" if key else "; consider --key (TLS, see --gen-key)"), err=True)
+                   ("" if key else "; consider --key (TLS, see --gen-key)" if protocol == "pyggml"
+                    else " (ggml-rpc has no encryption: keep it on a network you trust)"), err=True)
 
     from pyggml.rpc.protocol import PROTOCOL_VERSION
+    from pyggml.rpc import ggml_wire
     from pyggml.rpc.files import ServerFiles
     from pyggml.rpc import peers
     from pyggml.rpc.server import Limits, RPCServer
@@ -212,7 +224,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
                            cache_dir=cache_dir or (DEFAULT_CACHE if use_cache else None),
                            max_message=parse_size(max_message), tls=key,
                            cache_max=parse_size(cache_max), files=files, peer_links=not no_peers,
-                           peer_tls=peer_key, peer_networks=networks, transport=transport, curve=curve, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
+                           peer_tls=peer_key, peer_networks=networks, transport=transport, curve=curve,
+                           protocol=protocol, limits=Limits(idle_s=idle_timeout, transit=parse_size(max_transit)))
     except (OSError, ValueError) as e:  # e.g. the port is taken: one line, not a traceback
         if getattr(e, "errno", None) == errno.EADDRINUSE:
             fail(f"port {l_port} is in use on {host}; choose another with --port")
@@ -223,7 +236,9 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     compile_kernels_once()
     server.measure_speeds()
     shown = server.endpoint if "://" in server.endpoint else f"tcp://{server.endpoint}"
-    click.echo(f"pyggml-rpc-server listening on {shown}, protocol version {PROTOCOL_VERSION}"
+    spoken = (f"ggml-rpc {ggml_wire.MAJOR}.{ggml_wire.MINOR}.{ggml_wire.PATCH} (llama.cpp's clients)"
+              if protocol == "ggml" else f"protocol version {PROTOCOL_VERSION}")
+    click.echo(f"pyggml-rpc-server listening on {shown}, {spoken}"
                + (", TLS on" if key else "") + (", CurveZMQ on" if curve else ""))
     for i, sd in enumerate(server.devices):
         click.echo(describe(i, sd.device, *sd.memory()) + (f", {sd.speed:.1f} GB/s through products" if sd.speed else ""))

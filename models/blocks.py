@@ -50,6 +50,15 @@ class TopOutputs:
     hist_values: Tensor | None  # F32 [1, n_hist, n_outputs]
 
 
+def mask_type(devices: list) -> Type:
+    """The type of the attention masks: F32, unless a device runs attention only with an F16
+    mask (a llama.cpp server: ggml's CPU flash attention reads its mask as F16), asked through
+    supports_op.  Masks hold 0 and -inf, exact in both."""
+    q, kv = new_tensor(Type.F32, (64, 1, 1)), new_tensor(Type.F16, (64, 256, 1))
+    probe = ops.flash_attn_ext(q, kv, kv, new_tensor(Type.F32, (256, 1)), 0.125)
+    return Type.F32 if all(d.supports_op(probe) for d in devices) else Type.F16
+
+
 @dataclass
 class GraphBuilder:
     hp: HParams
@@ -63,6 +72,7 @@ class GraphBuilder:
     n_hist: int = 0
     n_runs: int = 0  # > 0: the batch's tokens come in this many runs of one sequence each (GraphInputs)
     n_output_runs: int = 0
+    mask_type: Type = Type.F32  # (mask_type(): F16 where a device runs attention only with F16 masks)
     graph: Graph = field(default_factory=Graph)
     inputs: GraphInputs = field(init=False)
     top: TopOutputs | None = field(init=False, default=None)
@@ -75,8 +85,8 @@ class GraphBuilder:
             tokens=new_tensor(Type.I32, (n,), "inp_tokens").set_input(),
             pos=new_tensor(Type.I32, (n,), "inp_pos").set_input(),
             kv_idxs=new_tensor(Type.I32, (n,), "inp_kv_idxs").set_input(),
-            kq_mask=new_tensor(Type.F32, (n_kv, n), "inp_kq_mask").set_input(),
-            kq_mask_swa=new_tensor(Type.F32, (n_kv, n), "inp_kq_mask_swa").set_input() if needs_swa else None,
+            kq_mask=new_tensor(self.mask_type, (n_kv, n), "inp_kq_mask").set_input(),
+            kq_mask_swa=new_tensor(self.mask_type, (n_kv, n), "inp_kq_mask_swa").set_input() if needs_swa else None,
             out_ids=new_tensor(Type.I32, (self.n_outputs,), "inp_out_ids").set_input()
             if self.n_outputs < n else None,
             hist_ids=new_tensor(Type.I32, (self.n_hist, self.n_outputs), "inp_hist_ids").set_input()

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import Scheduler, tensor_set
+from pyggml import Scheduler, Type, tensor_set
 from pyggml.backend import Backend, tensor_arrays_async
 
-from .blocks import GraphBuilder
+from .blocks import GraphBuilder, mask_type
 from .kv_cache import KVCache
 from .loader import LoadedModel
 from .tensor_split import build_split_graph, local_hparams
@@ -188,6 +188,7 @@ class Context:
         self.backends: list[Backend] = [model.devices[i].init_backend() for i in used] + \
             [model.devices[cpu].init_backend()]
         self.sched = Scheduler(self.backends)
+        self.mask_type = mask_type([model.devices[i] for i in used])
         self._backend_of = {dev: i for i, dev in enumerate(used + [cpu])}  # device id -> scheduler backend
         if model.shards:
             self.kv = KVCache(self.hp, n_ctx, [], shards=[(model.devices[s.device].get_buffer_type(),
@@ -299,7 +300,7 @@ class Context:
             self._graphs.move_to_end(key)
             return b
         shape = dict(n_tokens=n_tokens, n_kv=n_kv, n_outputs=n_outputs, rope_mode=self.model.arch.ROPE_MODE,
-                     n_top=n_top, n_hist=n_hist, n_runs=n_runs, n_output_runs=n_output_runs)
+                     n_top=n_top, n_hist=n_hist, n_runs=n_runs, n_output_runs=n_output_runs, mask_type=self.mask_type)
         model = self.model
         if model.shards:
             b = build_split_graph(model.arch, self.hp, model.shards, model.shard_weights, self.kv.parts,
@@ -348,9 +349,10 @@ class Context:
         tensor_set(inp.pos, batch.pos)
         tensor_set(inp.kv_idxs, cells)
         causal, swa = self.kv.masks(batch.seq, batch.pos, b.n_kv, inp.kq_mask_swa is not None)
-        tensor_set(inp.kq_mask, causal)
+        as_type = np.float16 if self.mask_type == Type.F16 else np.float32
+        tensor_set(inp.kq_mask, causal.astype(as_type, copy=False))
         if swa is not None:
-            tensor_set(inp.kq_mask_swa, swa)
+            tensor_set(inp.kq_mask_swa, swa.astype(as_type, copy=False))
         if inp.out_ids is not None:
             tensor_set(inp.out_ids, np.flatnonzero(batch.output).astype(np.int32))
         if runs is not None:

@@ -24,7 +24,8 @@ MAX_OP_PARAMS = 16  # int32 slots, like GGML_MAX_OP_PARAMS / sizeof(int32_t)
 
 
 class Op(enum.IntEnum):
-    """ggml_op, same numbers (the RPC protocol sends them)."""
+    """ggml_op, with the numbers of ggml-rpc protocol 7.0.0 (both RPC protocols send them, and
+    ``tests/test_opdefs.py`` checks them against that llama.cpp's ggml.h where it is built)."""
     NONE = 0
     DUP = 1
     ADD = 2
@@ -76,11 +77,14 @@ class Op(enum.IntEnum):
     ROPE = 48
     ROPE_BACK = 49
     CLAMP = 50
-    ARGSORT = 69   # (the numbers of the llama.cpp that ../shared/bin/build-llamacpp builds)
+    ARGSORT = 69
     TOP_K = 70
-    FLASH_ATTN_EXT = 79
-    UNARY = 92
-    GLU = 101
+    FLASH_ATTN_EXT = 74
+    UNARY = 91
+    GLU = 100
+
+
+GGML_OP_COUNT = 101  # ops of ggml-rpc protocol 7.0.0 (the llama.cpp ../shared/bin/build-llamacpp builds)
 
 
 class UnaryOp(enum.IntEnum):
@@ -99,7 +103,9 @@ class UnaryOp(enum.IntEnum):
     HARDSWISH = 11
     HARDSIGMOID = 12
     EXP = 13
-    GELU_ERF = 14
+    EXPM1 = 14
+    SOFTPLUS = 15
+    GELU_ERF = 16
     GELU_TANH = 8  # alias: the name the model code uses for clarity
 
 

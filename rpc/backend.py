@@ -111,10 +111,17 @@ class RPCBuffer(Buffer):
                     loaded["cache"] = loaded.get("cache", 0) + len(piece)
                     continue
             loaded["wire"] = loaded.get("wire", 0) + len(piece)
-            codec, body = P.compress(piece)
+            codec, body = P.compress(piece, self.conn.compression)
             self.conn.send(Command.SET_TENSOR,
                            head + P.SET_TENSOR.pack(offset + start, len(piece), codec, P.FLAG_CACHE if cacheable else 0),
                            [body])
+
+    def init_tensor(self, tensor: Tensor) -> None:
+        """ggml's CUDA backend pads quantized rows to 512 and must clear the padding: a server
+        that needs it is told, as ggml's client tells it (GgmlConnection.inits_tensors)."""
+        if (self.conn.inits_tensors and tensor.type.is_quantized and tensor.ne[0] % 512
+                and tensor.view_src is None):
+            self.conn.send(Command.INIT_TENSOR, wire(tensor).pack())
 
     def holds_any_file(self) -> bool:
         return bool(self.conn.server_files)
@@ -432,7 +439,11 @@ class RPCDevice(Device):
         return self.buft
 
     def supports_op(self, op: Tensor) -> bool:
-        return op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE) or int(op.op) in self.ops
+        if op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE):
+            return True
+        if not self.conn.pyggml_extensions:  # a llama.cpp server (rpc/ggml_client.py)
+            return self.conn.runs(op)
+        return int(op.op) in self.ops
 
 
 def connect(endpoints: str | list[str] | tuple[str, ...] | None, key: ssl.SSLContext | None = None,
@@ -444,7 +455,11 @@ def connect(endpoints: str | list[str] | tuple[str, ...] | None, key: ssl.SSLCon
     kwargs = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
     devices: list[RPCDevice] = []
     for ep in P.parse_endpoints(endpoints):
-        conn = Connection(ep, key, **kwargs)
+        if ep.startswith("ggml://"):  # a llama.cpp rpc-server (rpc/ggml_client.py)
+            from .ggml_client import GgmlConnection
+            conn = GgmlConnection(ep, key, **kwargs)
+        else:
+            conn = Connection(ep, key, **kwargs)
         devices.extend(RPCDevice(conn, i) for i in range(conn.n_devices))
     return devices
 

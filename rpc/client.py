@@ -54,6 +54,10 @@ RECORDING_PASSES = frozenset({Command.SET_TENSOR})  # sent while a step records 
 class Connection:
     """One server: HELLO on connect, then :meth:`request` / :meth:`send`."""
 
+    compression = "auto"      # LZ4 for tensor data where it pays (P.compress)
+    pyggml_extensions = True  # the server runs our additions to ggml's ops (MUL_MAT's runs)
+    inits_tensors = False     # INIT_TENSOR is nothing on our servers: not sent
+
     def __init__(self, endpoint: str, key: keys.ClientKey | ssl.SSLContext | None = None,
                  connect_timeout: float = CONNECT_TIMEOUT_S, timeout: float = REQUEST_TIMEOUT_S) -> None:
         self.endpoint = endpoint

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other;
-                      # 5: devices tell their measured speed (DEVICE_INFO)
+PROTOCOL_VERSION = 6  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other;
+                      # 5: devices tell their measured speed (DEVICE_INFO); 6: ggml 7.0.0's op numbers
 MAGIC = b"PYGM"
 
 
@@ -224,16 +224,18 @@ def decompress(codec: int, frame: memoryview | bytes, size: int) -> memoryview |
 
 def parse_endpoint(text: str) -> str:
     """'8080' -> '127.0.0.1:8080'; 'host:port' and 'tcp://host:port' as given (TCP, the default);
-    'zmq://host:port' (the ZeroMQ transport) keeps its scheme."""
+    'zmq://host:port' (the ZeroMQ transport) and 'ggml://host:port' (a llama.cpp rpc-server)
+    keep their scheme."""
     text = text.strip()
-    if text.startswith("zmq://"):
-        return "zmq://" + parse_endpoint(text.removeprefix("zmq://"))
+    for scheme in ("zmq://", "ggml://"):
+        if text.startswith(scheme):
+            return scheme + parse_endpoint(text.removeprefix(scheme))
     text = text.removeprefix("tcp://")
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = "127.0.0.1", text
     if not port.isdigit():
-        raise ValueError(f"bad RPC endpoint {text!r}: expected PORT, HOST:PORT or zmq://HOST:PORT")
+        raise ValueError(f"bad RPC endpoint {text!r}: expected PORT, HOST:PORT, zmq://HOST:PORT or ggml://HOST:PORT")
     if not 0 < int(port) < 65536:
         raise ValueError(f"bad RPC endpoint {text!r}: port {int(port)} is out of range (1..65535)")
     return f"{host or '127.0.0.1'}:{int(port)}"

@@ -177,9 +177,11 @@ class RPCServer:
                  tls: ssl.SSLContext | None = None, cache_max: int = P.DEFAULT_CACHE_MAX,
                  limits: Limits = Limits(), files: ServerFiles | None = None, peer_links: bool = True,
                  peer_tls: ssl.SSLContext | None = None, peer_networks: list | None = None,
-                 transport: str = "tcp", curve: CurveKeys | None = None) -> None:
+                 transport: str = "tcp", curve: CurveKeys | None = None, protocol: str = "pyggml") -> None:
         if not devices:
             raise ValueError("the server needs at least one device")
+        if protocol not in ("pyggml", "ggml") or (protocol == "ggml" and transport != "tcp"):
+            raise ValueError(f"protocol {protocol!r} over {transport}: pyggml (over tcp or zmq) or ggml (over tcp)")
         self.devices = [ServedDevice(d, d.init_backend(), mem if mem is not None else 1 << 62) for d in devices]
         self.cache = TensorCache(cache_dir, cache_max) if cache_dir else None
         self.files = files if files is not None and files.files else None
@@ -200,6 +202,13 @@ class RPCServer:
         if transport == "zmq":  # (links to other servers are made over TCP only)
             from .zmq_transport import ZmqListener
             self.listener = ZmqListener(host, port, curve, **common)
+            self.peer_links = False
+        elif protocol == "ggml":  # llama.cpp's clients (rpc/ggml_server.py): plain TCP, no links
+            from .ggml_server import GGML_FRAMING, GgmlFrontend
+            if tls is not None:
+                raise ValueError("ggml-rpc has no TLS: --protocol ggml serves plain TCP only")
+            self.listener = Listener(host, port, None, max_per_address=limits.per_address, framing=GGML_FRAMING,
+                                     **common)
             self.peer_links = False
         else:
             self.listener = Listener(host, port, tls, max_per_address=limits.per_address, **common)
@@ -232,6 +241,7 @@ class RPCServer:
             Command.STEP_STORE: self._step_store,
             Command.STEP_RUN: self._step_run,
         }
+        self.ggml = GgmlFrontend(self) if protocol == "ggml" else None
         self.running = False
         self.counters = Counters()
         self.leave_deadline: float | None = None  # leave(): when to stop even if clients still hold buffers
@@ -420,6 +430,9 @@ class RPCServer:
         self.sessions.pop(s.peer.id, None)
 
     def _serve_one(self, message: Message) -> None:
+        if self.ggml is not None:
+            self.ggml.serve(message)
+            return
         peer, frames = message.peer, message.frames
         head, data = frames[0], frames[1:]
         seq, no_reply = 0, False
@@ -664,11 +677,19 @@ class RPCServer:
         self._range(t, offset, size)
         raw = P.decompress(codec, data[0], size)
         t.buffer.set_tensor(t, raw, offset)
-        # weights are worth caching; a session may not store more than it holds in its buffers
-        if self.cache is not None and flags & P.FLAG_CACHE and s.cached + size <= s.owned():
-            if self.cache.put(raw)[1]:
-                s.cached += size
+        if flags & P.FLAG_CACHE:
+            self.cache_weights(s, raw)
         return b"", []
+
+    def cache_weights(self, s: Session, raw) -> bytes | None:
+        """Keep weights in the tensor cache (a session may not store more than it holds in its
+        buffers): their key, or None where they were not kept."""
+        if self.cache is None or s.cached + len(raw) > s.owned():
+            return None
+        key, new = self.cache.put(raw)
+        if new:
+            s.cached += len(raw)
+        return key
 
     def _set_tensor_hash(self, s: Session, payload: memoryview, data: list) -> Reply:
         t, (offset, size, key) = self._tensor_and(s, payload, P.SET_TENSOR_HASH)

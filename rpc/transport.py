@@ -261,6 +261,18 @@ class MessageReader:
         return frames, None
 
 
+@dataclass(frozen=True)
+class Framing:
+    """How a listener's connections cut bytes into messages: ours (frames with a count, heartbeats
+    while a client waits), or another protocol's (ggml-rpc's, :mod:`.ggml_server`)."""
+    reader: type[MessageReader] = MessageReader
+    head: Callable[[list[memoryview]], bytes] = message_head
+    heartbeats: bool = True
+
+
+PYGGML_FRAMING = Framing()
+
+
 # -- the server's side ----------------------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -317,8 +329,10 @@ class Listener:
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None, max_frames: int, max_bytes: int,
                  max_peers: int = 512, max_queued: int = 16, max_per_address: int = 64,
                  pool: Pool | None = None, allowance: Callable[[Peer], int] | None = None,
-                 holds: Callable[[Peer], bool] | None = None, idle_timeout: float = 600.0) -> None:
+                 holds: Callable[[Peer], bool] | None = None, idle_timeout: float = 600.0,
+                 framing: Framing = PYGGML_FRAMING) -> None:
         self.tls = tls
+        self.framing = framing
         self.max_frames, self.max_bytes = max_frames, max_bytes
         self.max_peers, self.max_queued, self.max_per_address = max_peers, max_queued, max_per_address
         self.pool = pool if pool is not None else Pool(max(2 * max_bytes, 256 << 20))
@@ -420,7 +434,8 @@ class Listener:
                     handshaking=handshaking, host=host, outgoing=outgoing, greeted=outgoing,
                     connecting=outgoing)
         limit = (lambda: self.allowance(peer)) if self.allowance is not None and not outgoing else None
-        peer.reader = MessageReader(self.max_frames, self.max_bytes, limit, self.pool)
+        reader = MessageReader if outgoing else self.framing.reader  # (links to other servers speak ours)
+        peer.reader = reader(self.max_frames, self.max_bytes, limit, self.pool)
         self.peers[peer.id] = peer
         if not outgoing:
             self.per_host[host] += 1
@@ -575,7 +590,7 @@ class Listener:
         ``max_queued`` messages unsent, or (given ``max_bytes``: an outgoing link's bound) that
         many bytes, or the pool has no room for them."""
         views = [as_bytes(f) for f in frames]
-        parts = [memoryview(message_head(views)), *views]
+        parts = [memoryview((message_head if peer.outgoing else self.framing.head)(views)), *views]
         size = sum(p.nbytes for p in parts)
         with peer.lock:
             if peer.closed:
@@ -712,6 +727,8 @@ class Listener:
 
     # -- heartbeats -------------------------------------------------------------------------------
     def start_heartbeats(self) -> None:
+        if not self.framing.heartbeats:
+            return
         self._beats = threading.Thread(target=self._beat, name="pyggml-rpc-heartbeats", daemon=True)
         self._beats.start()
 

@@ -250,3 +250,55 @@ def tensor(type: int = 0, ne=(16, 1, 1, 1), nb=None, buffer: int = 0, offset: in
     params = tuple(op_params) + (0,) * (P.MAX_OP_PARAMS - len(op_params))
     src = tuple(src) + (0,) * (P.MAX_SRC - len(src))
     return P.WireTensor(id, type, op, buffer, tuple(ne), tuple(nb), params, 0, src, view_src, 0, offset, name).pack()
+
+
+# -- llama.cpp's own tools (../shared/bin/build-llamacpp), for the ggml-rpc tests -----------------
+
+LLAMACPP_BIN = os.path.expanduser(os.environ.get("PYGGML_LLAMACPP_BIN", "~/.cache/llama.cpp-ref/build/bin"))
+
+
+def llamacpp_tool(name: str) -> str:
+    """The path of one of llama.cpp's binaries, or a skip saying how to build them."""
+    import pytest
+    path = os.path.join(LLAMACPP_BIN, name)
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"llama.cpp's {name} is not built here ({path}): run ../shared/bin/build-llamacpp "
+                    f"(or set PYGGML_LLAMACPP_BIN)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaRpcServer:
+    """llama.cpp's ``ggml-rpc-server`` (CPU, one thread) on a free port of 127.0.0.1."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([llamacpp_tool("ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(self.port),
+                                      "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=_server_log())
+        self.endpoint = f"ggml://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError("llama.cpp's ggml-rpc-server did not start")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(10)
+
+    stop = kill

@@ -28,7 +28,7 @@ from pyggml import Type, ops
 from pyggml.cpu import CPUDevice
 from pyggml.opdefs import GluOp, RopeMode, SortOrder, UnaryOp
 
-from .rpc_helpers import ServerProcess
+from .rpc_helpers import LlamaRpcServer, ServerProcess
 from .test_quants import random_blocks
 
 f64 = np.float64
@@ -537,6 +537,22 @@ def rpc_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def ggml_server():
+    """pyggml-rpc-server speaking llama.cpp's protocol (--protocol ggml)."""
+    server = ServerProcess("--mem", "256", "--protocol", "ggml")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_rpc_server():
+    """llama.cpp's own ggml-rpc-server (skips where it is not built)."""
+    server = LlamaRpcServer()
+    yield server
+    server.stop()
+
+
 def _cuda_device():
     try:
         return next(d for d in pg.devices() if d.get_type() == pg.DeviceType.GPU)
@@ -544,7 +560,7 @@ def _cuda_device():
         return None
 
 
-DEVICES = ["CPU", "CPU_B", "RPC", "CUDA"]
+DEVICES = ["CPU", "CPU_B", "RPC", "GGML", "LLAMA_RPC", "CUDA"]
 _open: dict = {}
 
 
@@ -554,7 +570,7 @@ def device(request):
     return request.param, *_device(request)
 
 
-HOSTS = {"CPU", "CPU_B", "RPC"}  # where our CPU backend computes (the RPC server runs it)
+HOSTS = {"CPU", "CPU_B", "RPC", "GGML"}  # where our CPU backend computes (the RPC servers run it)
 
 
 def _device(request):
@@ -565,12 +581,15 @@ def _device(request):
     if name == "CPU_B":
         dev = _open.setdefault("CPU_B", CPUDevice("CPU_B"))
         return dev, [dev.init_backend(), cpu.init_backend()]
-    if name == "RPC":
+    if name in ("RPC", "GGML", "LLAMA_RPC"):  # ours; ours over ggml-rpc; llama.cpp's over ggml-rpc
         from pyggml.rpc import connect
-        server = request.getfixturevalue("rpc_server")
-        if "RPC" not in _open or _open["RPC"][0] is not server:
-            _open["RPC"] = (server, connect(server.endpoint)[0])
-        dev = _open["RPC"][1]
+        server = request.getfixturevalue({"RPC": "rpc_server", "GGML": "ggml_server",
+                                          "LLAMA_RPC": "llama_rpc_server"}[name])
+        endpoint = server.endpoint if name == "RPC" else "ggml://" + server.endpoint.removeprefix("ggml://")
+        if name not in _open or _open[name][0] is not server or _open[name][1].conn.closed_reason:
+            # (a llama.cpp server closes the connection of a request it refuses: a new one)
+            _open[name] = (server, connect(endpoint)[0])
+        dev = _open[name][1]
         return dev, [dev.init_backend(), cpu.init_backend()]
     dev = _cuda_device()
     if dev is None:

@@ -78,3 +78,32 @@ def test_nbytes_is_ggmls_for_every_view(type):
     if type.block_size == 1:
         t = ops.transpose(pg.new_tensor(type, (4, 3), "t"))
         assert t.nbytes() == _span(t) == 12 * type.type_size  # a transposed [4, 3] F32 view: 48 bytes
+
+
+def _llamacpp_enum(header: str, name: str) -> dict[str, int]:
+    import re
+    body = re.search(rf"enum {name} \{{(.*?)\}};", header, re.S).group(1)
+    names = re.findall(r"^\s*([A-Z][A-Z0-9_]+)\s*[,=]", body, re.M)
+    return {n: i for i, n in enumerate(names)}
+
+
+def test_op_numbers_are_those_of_llama_cpps_ggml_h():
+    """ggml-rpc 7.0.0 sends op numbers as ggml.h lists them; ours are the same (checked against
+    the header where ../shared/bin/build-llamacpp left llama.cpp's sources)."""
+    from pathlib import Path
+    from pyggml.opdefs import GGML_OP_COUNT
+    header = Path("~/.cache/llama.cpp-ref/src/ggml/include/ggml.h").expanduser()
+    if not header.exists():
+        pytest.skip(f"llama.cpp's sources are not here ({header}): run ../shared/bin/build-llamacpp")
+    text = header.read_text()
+    theirs = _llamacpp_enum(text, "ggml_op")
+    assert theirs["GGML_OP_COUNT"] == GGML_OP_COUNT
+    for op in Op:
+        assert theirs[f"GGML_OP_{op.name}"] == op.value, op.name
+    unary = _llamacpp_enum(text, "ggml_unary_op")
+    for u in UnaryOp:
+        if u.name != "GELU_TANH":  # (our alias of GELU)
+            assert unary[f"GGML_UNARY_OP_{u.name}"] == u.value, u.name
+    glu = _llamacpp_enum(text, "ggml_glu_op")
+    for g in GluOp:
+        assert glu[f"GGML_GLU_OP_{g.name}"] == g.value, g.name
