@@ -13,12 +13,14 @@ own process so that peak memory is its own.
 
     python bench/generate.py [--models smollm2,gemma3-270m] [--threads 2] [-n 64]
     python bench/generate.py --synthetic-moe --llama-bench ~/.cache/llama.cpp-ref/build/bin/llama-bench
+    python bench/generate.py --models "" --synthetic-moe gpt-oss --llama-bench ~/.cache/llama.cpp-ref/build/bin/llama-bench
     python bench/generate.py --models smollm2 --profile   # + time per op kind, and outside the kernels
     python bench/generate.py --rounds 3                   # medians of 3 runs, and their spread
 
 ``--synthetic-moe`` adds a ~1B-parameter qwen3moe of random weights (24 layers, 32 experts of
 which 4 run per token, Q4_0; written once into ~/.cache/pyggml/bench) - a mixture of experts
-at the size people run on CPUs.  ``--llama-bench PATH`` (llama.cpp's own benchmark, e.g. from
+at the size people run on CPUs; ``--synthetic-moe gpt-oss`` a gpt-oss of that size instead
+(MXFP4 experts with biases, attention sinks, YaRN, sliding windows on every other layer).  ``--llama-bench PATH`` (llama.cpp's own benchmark, e.g. from
 ``../shared/bin/build-llamacpp``; never a dependency) puts its prompt and generation figures
 for the same files beside ours.
 """
@@ -205,23 +207,27 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def synthetic_moe() -> Path:
-    """The ~1B qwen3moe of random weights (built once: about a minute)."""
-    if MOE_FILE.exists():
-        return MOE_FILE
+def synthetic_moe(arch: str = "qwen3moe") -> Path:
+    """The ~1B mixture of experts of random weights, qwen3moe (Q4_0) or gpt-oss (MXFP4 experts,
+    the rest Q8_0), built once (a minute or two)."""
+    path = MOE_FILE if arch == "qwen3moe" else MOE_FILE.with_name(f"synthetic-{arch}-1b.gguf")
+    if path.exists():
+        return path
     sys.path.insert(0, str(ROOT))
     from tests.synthetic import Shape, random_weights, write_model
     s = Shape(n_embd=1024, n_layer=24, n_ff=1536, n_head=16, n_head_kv=4, n_vocab=32000, n_expert=32,
               n_expert_used=4, n_ff_exp=384)
-    print(f"writing {MOE_FILE} (random weights, once) ...", flush=True)
-    weights = random_weights("qwen3moe", s, seed=1)
-    types = {name: "Q8_0" if name in ("token_embd.weight", "output.weight") else "Q4_0"
-             for name, v in weights.items() if v.ndim >= 2 and "gate_inp" not in name}
-    MOE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    partial = MOE_FILE.with_suffix(".partial")
-    write_model(partial, "qwen3moe", s, weights, types, vocab=True)
-    partial.rename(MOE_FILE)
-    return MOE_FILE
+    print(f"writing {path} (random weights, once) ...", flush=True)
+    weights = random_weights(arch, s, seed=1, moe=True)
+    experts = "MXFP4" if arch == "gpt-oss" else "Q4_0"
+    types = {name: experts if "_exps." in name else "Q8_0" if arch == "gpt-oss" or "token_embd" in name
+             or name == "output.weight" else "Q4_0"
+             for name, v in weights.items() if v.ndim >= 2 and "gate_inp" not in name and name.endswith(".weight")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    write_model(partial, arch, s, weights, types, vocab=True)
+    partial.rename(path)
+    return path
 
 
 def model_file(alias: str) -> str:
@@ -281,7 +287,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--llama-python", default=None, metavar="PYTHON",
                     help="an interpreter with llama-cpp-python, when it is not installed beside pyggml")
-    ap.add_argument("--synthetic-moe", action="store_true", help="also a ~1B qwen3moe of random weights")
+    ap.add_argument("--synthetic-moe", nargs="?", const="qwen3moe", default=None, choices=["qwen3moe", "gpt-oss"],
+                    help="also a ~1B mixture of experts of random weights: qwen3moe (the default) or gpt-oss")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, for its figures")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of each engine (fresh processes); prints medians and the spread")
@@ -308,7 +315,7 @@ def main() -> None:
     print(f"{a.threads} threads, {a.prompt_tokens}-token prompt, {a.n} generated tokens (greedy)\n")
     print(f"{'model':<12} {'engine':<10} {'load s':>7} {'prompt t/s':>11} {'gen t/s':>8} {'peak RSS MB':>12} "
           f"{'runtime MB':>11} {'model MB':>9} {'model/(GGUF+KV)':>16} {'1st prompt t/s':>15}")
-    models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe())] if a.synthetic_moe else [])
+    models = [m for m in a.models.split(",") if m] + ([str(synthetic_moe(a.synthetic_moe))] if a.synthetic_moe else [])
     for alias in models:
         results = [rounds_of(a.rounds, lambda i: child("pyggml", alias, a.threads, a.n, a.prompt_tokens,
                                                          profile=a.profile and i == 0))]

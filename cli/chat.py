@@ -41,10 +41,22 @@ def _stream(chunks, piece_of) -> str:
     return "".join(parts)
 
 
-def _answer(model, messages: list[dict], sampling: dict) -> str:
-    """Stream one answer to a conversation."""
-    return _stream(model.create_chat_completion(messages, stream=True, **sampling),
-                   lambda chunk: chunk["choices"][0]["delta"].get("content"))
+def _answer(model, messages: list[dict], sampling: dict, show_reasoning: bool = False) -> str:
+    """Stream one answer to a conversation; a reasoning model's reasoning (gpt-oss's analysis
+    channel) is left out unless ``show_reasoning``, and then shown dimmed, before the answer.
+    Returns the answer (what the conversation keeps)."""
+    answer: list[str] = []
+    dim = sys.stdout.isatty()
+
+    def piece_of(chunk) -> str | None:
+        delta = chunk["choices"][0]["delta"]
+        thought = delta.get("reasoning_content") if show_reasoning else None
+        if delta.get("content"):
+            answer.append(delta["content"])
+        shown = (click.style(thought, dim=True) if dim else thought) if thought else ""
+        return shown + (delta.get("content") or "") or None
+    _stream(model.create_chat_completion(messages, stream=True, **sampling), piece_of)
+    return "".join(answer)
 
 
 def _continue(model, text: str, sampling: dict) -> None:
@@ -68,12 +80,14 @@ def _continue(model, text: str, sampling: dict) -> None:
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed (same seed, same answer).")
 @show_devices_option
 @click.option("--timings", is_flag=True, help="Print prompt and generation speed after each answer.")
+@click.option("--show-reasoning", is_flag=True,
+              help="Also print a reasoning model's reasoning (gpt-oss's analysis channel), dimmed, before its answer.")
 @click.option("--chat-template", "chat_template", type=click.Choice(sorted(NAMED_TEMPLATES)), default=None,
               help="Talk in this turn format. By default the file's own template; a file with none is a base "
                    "model, whose -p text is continued as given.")
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt, system, n_predict, temp, top_k,
-         top_p, min_p, repeat_penalty, seed, show_devices, timings, chat_template) -> None:
-    """Chat with a GGUF model (llama, qwen2, qwen3, gemma3).
+         top_p, min_p, repeat_penalty, seed, show_devices, timings, show_reasoning, chat_template) -> None:
+    """Chat with a GGUF model (llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss).
 
     With -p, print one streamed answer and exit.  Without it, chat interactively: type a
     message and press Enter; /exit or Ctrl-D quits, Ctrl-C stops the current answer.
@@ -102,7 +116,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
             if base:  # continued as given, as llama.cpp's completion does
                 _continue(m, prompt, sampling)
             else:
-                _answer(m, messages + [{"role": "user", "content": prompt}], sampling)
+                _answer(m, messages + [{"role": "user", "content": prompt}], sampling, show_reasoning)
             if timings:
                 _print_timings(m)
             return
@@ -122,7 +136,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, prompt
                 continue
             messages.append({"role": "user", "content": line})
             m.timings.reset()
-            messages.append({"role": "assistant", "content": _answer(m, messages, sampling)})
+            messages.append({"role": "assistant", "content": _answer(m, messages, sampling, show_reasoning)})
             if timings:
                 _print_timings(m)
     except (ValueError, RuntimeError) as e:  # a full context, a template that rejects it, an RPC server lost

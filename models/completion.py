@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .harmony import HarmonyStream, split
 from .tokenizer import Tokenizer
 
 
@@ -21,8 +22,9 @@ class TextStream:
     of a text - comes out as it does in the whole text, and a long answer costs the same per
     token as a short one."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], special: bool = False) -> None:
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.special = special  # control tokens decoded too (harmony's channel markers: harmony.py)
         self.ids: list[int] = []
         self.text = ""     # the text of ids[:done], whole characters
         self.done = 0
@@ -32,17 +34,17 @@ class TextStream:
         self.stopped = False
 
     def _pending(self) -> str:
-        return self.tokenizer.detokenize(self.ids[self.anchor:])[self.anchor_len:]
+        return self.tokenizer.detokenize(self.ids[self.anchor:], self.special)[self.anchor_len:]
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        tail = self.tokenizer.detokenize(self.ids[self.anchor:])
+        tail = self.tokenizer.detokenize(self.ids[self.anchor:], self.special)
         new = tail[self.anchor_len:]
         if new.endswith("\ufffd"):  # a character split across tokens: wait for the rest
             return ""
         start, self.done = self.done, len(self.ids)
         self.text += new
-        covered = self.tokenizer.detokenize(self.ids[start:self.done])
+        covered = self.tokenizer.detokenize(self.ids[start:self.done], self.special)
         if covered:  # the anchor moves up to the ids just covered ...
             self.anchor, self.anchor_len = start, len(covered)
         else:  # ... unless alone they decode to nothing (a lone space dropped, a control token)
@@ -95,15 +97,20 @@ class Usage:
 @dataclass
 class Shape:
     """The objects of one reply: ``kind`` is "chat" (chat.completion) or "text"
-    (text_completion); one id for the whole reply, as OpenAI's streams have."""
+    (text_completion); one id for the whole reply, as OpenAI's streams have.  ``reasoning``
+    (a harmony model, gpt-oss): a chat answer's analysis channel comes as ``reasoning_content``,
+    its final channel as ``content``, as llama-server returns them."""
     kind: str
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    reasoning: bool = False
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.reasoning = self.reasoning and self.kind == "chat"
+        self._channels = HarmonyStream() if self.reasoning else None
 
     def _obj(self, chunk: bool) -> str:
         if self.kind == "chat":
@@ -115,8 +122,11 @@ class Shape:
 
     def reply(self, text: str, finish: str | None, usage: Usage, logprobs: Any = None) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:
+                reasoning, message["content"] = split(text)
+                message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(False), "choices": [choice], "usage": usage.as_dict()}
@@ -130,8 +140,11 @@ class Shape:
 
     def chunk(self, text: str | None, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            delta = {} if text is None else {"content": text}
+            if self._channels is not None:  # the channels' new text (at the end, what was held back)
+                reasoning, answer = self._channels.push(text) if text is not None else self._channels.flush()
+                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", answer)) if v}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(True), "choices": [choice]}

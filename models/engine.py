@@ -297,7 +297,7 @@ class Engine:
                           seed, [stop] if isinstance(stop, str) else list(stop or []), logprobs)
         events: queue.Queue[Event] = queue.Queue()
         req = self.start(ids, options, events.put)
-        shape = Shape(kind, self.model.name)
+        shape = Shape(kind, self.model.name, reasoning=self.model.harmony)
         replies = Replies(shape, kind, self.model.tokenizer, include_usage)
         if not stream:
             try:
@@ -647,7 +647,7 @@ class Engine:
         slot.req = req
         o = req.options
         slot.sampler = Sampler(o.sampling, o.seed)
-        slot.stream = TextStream(self.model.tokenizer, o.stop)
+        slot.stream = TextStream(self.model.tokenizer, o.stop, special=self.model.harmony)
         slot.history = list(req.ids)
         slot.pending = None
         slot.n_gen = 0

@@ -34,7 +34,7 @@ class HParams:
     norm_eps: float
     rope_dims: int
     rope_freq_base: float
-    rope_freq_scale: float          # 1 / linear scaling factor
+    rope_freq_scale: float          # 1 / the scaling factor (linear or YaRN)
     rope_freq_base_swa: float       # RoPE base of the sliding-window layers (Gemma 3: 10 000)
     n_swa: int = 0                  # sliding-window size, 0 = none
     swa_pattern: int = 0            # every swa_pattern-th layer is global (Gemma 3: 6)
@@ -43,6 +43,11 @@ class HParams:
     attn_scale: float = 0.0         # query scale; 0 = 1/sqrt(n_embd_head_k)
     n_expert: int = 0               # mixture of experts: experts per layer (0: a dense FFN)
     n_expert_used: int = 0          # experts each token is routed to
+    rope_freq_scale_swa: float = 1.0  # the sliding-window layers' (gpt-oss: the others')
+    # YaRN (rope.scaling.type "yarn"), as llama.cpp's context sets it up: 0 / 1 / the training context without
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    n_ctx_orig_yarn: int = 0
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -74,6 +79,9 @@ class HParams:
             f.tensors["token_embd.weight"].ne[1]
         scaling = str(get("rope.scaling.type", "none"))
         factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+        scaled = scaling in ("linear", "yarn") and factor > 0
+        ext_factor, attn_factor = (1.0, yarn_attn_factor(factor)) if scaling == "yarn" and factor > 0 else (0.0, 1.0)
+        attn_factor = float(np.float32(attn_factor) * np.float32(get("rope.scaling.attn_factor", 1.0) or 1.0))
         return cls(
             arch=arch,
             n_vocab=int(n_vocab),
@@ -88,11 +96,24 @@ class HParams:
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_dims=int(get("rope.dimension_count", head_k)),
             rope_freq_base=float(get("rope.freq_base", 10000.0)),
-            rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+            rope_freq_scale=float(np.float32(1.0) / np.float32(factor)) if scaled else 1.0,
             rope_freq_base_swa=float(get("rope.freq_base_swa", 10000.0)),
             n_swa=int(get("attention.sliding_window", 0) or 0),
             attn_softcap=float(get("attn_logit_softcapping", 0.0) or 0.0),
             final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
             n_expert=int(get("expert_count", 0) or 0),
             n_expert_used=int(get("expert_used_count", 0) or 0),
+            rope_ext_factor=ext_factor,
+            rope_attn_factor=attn_factor,
+            n_ctx_orig_yarn=int(get("rope.scaling.original_context_length", 0) or 0),
         )
+
+
+def yarn_attn_factor(factor: float) -> float:
+    """llama.cpp's YaRN attention factor without a log multiplier: its mscale, 1 + 0.1 ln(factor),
+    times the cancelling 1 / (1 + 0.1 ln(factor)) its rope kernel's own mscale calls for - one
+    in float32 arithmetic, as llama_context computes it (not always exactly 1)."""
+    f32 = np.float32
+    log = f32(np.log(f32(factor)))
+    mscale = f32(f32(0.1) * log) + f32(1.0) if factor > 1.0 else f32(1.0)
+    return float(f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * log)))))

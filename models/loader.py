@@ -13,7 +13,7 @@ from pyggml import Tensor
 from pyggml.backend import Buffer, Device, DeviceType
 from pyggml.gguf import GGUFError, GGUFFile
 
-from . import gemma3, llama, qwen2, qwen3, qwen3moe
+from . import gemma3, gpt_oss, llama, qwen2, qwen3, qwen3moe
 from .hparams import HParams
 from .placement import MiB, Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
 from .tensor_split import FileSlice, Shard, SplitError, plan_tensor_split, shard_rows, shard_tensor
@@ -21,7 +21,7 @@ from .tensor_split import FileSlice, Shard, SplitError, plan_tensor_split, shard
 log = logging.getLogger("pyggml.models")
 
 ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe,
-                                         "gemma3": gemma3}
+                                         "gemma3": gemma3, "gpt-oss": gpt_oss}
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -335,6 +335,8 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
         placement, description = plan(f, hp, ngl, devices, n_ctx, n_ubatch, tensor_split, place_by)
     if chose:
         description = f"{chose}\n{description}"
+    for d in devices:
+        description += "".join(f"\nnote: {d.get_name()} is {note}" for note in d.limitations())
     if on_plan is not None:
         on_plan(description)
     model = LoadedModel(Path(path), f, hp, arch, devices, placement, shards=shards)

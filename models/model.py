@@ -16,6 +16,7 @@ from pyggml import hub
 
 from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
+from .harmony import is_harmony
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
 from .placement import spans
@@ -508,7 +509,7 @@ class Model:
     # -- OpenAI-shaped completions ------------------------------------------------------------------
     def _stream(self, ids: list[int], max_tokens: int | None, stop: str | Sequence[str] | None,
                 usage: Usage, **sampling: Any) -> Iterator[str]:
-        stream = TextStream(self.tokenizer, stop_list(stop))
+        stream = TextStream(self.tokenizer, stop_list(stop), special=self.harmony)
         limit = max_tokens if max_tokens is not None and max_tokens > 0 else self.n_ctx
         usage.prompt_tokens = len(ids)
         usage.cached_tokens = self.context.reused_prefix(ids)
@@ -525,7 +526,7 @@ class Model:
             yield tail
 
     def _completion(self, kind: str, ids: list[int], stream: bool, max_tokens: int | None, stop, **sampling):
-        shape = Shape(kind, self.path.name)
+        shape = Shape(kind, self.path.name, reasoning=self.harmony)
         usage = Usage()
         self.usage = usage
         pieces = self._stream(ids, max_tokens, stop, usage, **sampling)
@@ -552,6 +553,12 @@ class Model:
         return self._completion("text", ids, stream, max_tokens, stop, temperature=temperature, top_k=top_k,
                                 top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                                 logit_bias=logit_bias)
+
+    @property
+    def harmony(self) -> bool:
+        """Whether the model answers in harmony's channels (gpt-oss): its text is decoded with the
+        channel markers, and a chat answer's reasoning comes apart (models/harmony.py)."""
+        return is_harmony(self.chat_template.source)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)

@@ -199,6 +199,11 @@ class Device(abc.ABC):
     def get_host_buffer_type(self) -> BufferType | None:
         return None
 
+    def limitations(self) -> list[str]:
+        """What this device lacks that the others of its kind have, for the placement's
+        description (a llama.cpp rpc-server: no TLS, LZ4, --gguf or links)."""
+        return []
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.get_name()}>"
 

@@ -113,6 +113,7 @@ class GluOp(enum.IntEnum):
     REGLU = 0
     GEGLU = 1
     SWIGLU = 2
+    SWIGLU_OAI = 3  # gpt-oss: min(a, limit) * sigmoid(alpha * min(a, limit)) * (clamp(b, -limit, limit) + 1)
 
 
 class SortOrder(enum.IntEnum):
@@ -200,10 +201,12 @@ class UnaryParams(OpParams):
 
 @dataclass(frozen=True)
 class GluParams(OpParams):
-    """GLU: act(a) * b, or act(b) * a when ``swapped``."""
+    """GLU: act(a) * b, or act(b) * a when ``swapped``; SWIGLU_OAI's ``alpha`` and ``limit``."""
     op: GluOp
     swapped: bool = False
-    SLOTS = ((0, "i"), (1, "i"))
+    alpha: float = 0.0
+    limit: float = 0.0
+    SLOTS = ((0, "i"), (1, "i"), (2, "f"), (3, "f"))
 
 
 @dataclass(frozen=True)

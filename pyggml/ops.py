@@ -84,17 +84,27 @@ def tanh(a: Tensor) -> Tensor:
     return unary(a, UnaryOp.TANH)
 
 
-def glu(a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False) -> Tensor:
-    """act(a) * b; with ``b`` None, ``a``'s first half of ne[0] is gated by the second half."""
+def glu(a: Tensor, b: Tensor | None, op: GluOp, swapped: bool = False, alpha: float = 0.0,
+        limit: float = 0.0) -> Tensor:
+    """act(a) * b; with ``b`` None, ``a``'s first half of ne[0] is gated by the second half.
+    ``alpha`` and ``limit``: SWIGLU_OAI's (0 for the others)."""
     if b is None:
         _check(a.ne[0] % 2 == 0, "GLU", "ne[0] must be even when the gate is fused", a)
         ne = (a.ne[0] // 2, *a.ne[1:])
     else:
         _check(a.ne == b.ne, "GLU", "gate and value must have the same shape", a, b)
         ne = a.ne
+    if GluOp(op) != GluOp.SWIGLU_OAI:
+        _check(alpha == 0.0 and limit == 0.0, "GLU", "alpha and limit are SWIGLU_OAI's", a)
     t = _result(Op.GLU, Type.F32, ne, [a, b])
-    GluParams(GluOp(op), bool(swapped)).pack(t.op_params)
+    GluParams(GluOp(op), bool(swapped), alpha, limit).pack(t.op_params)
     return t
+
+
+def swiglu_oai(a: Tensor, b: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): x = min(a, limit), y = clamp(b, -limit,
+    limit), x * sigmoid(alpha * x) * (y + 1)."""
+    return glu(a, b, GluOp.SWIGLU_OAI, False, alpha, limit)
 
 
 def swiglu(a: Tensor, b: Tensor | None = None) -> Tensor:
@@ -122,8 +132,11 @@ def norm(a: Tensor, eps: float) -> Tensor:
     return _norm(Op.NORM, a, eps)
 
 
-def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
-    """softmax(a * scale + mask) over ne[0]; the mask broadcasts over heads (ne[2], ne[3])."""
+def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0,
+                 sinks: Tensor | None = None) -> Tensor:
+    """softmax(a * scale + mask) over ne[0]; the mask broadcasts over heads (ne[2], ne[3]).
+    ``sinks`` (F32 [n_head], gpt-oss's attention sinks; ggml_soft_max_add_sinks): one more
+    logit per head (ne[2]) in each row's softmax, whose probability is dropped."""
     _check(_is_float(a), "SOFT_MAX", "operand must be a float tensor", a)
     if max_bias != 0.0:
         raise ValueError("SOFT_MAX: ALiBi (max_bias != 0) is not supported")
@@ -133,9 +146,25 @@ def soft_max_ext(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_
                "mask must be [n_kv, >= n_rows]", a, mask)
         _check(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, "SOFT_MAX",
                "mask must broadcast over ne[2] and ne[3]", a, mask)
-    t = _result(Op.SOFT_MAX, Type.F32, a.ne, [a, mask])
+    if sinks is not None:
+        _check(sinks.type == Type.F32 and sinks.n_dims == 1 and sinks.ne[0] == a.ne[2] and sinks.nb[0] == 4,
+               "SOFT_MAX", "sinks must be F32 [n_head], one per ne[2]", a, sinks)
+    t = _result(Op.SOFT_MAX, Type.F32, a.ne, [a, mask] + ([sinks] if sinks is not None else []))
     SoftMaxParams(scale, max_bias).pack(t.op_params)
     return t
+
+
+def add_id(a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """a[:, i, j] + b[:, ids[i, j]]: a bias per chosen expert (ggml_add_id; gpt-oss's expert
+    biases).  a: F32 [n, n_used, n_tokens], b: F32 [n, n_expert], ids: I32 [n_used, n_tokens]
+    (each id checked against n_expert when the op runs)."""
+    _check(a.type == Type.F32 and b.type == Type.F32 and ids.type == Type.I32, "ADD_ID",
+           "a and b must be F32, ids I32", a, b, ids)
+    _check(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1] and a.ne[3] == 1
+           and b.ne[2] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1, "ADD_ID",
+           "a [n, n_used, n_tokens], b [n, n_expert], ids [n_used, n_tokens]", a, b, ids)
+    _check(a.nb[0] == 4 and b.nb[0] == 4, "ADD_ID", "rows of a and b must be contiguous", a, b)
+    return _result(Op.ADD_ID, Type.F32, a.ne, [a, b, ids])
 
 
 def soft_max(a: Tensor) -> Tensor:

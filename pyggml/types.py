@@ -34,6 +34,7 @@ class Type(enum.IntEnum):
     I64 = 27
     F64 = 28
     BF16 = 30
+    MXFP4 = 39
 
     @property
     def block_size(self) -> int:
@@ -85,6 +86,7 @@ _TRAITS: dict[Type, tuple[int, int]] = {
     Type.Q8_K: (QK_K, 4 + 256 + 32),
     Type.IQ4_NL: (32, 2 + 16),
     Type.IQ4_XS: (QK_K, 2 + 2 + 4 + 128),
+    Type.MXFP4: (32, 1 + 16),
 }
 
 _PLAIN_DTYPES: dict[Type, np.dtype] = {

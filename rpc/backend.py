@@ -438,6 +438,9 @@ class RPCDevice(Device):
     def get_buffer_type(self) -> BufferType:
         return self.buft
 
+    def limitations(self) -> list[str]:
+        return self.conn.limitations()
+
     def supports_op(self, op: Tensor) -> bool:
         if op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE):
             return True

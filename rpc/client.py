@@ -136,6 +136,9 @@ class Connection:
             self._fail("this key holds no CurveZMQ keys (pass the key file, made by --gen-key of this pyggml)")
         self.channel = ZmqChannel.connect(*_split(self.endpoint), curve, timeout)
 
+    def limitations(self) -> list[str]:
+        return []
+
     @property
     def numeric_endpoint(self) -> str:
         """The server's address as this connection reached it (what another server is told to link to)."""

@@ -192,6 +192,11 @@ class GgmlConnection(Connection):
     def runs(self, node: Tensor) -> bool:
         return ggml_runs(node)
 
+    def limitations(self) -> list[str]:
+        return [f"a llama.cpp rpc-server (ggml-rpc {self.server_version}): no TLS, no LZ4, no --gguf, no links to "
+                f"other servers (tensors between servers pass through this client); TOP_K, ARGSORT and attention "
+                f"with an F32 mask run elsewhere"]
+
     # -- the wire -------------------------------------------------------------------------------
     def _put(self, cmd: GgmlCommand, *parts) -> None:
         size = sum(memoryview(p).nbytes for p in parts)

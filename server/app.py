@@ -243,7 +243,8 @@ def create_app(state: State) -> Starlette:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         req = engine.start(ids, c.options, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        replies = Replies(Shape(c.kind, state.model_id), c.kind, engine.model.tokenizer, c.include_usage)
+        replies = Replies(Shape(c.kind, state.model_id, reasoning=engine.model.harmony), c.kind,
+                          engine.model.tokenizer, c.include_usage)
         if not c.stream:
             try:
                 while True:

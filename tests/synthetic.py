@@ -35,7 +35,8 @@ class Shape:
 def expert_types(weights: dict, qtype: str | None, down: str | None = None) -> dict[str, str]:
     """write_model's ``types`` for a mixture of experts: every expert tensor stored as ``qtype``
     (none: as they are), the down experts as ``down`` if given."""
-    return {n: (down if down and "ffn_down_exps." in n else qtype) for n in weights if qtype and "_exps." in n}
+    return {n: (down if down and "ffn_down_exps." in n else qtype) for n in weights
+            if qtype and "_exps." in n and n.endswith(".weight")}  # (gpt-oss's expert biases stay F32)
 
 
 def random_weights(arch: str, s: Shape, seed: int = 0, moe: bool | None = None) -> dict[str, np.ndarray]:
@@ -59,8 +60,18 @@ def random_weights(arch: str, s: Shape, seed: int = 0, moe: bool | None = None) 
         w |= {p + "attn_norm.weight": vec(s.n_embd), p + "attn_q.weight": mat(s.n_embd, s.n_embd),
               p + "attn_k.weight": mat(kv, s.n_embd), p + "attn_v.weight": mat(kv, s.n_embd),
               p + "attn_output.weight": mat(s.n_embd, s.n_embd), p + "ffn_norm.weight": vec(s.n_embd)}
+        if arch == "gpt-oss":  # biases everywhere, sinks, a norm after attention, biased router and experts
+            ff = s.n_ff_exp
+            w[p + "post_attention_norm.weight"] = w.pop(p + "ffn_norm.weight")
+            w |= {p + "attn_q.bias": vec(s.n_embd, 0.0), p + "attn_k.bias": vec(kv, 0.0),
+                  p + "attn_v.bias": vec(kv, 0.0), p + "attn_output.bias": vec(s.n_embd, 0.0),
+                  p + "attn_sinks.weight": (rng.standard_normal(s.n_head) * 2).astype(np.float32),
+                  p + "ffn_gate_inp.bias": vec(s.n_expert, 0.0),
+                  p + "ffn_gate_exps.bias": np.stack([vec(ff, 0.0) for _ in range(s.n_expert)]),
+                  p + "ffn_up_exps.bias": np.stack([vec(ff, 0.0) for _ in range(s.n_expert)]),
+                  p + "ffn_down_exps.bias": np.stack([vec(s.n_embd, 0.0) for _ in range(s.n_expert)])}
         if moe:  # a router and stacked experts [n_expert, rows, cols] in place of the FFN
-            ff = s.n_ff_exp if arch == "qwen3moe" else s.n_ff  # Mixtral's experts are feed_forward_length wide
+            ff = s.n_ff_exp if arch in ("qwen3moe", "gpt-oss") else s.n_ff  # Mixtral's are feed_forward_length wide
             w |= {p + "ffn_gate_inp.weight": mat(s.n_expert, s.n_embd, 4.0),
                   p + "ffn_gate_exps.weight": np.stack([mat(ff, s.n_embd) for _ in range(s.n_expert)]),
                   p + "ffn_up_exps.weight": np.stack([mat(ff, s.n_embd) for _ in range(s.n_expert)]),
@@ -74,6 +85,10 @@ def random_weights(arch: str, s: Shape, seed: int = 0, moe: bool | None = None) 
         if arch in ("qwen3", "qwen3moe"):
             w |= {p + "attn_q_norm.weight": vec(s.head_dim), p + "attn_k_norm.weight": vec(s.head_dim)}
     return w
+
+
+GPT_OSS_WINDOW = 8          # tokens a sliding-window layer sees: the 24-token tests cross it
+GPT_OSS_YARN = (4.0, 64)    # YaRN factor, original context
 
 
 def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
@@ -105,6 +120,11 @@ def write_model(path: Path, arch: str, s: Shape, weights: dict[str, np.ndarray],
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
+    if arch == "gpt-oss":  # sliding windows on even layers, YaRN on every layer
+        w.add_sliding_window(GPT_OSS_WINDOW)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(GPT_OSS_YARN[0])
+        w.add_rope_scaling_orig_ctx_len(GPT_OSS_YARN[1])
     if "blk.0.ffn_gate_inp.weight" in weights:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)

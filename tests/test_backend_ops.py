@@ -244,6 +244,40 @@ def _cases():
         yield Case(f"SOFT_MAX-odd-rows-padded-mask-{mask_type.name if mask_type else 'none'}", padded, padded_ref,
                    host_nmse=1e-10)
 
+    def sinks_build(rng):  # gpt-oss's attention sinks: one more logit per head in the softmax
+        a, sinks = leaf(Type.F32, 32, 5, 4), leaf(Type.F32, 4, name="sinks")
+        mask = leaf(Type.F32, 32, 5, name="mask")
+        mv = np.where(np.arange(32)[None, :] <= 20 + np.arange(5)[:, None], 0, -np.inf).astype(np.float32)
+        sv = np.array([-1.0, 0.5, 3.0, -np.inf], dtype=np.float32)  # (a head without a sink too)
+        return ops.soft_max_ext(a, mask, 0.5, sinks=sinks), [(a, normal(rng, a, 2)), (mask, mv), (sinks, sv)]
+
+    def sinks_ref(a, mask, sinks):
+        s = a * 0.5 + mask
+        sk = sinks.reshape(1, 4, 1, 1)
+        m = np.maximum(s.max(-1, keepdims=True), sk)
+        e = np.exp(s - m)
+        return e / (e.sum(-1, keepdims=True) + np.exp(sk - m))
+    yield Case("SOFT_MAX-sinks", sinks_build, sinks_ref, host_nmse=1e-10)
+
+    def swiglu_oai_build(rng):
+        a, b = leaf(Type.F32, 32, 3), leaf(Type.F32, 32, 3, name="b")
+        return ops.swiglu_oai(a, b, 1.702, 7.0), [(a, normal(rng, a, 6)), (b, normal(rng, b, 6))]
+
+    def swiglu_oai_ref(a, b):
+        x, y = np.minimum(a, 7.0), np.clip(b, -7.0, 7.0)
+        return x / (1 + np.exp(-1.702 * x)) * (y + 1)
+    yield Case("GLU-SWIGLU_OAI-split", swiglu_oai_build, swiglu_oai_ref, host_nmse=1e-12)
+
+    def add_id_build(rng):  # gpt-oss's expert biases: a bias per chosen expert
+        a, b, ids = leaf(Type.F32, 16, 2, 3), leaf(Type.F32, 16, 5, name="b"), leaf(Type.I32, 2, 3, name="ids")
+        iv = np.array([[4, 0], [1, 1], [3, 2]], dtype=np.int32)
+        return ops.add_id(a, b, ids), [(a, normal(rng, a)), (b, normal(rng, b)), (ids, iv)]
+
+    def add_id_ref(a, b, ids):  # one float32 addition each: exact
+        f = np.float32
+        return a.astype(f) + b.astype(f).reshape(5, 16)[ids.reshape(3, 2).astype(int)].reshape(a.shape)
+    yield Case("ADD_ID", add_id_build, add_id_ref, 0.0)
+
     for mode in (RopeMode.NORMAL, RopeMode.NEOX):
         for n_dims in (32, 16):
             def build(rng, mode=mode, n_dims=n_dims):

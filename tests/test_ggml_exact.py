@@ -22,7 +22,39 @@ TYPES = sorted({k.rsplit("_", 1)[0] for k in DATA.files}, key=lambda n: int(pg.T
 
 
 def test_every_exact_type_has_data():
-    assert {pg.Type[n] for n in TYPES} == set(EXACT)
+    assert {pg.Type[n] for n in TYPES} == set(EXACT) | {pg.Type.MXFP4}  # (MXFP4: a kernel of its own, mxfp4.py)
+
+
+def test_mxfp4_with_an_odd_block_count_equals_ggml():
+    """An odd number of blocks ends with ggml's scalar step (the data file's rows are even):
+    checked against the ggml CPU library ../shared/bin/build-llamacpp builds, where it is."""
+    import ctypes
+    import os
+    from pyggml.cpu.activations import quantize
+    from pyggml.cpu.kinds import Act
+    lib_path = os.path.expanduser("~/.cache/llama.cpp-ref/build/bin/libggml-cpu.so")
+    if not os.path.exists(lib_path):
+        pytest.skip(f"llama.cpp's ggml CPU library is not built here ({lib_path}): run ../shared/bin/build-llamacpp")
+    lib = ctypes.CDLL(lib_path)
+    lib.ggml_cpu_init()
+    rng = np.random.default_rng(3)
+    k = 17 * 32
+    w = rng.integers(0, 256, (6, 17 * 17), dtype=np.uint8)
+    w.reshape(6, 17, 17)[:, :, 0] = rng.integers(115, 130, (6, 17))
+    x = (rng.standard_normal((2, k)) * 3).astype(np.float32)
+    got = quant_matmul(w, pg.Type.MXFP4, x)
+    P = ctypes.c_void_p
+    for n in range(2):
+        y = np.zeros(17 * 34, np.uint8)
+        lib.quantize_row_q8_0(x[n].ctypes.data_as(P), y.ctypes.data_as(P), ctypes.c_int64(k))
+        for m in range(6):
+            s = ctypes.c_float()
+            row = np.ascontiguousarray(w[m])
+            lib.ggml_vec_dot_mxfp4_q8_0(ctypes.c_int(k), ctypes.byref(s), ctypes.c_size_t(0), row.ctypes.data_as(P),
+                                        ctypes.c_size_t(0), y.ctypes.data_as(P), ctypes.c_size_t(0), ctypes.c_int(1))
+            assert got[n, m] == np.float32(s.value), (n, m, got[n, m], s.value)
+    assert quantize  # (the activations ggml quantizes are ours: quant_matmul quantizes them the same way)
+    assert Act.Q8_0
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -187,13 +187,32 @@ def test_tensors_round_trip_and_the_fnv_cache_serves_them_again(tmp_path):
 def test_model_over_our_ggml_server_is_bit_identical(ggml_server):
     local = shared_model("smollm2")
     tokens = reference("smollm2")["text"]["tokens"][:128]
-    with pg.Model("smollm2", n_ctx=512, rpc="ggml://" + ggml_server.endpoint, progress=False) as m:
+    plans = []
+    with pg.Model("smollm2", n_ctx=512, rpc="ggml://" + ggml_server.endpoint, progress=False,
+                  on_plan=plans.append) as m:
         assert m.model.placement.layers and set(m.model.placement.layers) == {0}
+        assert "is a llama.cpp rpc-server (ggml-rpc 7.0.0): no TLS, no LZ4, no --gguf" in plans[0]
         assert "llama.cpp rpc-server" in m.model.devices[0].get_description()
         assert np.array_equal(m.logits(tokens), local.logits(tokens))
         local.context.clear()
         want = list(local.generate(local.tokenize(PROMPT), max_tokens=24, temperature=0))
         assert list(m.generate(m.tokenize(PROMPT), max_tokens=24, temperature=0)) == want
+
+
+def test_a_server_of_another_major_version_is_refused_by_name():
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:  # a ggml-rpc 6.x server: it answers HELLO with its version
+        conn, _ = listener.accept()
+        conn.recv(1 + 8 + G.CAPS_BYTES)
+        conn.sendall(G.REPLY_HEAD.pack(G.HELLO_REPLY.size) + G.HELLO_REPLY.pack(6, 1, 0, 0, bytes(G.CAPS_BYTES)))
+        conn.recv(1)
+        conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.raises(pg.rpc.RPCError, match=r"speaks ggml-rpc 6\.1\.0; this pyggml speaks 7\.0\.x"):
+        pg.rpc.connect(f"ggml://127.0.0.1:{listener.getsockname()[1]}")
+    listener.close()
 
 
 def test_ggml_endpoints_refuse_a_key():
@@ -247,10 +266,11 @@ def llama_servers():
         s.kill()
 
 
-# The issue's target was 99% argmax agreement; llama.cpp built here for AVX2 sums its F16 and
-# quantized dot products in another order than the AVX-512 build our kernels follow, and 96%
-# of SmolLM2's 384 reference positions agree (the NLL within 0.04%).  The bound below says how
-# far that order may take it, not what it reaches.
+# The issue's target was 99% argmax agreement.  llama.cpp built here for AVX2 sums its F16 and
+# quantized dot products in another order than the AVX-512 build that made the reference outputs
+# (and that our kernels follow): its own argmax agrees with the reference file's at 96.1% of
+# SmolLM2's 384 positions, exactly as often as with our local run (NLL within 0.04%).  No client
+# can do better than the server's arithmetic; the bound says how far another build may go.
 MIN_ARGMAX_OVER_LLAMA_CPP = 0.95
 
 

@@ -288,6 +288,8 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     session = Session(server.endpoint, held)
     session.dev.conn.timeout = 600.0  # each request once as sent, to compile the server's kernels (the
     for cmd, payload, frames in session.requests:  # checked build's cache may be cold) before the clock runs
+        if cmd == C.PEER_CONNECT:  # (its token is good once: spent here, no draw could be accepted)
+            continue
         try:
             session.dev.conn.request(cmd, payload, frames)
         except RPCError as e:  # some are refused as they are (a copy between sizes, no such handle)
@@ -340,10 +342,23 @@ def test_mutated_requests_never_crash_or_hang_the_server(fuzz_server):
     assert watchdog.greetings > 0 or time.monotonic() - started < 2, "the watchdog never got an answer"
     text = log.read_text()
     assert "out of bounds" not in text, "a kernel indexed past an array:\n" + text[-3000:]
-    assert "unexpected error" not in text, "an error the validation should have caught:\n" + text[-3000:]
+    at = text.find("unexpected error")
+    assert at < 0, "an error the validation should have caught:\n" + text[at:at + 3000]
     print(f"fuzz: {counts}, {watchdog.greetings} greetings answered")
     assert counts["accepted"] + counts["refused"] >= EXAMPLES
     assert counts["accepted"] > EXAMPLES // 20 and counts["refused"] > EXAMPLES // 20, counts
-    if EXAMPLES >= 10000:  # the peer and file commands were served, not only refused
-        for cmd in (C.PEER_TOKEN, C.PEER_CONNECT, C.COPY_TO_PEER, C.WAIT_PEER, C.SET_TENSOR_FILE):
-            assert accepted_by[cmd] > 0, f"no {cmd.name} was accepted: {dict(accepted_by)}"
+    # after all that, the peer and file commands are still served, not only refused (a fresh session's
+    # own requests, as sent: a random draw leaves them unmutated too rarely to count on)
+    fresh = Session(server.endpoint, held)
+    try:
+        for cmd, payload, frames in fresh.requests:
+            if cmd in (C.PEER_TOKEN, C.PEER_CONNECT, C.COPY_TO_PEER, C.WAIT_PEER, C.SET_TENSOR_FILE):
+                try:  # (one PEER_CONNECT names a port nobody listens on: refused, as it should be)
+                    fresh.dev.conn.request(cmd, payload, frames)
+                    accepted_by[cmd] += 1
+                except RPCError as e:
+                    assert fresh.dev.conn.closed_reason is None, str(e)
+    finally:
+        fresh.close()
+    for cmd in (C.PEER_TOKEN, C.PEER_CONNECT, C.COPY_TO_PEER, C.WAIT_PEER, C.SET_TENSOR_FILE):
+        assert accepted_by[cmd] > 0, f"no {cmd.name} was accepted: {dict(accepted_by)}"

@@ -107,7 +107,12 @@ def claimers(endpoint: str, ids: list[bytes], curve: keys.CurveKeys | None) -> l
         if curve is not None:
             s.curve_secretkey, s.curve_publickey, s.curve_serverkey = curve.secret, curve.public, curve.peer
         s.connect(endpoint.replace("zmq://", "tcp://"))
-        s.send_multipart([P.HEADER.pack(P.Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)])
+        try:  # (never waits: a connection refused at the handshake leaves a DEALER with no peer, where a
+            # blocking send would wait for ever; the connection's claim is what counts, not the message)
+            s.send_multipart([P.HEADER.pack(P.Command.HELLO, 0, 0, 1) + P.HELLO.pack(P.MAGIC, P.PROTOCOL_VERSION)],
+                             flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         out.append(s)
     return out
 

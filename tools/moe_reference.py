@@ -2,7 +2,9 @@
 continuations on the tiny random mixture-of-experts models of tests/synthetic.py (qwen3moe,
 and a Mixtral-style llama), which tests/test_moe.py holds pyggml to.
 
-    python tools/moe_reference.py ~/.cache/llama.cpp-ref/build/bin/llama-server
+    python tools/moe_reference.py ~/.cache/llama.cpp-ref/build/bin/llama-server [NAME ...]
+
+(with names: only those models, the others' answers kept as the file has them)
 
 (``../shared/bin/build-llamacpp`` builds llama-server; a reference tool, never a dependency.)
 The models are rebuilt from their seeds by the test, so only llama.cpp's answers are stored.
@@ -26,7 +28,8 @@ from tests.synthetic import Shape, expert_types, random_weights, write_model  # 
 # name -> (arch, seed, type of the expert weights, type of the down experts if another)
 MODELS = {"qwen3moe": ("qwen3moe", 8, None, None), "llama-moe": ("llama", 9, None, None),
           "qwen3moe-q8_0": ("qwen3moe", 10, "Q8_0", None), "llama-moe-q4_0": ("llama", 11, "Q4_0", None),
-          "qwen3moe-q4_k": ("qwen3moe", 12, "Q4_K", "Q6_K"), "llama-moe-q6_k": ("llama", 13, "Q6_K", None)}
+          "qwen3moe-q4_k": ("qwen3moe", 12, "Q4_K", "Q6_K"), "llama-moe-q6_k": ("llama", 13, "Q6_K", None),
+          "gpt-oss-mxfp4": ("gpt-oss", 14, "MXFP4", None)}
 SHAPE = dict(n_vocab=320, n_ff_exp=64)  # expert rows in whole 32-element blocks, for the quantized ones
 K_SHAPE = dict(n_embd=256, n_ff=256, n_ff_exp=256)  # ... and in whole 256-element super-blocks for the K-quants
 
@@ -49,10 +52,15 @@ def post(url: str, body: dict) -> dict:
 
 
 def main() -> None:
-    server_bin = sys.argv[1]
+    server_bin, only = sys.argv[1], sys.argv[2:]
+    target = ROOT / "tests" / "data" / "moe-llamacpp.json"
     out = {"shape": SHAPE, "n_probs": N_PROBS, "models": {}}
+    if only:
+        out["models"] = json.loads(target.read_text())["models"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, seed, qtype, down) in MODELS.items():
+            if only and name not in only:
+                continue
             s = Shape(**{**SHAPE, **model_shape(qtype)})
             weights = random_weights(arch, s, seed=seed, moe=True)
             path = write_model(Path(tmp) / f"{name}.gguf", arch, s, weights, expert_types(weights, qtype, down),
@@ -60,8 +68,10 @@ def main() -> None:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
+            # gpt-oss: attention with sinks as pyggml computes it, llama.cpp's unfused path (KQ, softmax, V)
+            unfused = ["-fa", "off"] if arch == "gpt-oss" else []
             proc = subprocess.Popen([server_bin, "-m", str(path), "--port", str(port), "-c", "128", "-np", "1",
-                                     "-t", "2", "--no-webui"], stdout=subprocess.DEVNULL,
+                                     "-t", "2", "--no-webui", *unfused], stdout=subprocess.DEVNULL,
                                     stderr=open(Path(tmp) / f"{name}.log", "w"))
             url = f"http://127.0.0.1:{port}"
             try:
@@ -92,7 +102,6 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(10)
-    target = ROOT / "tests" / "data" / "moe-llamacpp.json"
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {target}")
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
-from ..opdefs import VIEW_OPS
+from ..opdefs import VIEW_OPS, Op, UnaryParams
 from ..tensor import Tensor
 from .buffer import CPUBufferType
 from .fusion import fused_plan
-from .kernels import OP_TABLE, Step
+from .kernels import OP_TABLE, UNARY, Step
 from .plan import plan_runs
 
 _threads_configured = False
@@ -90,6 +90,11 @@ class CPUDevice(Device):
         return self.buft
 
     def supports_op(self, op: Tensor) -> bool:
+        if op.op == Op.UNARY:  # (ggml's unary ops that came after ours: not here)
+            try:
+                return UnaryParams.of(op).op in UNARY
+            except ValueError:
+                return False
         return op.op in VIEW_OPS or op.op in OP_TABLE
 
     def supports_buft(self, buft: BufferType) -> bool:

@@ -171,6 +171,8 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.GELU_QUICK: lambda x: x / (f32(1) + np.exp(f32(-1.702) * x)),
     UnaryOp.SILU: lambda x: _by_rows(nn.silu, x),
     UnaryOp.EXP: np.exp,
+    UnaryOp.EXPM1: np.expm1,
+    UnaryOp.SOFTPLUS: lambda x: np.where(x > f32(20), x, np.log(f32(1) + np.exp(x))),  # ggml's, cut at 20
     UnaryOp.GELU_ERF: _gelu_erf,
     UnaryOp.SGN: np.sign,
     UnaryOp.STEP: lambda x: (x > f32(0)).astype(f32),
@@ -179,7 +181,17 @@ UNARY: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     UnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
 }
 
+def _swiglu_oai(a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> None:
+    """ggml's swiglu_oai, float32 step by step (expf correctly rounded, as glibc's)."""
+    alpha, limit = f32(alpha), f32(limit)
+    x = np.minimum(a, limit)
+    y = np.clip(b, -limit, limit)
+    e = np.exp((alpha * -x).astype(np.float64)).astype(f32)
+    np.multiply(x / (f32(1) + e), y + f32(1), out=out)
+
+
 GLU: dict[int, Callable[..., np.ndarray]] = {
+    GluOp.SWIGLU_OAI: _swiglu_oai,
     GluOp.REGLU: lambda a, b, out: np.multiply(np.maximum(a, f32(0)), b, out=out),
     GluOp.SWIGLU: lambda a, b, out: _by_rows(nn.swiglu, a, b, out=out),  # activation and product in one pass
     GluOp.GEGLU: lambda a, b, out: _by_rows(nn.geglu, a, b, out=out),
@@ -221,11 +233,13 @@ def bind_glu(node: Tensor, shared: dict) -> Step:
         def halves() -> tuple[np.ndarray, np.ndarray]:
             return first(), second()
 
+    extra = (p.alpha, p.limit) if p.op == GluOp.SWIGLU_OAI else ()
+
     def step() -> None:
         a, b = halves()
         if p.swapped:
             a, b = b, a
-        fn(a, b, out)
+        fn(a, b, out, *extra)
     return step
 
 
@@ -249,8 +263,10 @@ def bind_norm(node: Tensor, shared: dict) -> Step:
 
 def bind_soft_max(node: Tensor, shared: dict) -> Step:
     a, mask = node.src[0], node.src[1]
+    sinks = node.src[2] if len(node.src) > 2 else None
     x, out, scale = reader(a), tensor_view(node), f32(SoftMaxParams.of(node).scale)
     m = reader(mask) if mask is not None else None
+    s = reader(sinks) if sinks is not None else None
     n_rows = a.ne[1]
 
     def step() -> None:
@@ -258,8 +274,25 @@ def bind_soft_max(node: Tensor, shared: dict) -> Step:
         if m is not None:
             v += _tile(m()[:, :, :n_rows, :], v.shape)
         rows = np.ascontiguousarray(v).reshape(-1, v.shape[-1])
-        nn.softmax_rows(rows)
+        if s is None:
+            nn.softmax_rows(rows)
+        else:  # the sink of each row's head (ne[2])
+            per_row = np.broadcast_to(s().reshape(-1)[None, :, None], v.shape[:3]).reshape(-1)
+            nn.softmax_rows_sinks(rows, np.ascontiguousarray(per_row, dtype=f32))
         out[...] = rows.reshape(v.shape)
+    return step
+
+
+def bind_add_id(node: Tensor, shared: dict) -> Step:
+    a, b, ids = (reader(t) for t in node.src[:3])
+    out, n_expert = tensor_view(node), node.src[1].ne[1]
+
+    def step() -> None:
+        idx = ids()[0, 0].astype(np.int64)      # [n_tokens, n_used]
+        bad = idx[(idx < 0) | (idx >= n_expert)]
+        if bad.size:
+            raise ValueError(f"ADD_ID: id {int(bad[0])} outside 0..{n_expert - 1}")
+        out[0] = a()[0] + b()[0, 0][idx]        # [n_tokens, n_used, n]
     return step
 
 
@@ -814,6 +847,7 @@ def bind_argmax(node: Tensor, shared: dict) -> Step:
 
 OP_TABLE: dict[Op, Binder] = {
     Op.ADD: _binary(np.add, nn.ADD),
+    Op.ADD_ID: bind_add_id,
     Op.SUB: _binary(np.subtract, nn.SUB),
     Op.MUL: _binary(np.multiply, nn.MUL),
     Op.DIV: _binary(np.divide, nn.DIV),

@@ -42,6 +42,7 @@ class Dec(enum.IntEnum):
     F16 = 12
     Q8_K = 13
     IQ4_XS = 14
+    MXFP4 = 15
 
 
 class Fmt(enum.IntEnum):
@@ -63,7 +64,7 @@ class Fmt(enum.IntEnum):
 
 
 VEC_DOT = {
-    Type.Q4_0: Act.Q8_0, Type.Q5_0: Act.Q8_0, Type.Q8_0: Act.Q8_0, Type.IQ4_NL: Act.Q8_0,
+    Type.Q4_0: Act.Q8_0, Type.Q5_0: Act.Q8_0, Type.Q8_0: Act.Q8_0, Type.IQ4_NL: Act.Q8_0, Type.MXFP4: Act.Q8_0,
     Type.Q4_1: Act.Q8_1, Type.Q5_1: Act.Q8_1,
     Type.Q2_K: Act.Q8_K, Type.Q3_K: Act.Q8_K, Type.Q4_K: Act.Q8_K, Type.Q5_K: Act.Q8_K, Type.Q6_K: Act.Q8_K,
     Type.IQ4_XS: Act.Q8_K,

@@ -53,13 +53,16 @@ def _hidden16(w, o):
 
 
 @njit(**KERNEL)
-def _softmax_row(w):
+def _softmax_row(w, sink):
     """In place over the row w (already scaled and masked).  A function of its own, not a
-    parallel loop's body (numba compiles those slowly) nor inlined (numba would copy its code)."""
+    parallel loop's body (numba compiles those slowly) nor inlined (numba would copy its code).
+    ``sink`` (-inf: none): an attention sink's logit, in the maximum and the sum, as ggml's
+    soft_max counts it (its own exp by the C library's expf)."""
     n = w.shape[0]
     mx = f32(-np.inf)
     for i in range(n):
         mx = max(mx, w[i])
+    mx = max(mx, sink)
     total = 0.0
     full = n - n % 16
     for o in range(0, full, 16):
@@ -74,6 +77,8 @@ def _softmax_row(w):
     for i in range(full, n):
         w[i] = f32(math.exp(w[i] - mx))
         total += np.float64(w[i])
+    if sink != -np.inf:
+        total += np.float64(f32(math.exp(f32(sink - mx))))
     inv = f32(1.0 / total)
     for i in range(n):
         w[i] *= inv
@@ -82,7 +87,7 @@ def _softmax_row(w):
 def _softmax_rows(start, end, x_at, n, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
     x = rows_of(x_at, end, n)
     for r in range(start, end):
-        _softmax_row(x[r])
+        _softmax_row(x[r], f32(-np.inf))
 
 
 def softmax_call(x: np.ndarray) -> RowCall:
@@ -90,6 +95,13 @@ def softmax_call(x: np.ndarray) -> RowCall:
     if not (x.ndim == 2 and c_rows(f32, x)):
         raise ValueError("softmax: the rows must be C-contiguous float32")
     return rows_call(_kernel(_softmax_rows), x.shape[0], (address_of(x), x.shape[1]))
+
+
+@njit(**KERNEL)
+def softmax_rows_sinks(x, sinks):
+    """Rows of x [rows, n] in place, row r with the attention sink ``sinks[r]``."""
+    for r in range(x.shape[0]):
+        _softmax_row(x[r], sinks[r])
 
 
 def softmax_rows(x: np.ndarray) -> None:

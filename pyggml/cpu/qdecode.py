@@ -15,13 +15,16 @@ import numpy as np
 from numba import carray, njit, prange
 from numba.extending import overload
 
+from ..quants.layouts import KVALUES_MXFP4
 from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
 from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls
+from .mxfp4 import e8m0_half
 from .simd import KERNEL, pointer
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+KV_MXFP4 = KVALUES_MXFP4.astype(np.float32)
 
 _jit = njit(fastmath=False, inline="always", **KERNEL)
 
@@ -129,6 +132,17 @@ def dec_iq4_nl(row, out, f16):
             q = u8_at(row, p + 2 + j)
             out[o + j] = d * KV_IQ4NL[q & 15]
             out[o + 16 + j] = d * KV_IQ4NL[q >> 4]
+
+
+@_jit
+def dec_mxfp4(row, out, f16):
+    for b in range(out.size // 32):
+        p, o = b * 17, b * 32
+        d = e8m0_half(row[p])
+        for j in range(16):
+            q = u8_at(row, p + 1 + j)
+            out[o + j] = KV_MXFP4[q & 15] * d
+            out[o + 16 + j] = KV_MXFP4[q >> 4] * d
 
 
 @_jit
@@ -269,7 +283,7 @@ DECODERS = {
     Type.Q4_0: dec_q4_0, Type.Q4_1: dec_q4_1, Type.Q5_0: dec_q5_0, Type.Q5_1: dec_q5_1,
     Type.Q8_0: dec_q8_0, Type.Q8_1: dec_q8_1, Type.IQ4_NL: dec_iq4_nl,
     Type.Q2_K: dec_q2_k, Type.Q3_K: dec_q3_k, Type.Q4_K: dec_q4_k, Type.Q5_K: dec_q5_k,
-    Type.Q6_K: dec_q6_k, Type.F16: dec_f16, Type.Q8_K: dec_q8_k, Type.IQ4_XS: dec_iq4_xs,
+    Type.Q6_K: dec_q6_k, Type.F16: dec_f16, Type.Q8_K: dec_q8_k, Type.IQ4_XS: dec_iq4_xs, Type.MXFP4: dec_mxfp4,
 }
 
 

@@ -23,6 +23,7 @@ from ..types import Type
 from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
+from .mxfp4 import mxfp4_matmul
 from .qdot import exact_quant_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
@@ -74,6 +75,7 @@ class QuantProduct:
         self.qtype = qtype
         self.m_rows = w.shape[0]
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
+        self.mxfp4 = qtype == Type.MXFP4  # exact too, by a kernel of its own (mxfp4.py)
         self.exact = qtype in EXACT
         if self.exact:
             self.fmt = int(product_format(qtype, self.m_rows))  # (its kernels made when a product is: qdot)
@@ -83,18 +85,21 @@ class QuantProduct:
     @property
     def activation_key(self) -> tuple[int, bool]:
         """Products whose keys are equal take the same activations."""
-        return self.kind, self.exact
+        return self.kind, self.exact or self.mxfp4
 
     def activations(self, x: np.ndarray):
         """x in the form this product multiplies (ggml's vec_dot_type): quantized blocks for the
         exact types, the float values ggml would hold for the others."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
+        return quantize(x, self.kind) if self.exact or self.mxfp4 else activation_values(x, self.kind)
 
     def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
         """``self(acts, out, runs)`` for this ``out`` (C-contiguous) as one kernel call, its
         arguments found now; None where __call__ has more to do than call the kernel.  (A
         plan's products are calls of its table instead: kernels.quant_table_step.)"""
+        if self.mxfp4 and self.m_rows and out.shape[0]:
+            w = self.w
+            return lambda acts, runs=None: mxfp4_matmul(w, acts[0], acts[1], out, runs)
         if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
         fmt, w, every = self.fmt, self.w, whole(out.shape[0])
@@ -107,7 +112,7 @@ class QuantProduct:
         if self.m_rows == 0 or out.shape[0] == 0:
             out[...] = 0.0
             return
-        if self.exact:
+        if self.exact or self.mxfp4:
             self.bound(out)(acts, runs)
             return
         w = self.w

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op,
+from ..opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op,
                       RopeMode, RopeParams, ScaleParams, SoftMaxParams, SortOrder, UnaryOp, UnaryParams)
 from ..tensor import Tensor, TensorFlag
 from ..types import Type
@@ -55,6 +55,13 @@ def supports(node: Tensor) -> bool:
             return UnaryParams.of(node).op in UNARY
         except ValueError:
             return False
+    if node.op == Op.GLU:  # (gpt-oss's SWIGLU_OAI: the CPU's for now)
+        try:
+            return GluParams.of(node).op in (GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU)
+        except ValueError:
+            return False
+    if node.op == Op.SOFT_MAX and len(node.src) > 2 and node.src[2] is not None:  # sinks: the CPU's for now
+        return False
     return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
 
 

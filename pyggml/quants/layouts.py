@@ -30,6 +30,7 @@ LAYOUTS: dict[Type, np.dtype] = {
     Type.IQ4_NL: np.dtype([("d", F16), ("qs", "u1", 16)]),
     Type.IQ4_XS: np.dtype([("d", F16), ("scales_h", "<u2"), ("scales_l", "u1", QK_K // 64),
                            ("qs", "u1", QK_K // 2)]),
+    Type.MXFP4: np.dtype([("e", "u1"), ("qs", "u1", 16)]),
 }
 
 for _t, _dt in LAYOUTS.items():  # the layouts must agree with the type table
@@ -38,6 +39,17 @@ for _t, _dt in LAYOUTS.items():  # the layouts must agree with the type table
 # the non-linear 4-bit code book of IQ4_NL / IQ4_XS
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
+
+
+# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4); the block's E8M0 scale is halved to match
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def e8m0_to_fp32_half(e: np.ndarray) -> np.ndarray:
+    """2**(e - 128) as float32, ggml_e8m0_to_fp32_half's bits (e < 2: the subnormals)."""
+    e = np.asarray(e, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def as_blocks(raw: np.ndarray, qtype: Type) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 and IQ4_NL.
+"""The 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, IQ4_NL and MXFP4.
 
 Every function takes/returns whole blocks: ``(n_blocks,)`` structured arrays on the
 quantized side and ``(n_blocks, 32)`` float32 on the float side.  The arithmetic is done in
@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import Type
-from .layouts import KVALUES_IQ4NL, bits_lsb_first, empty_blocks, low_high_nibbles, pack_nibbles
+from .layouts import (KVALUES_IQ4NL, KVALUES_MXFP4, bits_lsb_first, e8m0_to_fp32_half, empty_blocks, low_high_nibbles,
+                      pack_nibbles)
 
 f32 = np.float32
 
@@ -53,6 +54,10 @@ dequant_q8_1 = dequant_q8_0  # the extra field s = d * sum(qs) only speeds up do
 
 def dequant_iq4_nl(b: np.ndarray) -> np.ndarray:
     return _d(b) * KVALUES_IQ4NL[_nibbles(b["qs"])].astype(f32)
+
+
+def dequant_mxfp4(b: np.ndarray) -> np.ndarray:
+    return KVALUES_MXFP4[_nibbles(b["qs"])].astype(f32) * e8m0_to_fp32_half(b["e"])[:, None]
 
 
 # -- quantize (ggml's reference quantizers, bit for bit) ----------------------------------
@@ -144,4 +149,23 @@ def quant_q8_1(x: np.ndarray) -> np.ndarray:
     b = empty_blocks(len(x), Type.Q8_1)
     b["d"], b["qs"] = d[:, 0], q
     b["s"] = d[:, 0] * q.astype(np.int32).sum(axis=-1).astype(f32)
+    return b
+
+
+def quant_mxfp4(x: np.ndarray) -> np.ndarray:
+    """quantize_row_mxfp4_ref: the block's exponent from its largest magnitude (floor(log2) - 2,
+    so that 6 * 2**e covers it), each value the nearest of the doubled e2m1 values times half
+    the scale, the first of equals."""
+    x = np.asarray(x, dtype=f32)
+    if x.shape[0] > 1 << 15:  # (the nearest-value search holds 16 candidates per value: in pieces)
+        return np.concatenate([quant_mxfp4(x[i:i + (1 << 15)]) for i in range(0, x.shape[0], 1 << 15)])
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - f32(2) + f32(127), 0).astype(np.uint8)
+    d = e8m0_to_fp32_half(e)
+    err = np.abs(KVALUES_MXFP4.astype(f32)[None, None, :] * d[:, None, None] - x[:, :, None])
+    idx = err.argmin(axis=2).astype(np.uint8)
+    b = empty_blocks(x.shape[0], Type.MXFP4)
+    b["e"] = e
+    b["qs"] = pack_nibbles(idx[:, :16], idx[:, 16:])
     return b
