@@ -234,9 +234,15 @@ class GraphBuilder:
         act = self.cb(ops.swiglu(gate, up), "ffn_moe_swiglu", il)                               # [n_ff, n_used, n]
         experts = self.cb(ops.mul_mat_id(self.w("ffn_down_exps.weight", il), act, selected, runs), "ffn_moe_down", il)
         experts = self.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                   # [n_embd, n_used, n]
+        return self.sum_experts(experts, il)
+
+    def sum_experts(self, experts: Tensor, il: int) -> Tensor:
+        """The weighted experts' outputs [n_embd, n_used, n] added in slot order, as llama.cpp
+        adds its views -> [n_embd, n]."""
+        n_embd, n_used, n = experts.ne[:3]
         out = None
-        for e in range(n_used):  # the experts' outputs added in slot order, as llama.cpp adds its views
-            view = ops.view(experts, (hp.n_embd, n), (experts.nb[2],), e * experts.nb[1])
+        for e in range(n_used):
+            view = ops.view(experts, (n_embd, n), (experts.nb[2],), e * experts.nb[1])
             out = view if out is None else ops.add(out, view)
         if n_used == 1:
             out = ops.cont(out)

@@ -48,13 +48,7 @@ def build_moe_ffn(b: GraphBuilder, x: Tensor, il: int) -> Tensor:
     experts = ops.mul_mat_id(b.w("ffn_down_exps.weight", il), act, selected, runs)
     experts = b.cb(ops.add_id(experts, b.w("ffn_down_exps.bias", il), selected), "ffn_moe_down_biased", il)
     experts = b.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                         # [n_embd, n_used, n]
-    out = None
-    for e in range(n_used):  # the experts' outputs added in slot order, as llama.cpp adds its views
-        view = ops.view(experts, (hp.n_embd, n), (experts.nb[2],), e * experts.nb[1])
-        out = view if out is None else ops.add(out, view)
-    if n_used == 1:
-        out = ops.cont(out)
-    return b.cb(out, "ffn_moe_out", il)
+    return b.sum_experts(experts, il)
 
 
 def build(b: GraphBuilder) -> Tensor:
