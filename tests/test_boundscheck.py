@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ["tests/test_ops.py", "tests/test_backend_ops.py", "tests/test_mul_mat.py", "tests/test_ggml_exact.py",
            "tests/test_cpu_simd.py", "tests/test_quants.py"]
-ONLY = "not RPC and not CUDA"  # the op table on the CPU devices (an RPC server would compile the checked build too)
+ONLY = "not RPC and not CUDA and not GGML"  # the op table on the CPU devices (an RPC server would compile
+                                           # the checked build too)
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_BOUNDSCHECK") == "1", reason="already the checked run")

@@ -304,3 +304,19 @@ def test_failover_from_a_killed_llama_cpp_server(llama_servers):
                 second.kill()
         assert set(m.model.placement.layers) == {0}
     assert got == want
+
+
+def test_a_prompt_is_pipelined_over_two_llama_cpp_servers(llama_servers):
+    """Layers over two llama.cpp servers: the prompt goes through in micro-batches, each server
+    working on one while the other works on the next; what comes out is what one server computes
+    (llama.cpp's kernels both ways; a micro-batch's products may take other kernels than the
+    whole batch's, hence agreement rather than bits)."""
+    first, second = llama_servers(), llama_servers()
+    tokens = reference("smollm2")["text"]["tokens"][:256]
+    with pg.Model("smollm2", n_ctx=512, rpc=[first.endpoint, second.endpoint], progress=False) as m:
+        assert set(m.model.placement.layers) == {0, 1} and m.context.n_micro > 1
+        split = m.logits(tokens)
+    with pg.Model("smollm2", n_ctx=512, rpc=first.endpoint, progress=False) as m:
+        whole = m.logits(tokens)
+    assert float((split.argmax(1) == whole.argmax(1)).mean()) >= 0.99
+    assert abs(_nll(split, tokens) - _nll(whole, tokens)) / _nll(whole, tokens) < 0.001
