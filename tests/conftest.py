@@ -75,7 +75,7 @@ def ggml_activations(x: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray | Non
             iscale = np.where(vmax != 0, np.float32(-127) / vmax, 0).astype(np.float32)
             d = np.where(iscale != 0, np.float32(1) / iscale, 0).astype(np.float32)
         return (np.minimum(np.rint(xb * iscale), 127) * d).reshape(x.shape), None
-    if qtype not in (T.Q4_0, T.Q5_0, T.Q8_0, T.IQ4_NL, T.Q4_1, T.Q5_1):
+    if qtype not in (T.Q4_0, T.Q5_0, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_1, T.Q5_1):
         return x, None
     xb = x.reshape(*x.shape[:-1], -1, 32)
     amax = np.abs(xb).max(-1, keepdims=True)

@@ -69,6 +69,14 @@ def test_rpc_bench_runs():
     assert "1 server, all layers" in r.stdout and "cached second load" in r.stdout
 
 
+def test_ggml_rpc_bench_runs():
+    from .rpc_helpers import llamacpp_tool
+    llamacpp_tool("llama-bench"), llamacpp_tool("ggml-rpc-server")
+    r = run(sys.executable, "bench/ggml_rpc.py", "--tokens", "4", "--prompt", "8", "--rounds", "1")
+    assert r.returncode == 0, r.stderr
+    assert "ratio ours / llama.cpp" in r.stdout and "ratio llama.cpp server / ours" in r.stdout
+
+
 def test_rpc_bench_pipeline_runs():
     r = run(sys.executable, "bench/rpc.py", "--pipeline", "--rounds", "1", "--prompt-tokens", "80",
             "--sequences", "8", "--decode-steps", "2")

@@ -153,7 +153,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture 'mamba'; supported: gemma3, llama"):
+    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture 'mamba'; supported: gemma3, gpt-oss, llama"):
         load_model(path)
 
 

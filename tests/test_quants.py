@@ -21,6 +21,8 @@ def random_blocks(qtype: Type, n_rows: int = 5, blocks_per_row: int = 3, seed: i
     for name in LAYOUTS[qtype].names:
         if LAYOUTS[qtype][name].kind == "f":
             blocks[name] = rng.standard_normal(blocks.shape).astype(LAYOUTS[qtype][name]) * 0.1
+    if qtype == Type.MXFP4:  # E8M0 scales of 2**-18 .. 2**2: neither vanishing nor overflowing
+        blocks["e"] = rng.integers(110, 131, blocks.shape)
     return raw
 
 
