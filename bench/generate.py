@@ -76,7 +76,7 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: boo
     # numba's JIT, its threads and the model's CPU kernels loaded: the runtime, before any model
     warm_up(parts_for_file(resolve(alias)))
     runtime = resident()
-    if Path(alias) == MOE_FILE:
+    if Path(alias) == MOE_FILE or Path(alias) == synthetic_path("gpt-oss"):  # random vocabularies: no tokenizer
         return run_pyggml_untokenized(alias, threads, n_gen, n_prompt, runtime, profile)
     t0 = time.perf_counter()
     m = pyggml.Model(alias, n_ctx=1024, n_threads=threads, progress=False)
@@ -207,10 +207,14 @@ def run_llama_cpp(path: str, threads: int, n_gen: int, n_prompt: int) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def synthetic_path(arch: str) -> Path:
+    return MOE_FILE if arch == "qwen3moe" else MOE_FILE.with_name(f"synthetic-{arch}-1b.gguf")
+
+
 def synthetic_moe(arch: str = "qwen3moe") -> Path:
     """The ~1B mixture of experts of random weights, qwen3moe (Q4_0) or gpt-oss (MXFP4 experts,
     the rest Q8_0), built once (a minute or two)."""
-    path = MOE_FILE if arch == "qwen3moe" else MOE_FILE.with_name(f"synthetic-{arch}-1b.gguf")
+    path = synthetic_path(arch)
     if path.exists():
         return path
     sys.path.insert(0, str(ROOT))

@@ -167,7 +167,8 @@ def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own
 # are, the closer the two processes finish together)
 LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 3.0), "activations": (_activations, 0.9),
           "top_k": (_top_k, 0.8), "table": (_table, 1.2)}
-GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4)}  # a model's feed-forwards use one (FFN_ACT)
+GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4),  # a model's feed-forwards use one (FFN_ACT)
+         "swiglu_oai": (lambda: None, 0.0)}                      # (gpt-oss's: numpy, nothing to compile)
 OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 0.6), "experts": (_experts, 1.8)}
 BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
     "product": (Fmt, _product, lambda f: 0.5 if f <= Fmt.Q8_0 else 0.9),  # a K-quant block is larger IR
