@@ -34,57 +34,67 @@ def e8m0_half(e):
 
 
 @njit(inline="always", **KERNEL)
-def _lane_sums(w, at, y, yo, sums):
-    """The 8 lane sums of one block: weights' block at byte ``at`` of row w, activations y[yo:yo+32]."""
-    for lane in range(8):
-        s = 0
-        for j in range(4 * lane, 4 * lane + 4):
-            q = np.int64(w[at + 1 + (j & 15)])
-            nib = (q & 15) if j < 16 else (q >> 4)
-            s += _KV[nib] * np.int32(y[yo + j])
-        sums[lane] = s
+def _decode_row(w, wv, scales):
+    """A weight row's values (the doubled e2m1 codes, int32) and its blocks' halved scales."""
+    for b in range(scales.size):
+        at = b * BLOCK_BYTES
+        scales[b] = e8m0_half(w[at])
+        for j in range(16):
+            q = np.int64(w[at + 1 + j])
+            wv[b * BLOCK + j] = _KV[q & 15]
+            wv[b * BLOCK + 16 + j] = _KV[q >> 4]
 
 
 @njit(inline="always", **KERNEL)
-def mxfp4_dot(w, y, yd, nb, sums, acc1, acc2):
-    """One weight row (uint8) times one Q8_0 activation row (int8 values, float32 scales)."""
+def _block_into(acc, scale, wv, y, o):
+    """acc[l] = fma(scale, the block's lane sum l, acc[l]) for the block at element o."""
+    for lane in range(8):
+        i = o + 4 * lane
+        s = wv[i] * y[i] + wv[i + 1] * y[i + 1] + wv[i + 2] * y[i + 2] + wv[i + 3] * y[i + 3]
+        acc[lane] = fma32(scale, f32(s), acc[lane])
+
+
+@njit(inline="always", **KERNEL)
+def mxfp4_dot(wv, scales, y, yd, acc1, acc2):
+    """One decoded weight row times one Q8_0 activation row (int32 values, float32 scales)."""
+    nb = scales.size
     for lane in range(8):
         acc1[lane] = f32(0.0)
         acc2[lane] = f32(0.0)
     ib = 0
     while ib + 1 < nb:
-        _lane_sums(w, ib * BLOCK_BYTES, y, ib * BLOCK, sums)
-        scale = f32(yd[ib] * e8m0_half(w[ib * BLOCK_BYTES]))
-        for lane in range(8):
-            acc1[lane] = fma32(scale, f32(sums[lane]), acc1[lane])
-        _lane_sums(w, (ib + 1) * BLOCK_BYTES, y, (ib + 1) * BLOCK, sums)
-        scale = f32(yd[ib + 1] * e8m0_half(w[(ib + 1) * BLOCK_BYTES]))
-        for lane in range(8):
-            acc2[lane] = fma32(scale, f32(sums[lane]), acc2[lane])
+        _block_into(acc1, f32(yd[ib] * scales[ib]), wv, y, ib * BLOCK)
+        _block_into(acc2, f32(yd[ib + 1] * scales[ib + 1]), wv, y, (ib + 1) * BLOCK)
         ib += 2
     v = np.empty(8, dtype=np.float32)
     for lane in range(8):
         v[lane] = acc1[lane] + acc2[lane]
     total = f32(f32(f32(v[0] + v[4]) + f32(v[2] + v[6])) + f32(f32(v[1] + v[5]) + f32(v[3] + v[7])))
     if ib < nb:  # an odd last block: its integer sum times its scale (one fused step, as GCC contracts it)
-        _lane_sums(w, ib * BLOCK_BYTES, y, ib * BLOCK, sums)
         s = 0
-        for lane in range(8):
-            s += sums[lane]
-        total = fma32(f32(yd[ib] * e8m0_half(w[ib * BLOCK_BYTES])), f32(s), total)
+        for i in range(ib * BLOCK, ib * BLOCK + BLOCK):
+            s += wv[i] * y[i]
+        total = fma32(f32(yd[ib] * scales[ib]), f32(s), total)
     return total
 
 
 @njit(parallel=True, **KERNEL)
 def mxfp4_matmul(w, yq, yd, out, runs):
     """out[n, m] = row m of w (MXFP4, uint8 [M, K/32*17]) . column n of the Q8_0 activations
-    (yq int8 [N, K], yd float32 [N, K/32]); ``runs`` as qdot's (each run's columns alone: the
-    dot of one column does not depend on the others, so runs change nothing here)."""
+    (yq [N, K] integer values as float32, yd float32 [N, K/32]); ``runs`` as qdot's (each run's
+    columns alone: the dot of one column does not depend on the others, so runs change nothing
+    here).  Each weight row is decoded once, for every column."""
     n_rows, n_cols = w.shape[0], yq.shape[0]
     nb = yd.shape[1]
+    y = np.empty((n_cols, nb * BLOCK), dtype=np.int32)
+    for n in range(n_cols):
+        for j in range(nb * BLOCK):
+            y[n, j] = np.int32(yq[n, j])
     for m in prange(n_rows):
-        sums = np.empty(8, dtype=np.int32)
+        wv = np.empty(nb * BLOCK, dtype=np.int32)
+        scales = np.empty(nb, dtype=np.float32)
         acc1 = np.empty(8, dtype=np.float32)
         acc2 = np.empty(8, dtype=np.float32)
+        _decode_row(w[m], wv, scales)
         for n in range(n_cols):
-            out[n, m] = mxfp4_dot(w[m], yq[n], yd[n], nb, sums, acc1, acc2)
+            out[n, m] = mxfp4_dot(wv, scales, y[n], yd[n], acc1, acc2)
