@@ -296,7 +296,7 @@ def _cases():
                        1e-6, host_nmse=1e-10)
 
     for wtype in (Type.F32, Type.F16, Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q5_1, Type.Q8_0, Type.Q4_K, Type.Q5_K,
-                  Type.Q6_K):
+                  Type.Q6_K, Type.MXFP4):
         for n in (1, 5, 12, 40):  # 40: past what CUDA's matrix-vector kernel takes (its prompt path)
             def build(rng, wtype=wtype, n=n):
                 k = 256
@@ -331,7 +331,7 @@ def _cases():
             return (x.reshape(-1, 256) @ w.reshape(24, 256).T).reshape(1, 1, -1, 24)
         yield Case(f"MUL_MAT-{wtype.name}-runs", build, ref, 1e-7 if wtype == Type.F32 else 5e-4)
 
-    for wtype, n_b in ((Type.F32, 2), (Type.Q4_0, 1), (Type.Q8_0, 2), (Type.Q4_K, 2)):
+    for wtype, n_b in ((Type.F32, 2), (Type.Q4_0, 1), (Type.Q8_0, 2), (Type.Q4_K, 2), (Type.MXFP4, 2)):
         def build(rng, wtype=wtype, n_b=n_b):
             k, m, n_expert, n_used, n_tok = 256, 16, 6, 2, 5
             if wtype.is_quantized:
