@@ -150,8 +150,7 @@ class GraphBuilder:
                    sinks: Tensor | None = None) -> Tensor:
         """Write this batch's k, v ([head_dim, n_head_kv, n_tokens]) into the cache, attend
         with q ([head_dim, n_head, n_tokens]) over the first n_kv cells, project with attn_output.
-        ``sinks`` (gpt-oss: a logit per head that takes its share of the softmax): attention
-        as llama.cpp's unfused path computes it, KQ, softmax with the sinks, then V."""
+        ``sinks`` (gpt-oss: a logit per head that takes its share of the softmax)."""
         hp, kv = self.hp, self.kv
         n = self.n_tokens
         k_cache, v_cache = kv.k[il], kv.v[il]
@@ -166,24 +165,10 @@ class GraphBuilder:
         values = ops.view(v_cache, (hp.n_embd_head_v, self.n_kv, hp.n_head_kv),
                           (row_v, v_cache.type.row_size(hp.n_embd_head_v)))
         mask = self.inputs.kq_mask_swa if hp.is_swa(il) else self.inputs.kq_mask
-        if sinks is not None:
-            attn = self.build_attn_unfused(ops.permute(q, 0, 2, 1, 3), keys, values, mask, kq_scale, sinks, il)
-        else:
-            attn = ops.flash_attn_ext(ops.permute(q, 0, 2, 1, 3), keys, values, mask, kq_scale,
-                                      logit_softcap=hp.attn_softcap)
+        attn = ops.flash_attn_ext(ops.permute(q, 0, 2, 1, 3), keys, values, mask, kq_scale,
+                                  logit_softcap=hp.attn_softcap, sinks=sinks)
         cur = self.gathered(self.cb(ops.reshape(attn, hp.n_embd_head_v * hp.n_head, n), "kqv_out", il), "kqv_out", il)
         return self.gathered(self.cb(self.linear(cur, "attn_output", il), "attn_out", il), "attn_out", il)
-
-    def build_attn_unfused(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, kq_scale: float,
-                           sinks: Tensor | None, il: int) -> Tensor:
-        """softmax(q k^T * scale + mask, with sinks) v, node by node: q [head_dim, n_tokens, n_head],
-        keys and values [head_dim, n_kv, n_head_kv] views of the cache -> [head_dim_v, n_head,
-        n_tokens], as flash_attn_ext gives it."""
-        kq = self.cb(ops.mul_mat(keys, q), "kq", il)                                   # [n_kv, n_tokens, n_head]
-        kq = self.cb(ops.soft_max_ext(kq, mask, kq_scale, sinks=sinks), "kq_soft_max", il)
-        v_t = ops.cont(ops.permute(values, 1, 0, 2, 3))                                 # [n_kv, head_dim, n_head_kv]
-        kqv = self.cb(ops.mul_mat(v_t, kq), "kqv", il)                                # [head_dim, n_tokens, n_head]
-        return ops.cont(ops.permute(kqv, 0, 2, 1, 3))                                  # [head_dim, n_head, n_tokens]
 
     def build_qkv(self, cur: Tensor, il: int, qk_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Project to q, k, v heads; optionally RMS-normalize q and k per head; apply RoPE."""

@@ -310,14 +310,15 @@ def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
 
 
 def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
+                   max_bias: float = 0.0, logit_softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """Fused attention softmax(q k^T * scale + mask) v, as ggml_flash_attn_ext.
 
     q: [head_dim, n_tokens, n_head], k: [head_dim, n_kv, n_head_kv], v: [head_dim_v, n_kv,
     n_head_kv] (n_head a multiple of n_head_kv: grouped-query attention), mask: [n_kv,
     >= n_tokens].  The result is [head_dim_v, n_head, n_tokens] - already in the layout of
     the attention output projection's input.  ``logit_softcap`` != 0 applies
-    ``cap * tanh(s / cap)`` to the scores (Gemma 2).
+    ``cap * tanh(s / cap)`` to the scores (Gemma 2).  ``sinks`` (F32 [n_head], gpt-oss; ggml's
+    flash_attn_ext_add_sinks, the fifth source): one more logit per head in each softmax.
     """
     _check(_is_float(q) and _is_float(k) and _is_float(v), "FLASH_ATTN_EXT", "q, k, v must be float", q, k, v)
     _check(q.ne[0] == k.ne[0], "FLASH_ATTN_EXT", "q and k head sizes differ", q, k)
@@ -330,7 +331,11 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
                "FLASH_ATTN_EXT", "mask must be [n_kv, >= n_tokens]", q, k, mask)
     if max_bias != 0.0:
         raise ValueError("FLASH_ATTN_EXT: ALiBi (max_bias != 0) is not supported")
-    t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), [q, k, v, mask])
+    if sinks is not None:
+        _check(sinks.type == Type.F32 and sinks.n_dims == 1 and sinks.ne[0] == q.ne[2] and sinks.nb[0] == 4,
+               "FLASH_ATTN_EXT", "sinks must be F32 [n_head]", q, sinks)
+    t = _result(Op.FLASH_ATTN_EXT, Type.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]),
+                [q, k, v, mask] + ([sinks] if sinks is not None else []))
     FlashAttnParams(scale, max_bias, logit_softcap).pack(t.op_params)
     return t
 

@@ -131,7 +131,8 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.CLAMP: lambda n: ops.clamp(n.src[0], *ClampParams.of(n).values()),
     Op.TOP_K: lambda n: ops.top_k(n.src[0], n.ne[0]),
     Op.FLASH_ATTN_EXT: lambda n: ops.flash_attn_ext(n.src[0], n.src[1], n.src[2], n.src[3],
-                                                    *FlashAttnParams.of(n).values()),
+                                                    *FlashAttnParams.of(n).values(),
+                                                    sinks=n.src[4] if len(n.src) > 4 else None),
 }
 """Ops the server can check; an op missing here is refused even if a device could run it."""
 

@@ -91,8 +91,9 @@ def rope_ref(x, pos, n_dims, neox, base=10000.0):
     return out[None]
 
 
-def attention_ref(q, k, v, mask, scale, softcap=0.0):
-    """q [1, heads, tokens, d], k/v [1, kv_heads, cells, d] -> [1, tokens, heads, dv]."""
+def attention_ref(q, k, v, mask, scale, softcap=0.0, sinks=None):
+    """q [1, heads, tokens, d], k/v [1, kv_heads, cells, d] -> [1, tokens, heads, dv]; ``sinks``:
+    a logit per head in each softmax, whose probability is dropped."""
     q16 = q[0].astype(np.float16).astype(f64)
     group = q.shape[1] // k.shape[1]
     out = np.empty((q.shape[2], q.shape[1], v.shape[3]))
@@ -101,8 +102,10 @@ def attention_ref(q, k, v, mask, scale, softcap=0.0):
         if softcap:
             s = softcap * np.tanh(s / softcap)
         s = s + mask
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[0, h // group]
+        top = s.max(-1, keepdims=True) if sinks is None else np.maximum(s.max(-1, keepdims=True), sinks[h])
+        p = np.exp(s - top)
+        total = p.sum(-1, keepdims=True) + (0.0 if sinks is None else np.exp(sinks[h] - top))
+        out[:, h] = (p / total) @ v[0, h // group]
     return out[None]
 
 
@@ -557,6 +560,22 @@ def _cases():
             return attention_ref(q, k, v, m, d ** -0.5, softcap)
         yield Case(f"FLASH_ATTN_EXT-d{d}-t{n_tok}{'-softcap' if softcap else ''}{'' if with_mask else '-nomask'}",
                    build, ref, 5e-4)
+
+
+    for n_tok in (1, 3):  # gpt-oss's attention sinks (-inf: a head without one)
+        def sinks_build(rng, n_tok=n_tok):
+            d = 64
+            q, k, v = leaf(Type.F32, d, n_tok, 4, name="q"), leaf(Type.F16, d, 64, 2, name="k"), \
+                leaf(Type.F16, d, 64, 2, name="v")
+            mask, sinks = leaf(Type.F16, 64, n_tok, name="mask"), leaf(Type.F32, 4, name="sinks")
+            mv = np.where(np.arange(64)[None, :] <= 40 + np.arange(n_tok)[:, None], 0, -np.inf)
+            inputs = [(q, normal(rng, q)), (k, normal(rng, k).astype(np.float16)), (v, normal(rng, v).astype(np.float16)),
+                      (mask, mv.astype(np.float16)), (sinks, np.array([0.5, -2.0, 4.0, -np.inf], np.float32))]
+            return ops.flash_attn_ext(q, k, v, mask, d ** -0.5, sinks=sinks), inputs
+
+        def sinks_ref(q, k, v, mask, sinks):
+            return attention_ref(q, k, v, mask.reshape(mask.shape[-2:]), 64 ** -0.5, sinks=sinks.reshape(-1))
+        yield Case(f"FLASH_ATTN_EXT-sinks-t{n_tok}", sinks_build, sinks_ref, 5e-4)
 
 
 CASES = list(_cases())

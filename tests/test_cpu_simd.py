@@ -201,7 +201,7 @@ def test_attention_softmax_over_the_cells_seen_is_the_rows_softmax(n):
                 nn._softmax_row(want, f32(-np.inf))
                 got = np.zeros(n, dtype=f32)
                 got[cells] = scores[cells]
-                nn._softmax_seen_call(got, n, cells, m)
+                nn._softmax_seen_call(got, n, cells, m, f32(-np.inf))
                 assert same_bits(got, want), (m, spread)
 
 

@@ -565,11 +565,18 @@ def _attention_table_step(node: Tensor, shared: dict, scratch: np.ndarray, keys:
     key = ("attention mask table", id(mask), q.ne[1])
     first = key not in shared
     cut = shared[key] = shared.get(key) or _MaskCells(mask, q.ne[1])
+    sinks = _sinks(node)
     call, sizes = nn.attention_call(qv, keys[0], values[0], k.ne[2], cut.mask, cut.alone, cut.n_seen, cut.cells,
-                                    scratch, f32(p.scale), f32(p.logit_softcap), out)
+                                    scratch, f32(p.scale), f32(p.logit_softcap), out, sinks)
     cut.sizes.append(sizes)
     return TableStep(lambda: [call], cut.prepare if first else None, reads=(mask,),
-                     hold=(sizes, cut, scratch, qv, out, keys, values))  # (the call has their addresses only)
+                     hold=(sizes, cut, scratch, qv, out, keys, values, sinks))  # (the call has their addresses only)
+
+
+def _sinks(node: Tensor) -> np.ndarray | None:
+    """FLASH_ATTN_EXT's attention sinks (its fifth source, F32 [n_head]) as they lie, or None."""
+    sinks = node.src[4] if len(node.src) > 4 else None
+    return tensor_view(sinks).reshape(-1) if sinks is not None else None
 
 
 def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
@@ -607,13 +614,15 @@ def bind_flash_attn_ext(node: Tensor, shared: dict) -> Step:
         no_mask_cells = (no_mask, nn.row_cells(no_mask))
         mask_rows = lambda: no_mask_cells  # noqa: E731
 
+    sinks = _sinks(node)
+
     def step() -> None:
         m, seen = mask_rows()
         qa, ka, va = qv(), keys(), values()
         for i3 in range(q.ne[3]):
             res = out[i3] if direct else np.empty(out.shape[1:], dtype=f32)
             nn.attention_cells(np.ascontiguousarray(qa[i3]), ka[i3], va[i3], n_head_kv, m, scale, softcap, res, seen,
-                               scratch)
+                               scratch, sinks)
             if not direct:
                 out[i3] = res
     return step

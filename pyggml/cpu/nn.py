@@ -562,15 +562,17 @@ def _sum_lanes(acc, out, single):
 
 
 @_jit
-def _softmax_seen(w, n, cells, m):
+def _softmax_seen(w, n, cells, m, sink):
     """``_softmax_row`` of w[:n] whose cells other than cells[:m] (ascending) were -inf and hold
     the 0 their exponential is: the exponentials of the cells seen only, each 16-lane group that
-    holds one summed as there (the other groups add 0), the tail past the last whole 16 in order."""
+    holds one summed as there (the other groups add 0), the tail past the last whole 16 in order.
+    ``sink`` (-inf: none): an attention sink's logit, counted as _softmax_row counts it."""
     # the cells 0..m-1, as a sequence's decoding step sees them: loops over them, not cells[]
     dense = m > 0 and cells[m - 1] == m - 1
     mx = f32(-np.inf)
     for i in range(m):
         mx = max(mx, w[i if dense else cells[i]])
+    mx = max(mx, sink)
     full = n - n % 16
     if dense and _in_exp_range(w, min(m, full), mx):
         # every exponent within EXP_RANGE: one loop of the branch-free exponential, which vectorizes
@@ -593,6 +595,8 @@ def _softmax_seen(w, n, cells, m):
             total += np.float64(reduce16(w, group * 16))
     for c in range(full, n):
         total += np.float64(w[c])
+    if sink != -np.inf:
+        total += np.float64(f32(math.exp(f32(sink - mx))))
     inv = f32(1.0 / total)
     for i in range(m):
         w[i if dense else cells[i]] *= inv
@@ -612,7 +616,8 @@ def seen_cells(mask: np.ndarray) -> int:
 
 
 def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, scale,
-                    softcap, out: np.ndarray, seen: tuple | None = None, scratch: np.ndarray | None = None) -> None:
+                    softcap, out: np.ndarray, seen: tuple | None = None, scratch: np.ndarray | None = None,
+                    sinks: np.ndarray | None = None) -> None:
     """q [n_head, n_tokens, d] (F32, rounded to F16 here); k [cells, n_head_kv * d] and v [cells,
     n_head_kv * dv], a cell's heads side by side as the cache holds them: F16 bits (uint16) or
     float32 values; mask [n_tokens, n_kv] (the first n_kv cells are read) -> out [n_tokens,
@@ -633,8 +638,8 @@ def attention_cells(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int,
     alone, n_seen, cells = row_cells(mask) if seen is None else seen
     if scratch is None:
         scratch = attention_scratch(q.shape[0] * q.shape[1], mask.shape[1], q.shape[2], out.shape[2])
-    call, sizes = attention_call(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, scale, softcap, out)
-    run_calls([call])  # (sizes held until it ran)
+    call, sizes = attention_call(q, k, v, n_head_kv, mask, alone, n_seen, cells, scratch, scale, softcap, out, sinks)
+    run_calls([call])  # (sizes and sinks held until it ran)
 
 
 def row_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -671,12 +676,13 @@ SIZES_CELLS = 10  # which of attention_call's sizes is the number of cells
 
 def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, mask: np.ndarray, alone: np.ndarray,
                    n_seen: np.ndarray, cells: np.ndarray, scratch: np.ndarray, scale, softcap,
-                   out: np.ndarray) -> tuple[RowCall, np.ndarray]:
+                   out: np.ndarray, sinks: np.ndarray | None = None) -> tuple[RowCall, np.ndarray]:
     """attention_cells' rows ((head, token) pairs) as a call of the row kernel
     _attention_rows_at (rows.RowCall), and the sizes it reads by address, which the caller holds
     as long as the call: sizes[10] is the number of cells, which a plan may lower from step to
     step (the mask and the row cells then laid out for that many).  ``scratch``:
-    attention_scratch()'s, for at least these rows and cells."""
+    attention_scratch()'s, for at least these rows and cells.  ``sinks``: float32 [n_head], an
+    attention sink per head (gpt-oss), held by the caller as long as the call."""
     if not (q.ndim == 3 and mask.ndim == 2 and out.ndim == 3 and k.ndim == 2 and v.ndim == 2
             and c_rows(f32, q, mask, out, scratch) and scratch.ndim == 2 and c_rows(np.bool_, alone)
             and c_rows(np.int64, n_seen) and c_rows(np.int32, cells)
@@ -694,13 +700,16 @@ def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, 
             and alone.shape[0] >= n_tok and n_seen.shape[0] >= n_tok and cells.ndim == 2 and cells.shape[0] >= n_tok
             and cells.shape[1] == n_kv):
         raise ValueError("attention: the shapes of q, k, v, mask, out and the row cells do not agree")
+    if sinks is not None and not (sinks.ndim == 1 and c_rows(f32, sinks) and sinks.shape[0] == n_head):
+        raise ValueError("attention: sinks must be C-contiguous float32, one per head")
     n_chunks, per = chunking(n_head * n_tok)
     slot = scratch.shape[1]
     if scratch.shape[0] < n_chunks or slot < _scratch_floats(n_kv, d, out.shape[2]):
         raise ValueError("attention: the scratch is too small for these rows")
     # (SIZES_CELLS: the cells' entry; the last, how many rows use a slot of the scratch: a chunk's)
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
-                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot, max(per, 1)], dtype=np.int64)
+                      v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot, max(per, 1),
+                      address_of(sinks) if sinks is not None else 0], dtype=np.int64)
     call = rows_call(_attention_rows_at(k.dtype, v.dtype), n_head * n_tok,
                      (address_of(q), address_of(k), address_of(v), address_of(mask), address_of(out), address_of(alone),
                       address_of(n_seen), address_of(cells), address_of(sizes), address_of(scratch)),
@@ -721,7 +730,7 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
         a slot: a chunk's rows share one, one after another): the C function's own code, not a
         function it inlines (numba would copy that one's code).  No array expressions or
         allocations in it: numba makes each a parallel loop, or a function, of its own."""
-        sizes = carray(pointer(sizes_at, np.int64), (13,))
+        sizes = carray(pointer(sizes_at, np.int64), (14,))
         n_head, n_tok, d, k_cells, k_stride, k_width = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]
         v_cells, v_stride, v_width, n_head_kv, n_kv, slot = sizes[6], sizes[7], sizes[8], sizes[9], sizes[10], sizes[11]
         per_slot = sizes[12]
@@ -742,17 +751,19 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
             lanes = carray(pointer(at + 4 * (64 * dv + n_kv), np.float32), (64,))
             q16 = carray(pointer(at + 4 * (64 * dv + n_kv + 64), np.float32), (d,))
             t = r % n_tok
+            sink = f32(-np.inf) if sizes[13] == 0 else carray(pointer(sizes[13], np.float32), (n_head,))[r // n_tok]
             _attention_row(r // n_tok, t, q, k, v, n_head_kv, mask, scale32, softcap32, out, alone[t], n_seen[t],
-                           seen[t], q16, s, lanes, acc)
+                           seen[t], q16, s, lanes, acc, sink)
 
     attention_rows.__qualname__ = f"attention_rows_{k_dtype.name}_{v_dtype.name}"  # one cache entry each
     return row_kernel(attention_rows)
 
 
 @_jit
-def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, m, cells, q16, s, lanes, acc):
+def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, m, cells, q16, s, lanes, acc, sink):
     """attention_cells for head h of token t, which sees the m cells ``cells[:m]``; ``single``: t is
-    the only token of its sequence here.  q16, s, lanes and acc: scratch."""
+    the only token of its sequence here; ``sink``: the head's attention sink (-inf: none).  q16, s,
+    lanes and acc: scratch."""
     n_head, n_tok, d = q.shape
     n_kv = mask.shape[1]
     dv = v.shape[1] // n_head_kv
@@ -777,7 +788,7 @@ def _attention_row(h, t, q, k, v, n_head_kv, mask, scale, softcap, out, single, 
             kq = kq * f32(scale)
         s[c] = kq + mask[t, c]
     if m:
-        _softmax_seen_call(s, n_kv, cells, m)
+        _softmax_seen_call(s, n_kv, cells, m, sink)
     else:  # a row that sees no cell: NaN everywhere, as the softmax of -inf everywhere gives
         for c in range(n_kv):
             s[c] = np.nan

@@ -62,6 +62,8 @@ def supports(node: Tensor) -> bool:
             return False
     if node.op == Op.SOFT_MAX and len(node.src) > 2 and node.src[2] is not None:  # sinks: the CPU's for now
         return False
+    if node.op == Op.FLASH_ATTN_EXT and len(node.src) > 4 and node.src[4] is not None:
+        return False
     return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
 
 
