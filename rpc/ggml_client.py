@@ -23,7 +23,7 @@ from __future__ import annotations
 import socket
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -71,7 +71,6 @@ class _Ticket:
     wire: bool = True
     make: object = None  # bytes of the wire reply -> our reply's parts
     ready: list | None = None
-    handles: set = field(default_factory=set)
 
 
 class GgmlChannel:

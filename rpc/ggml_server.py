@@ -148,6 +148,8 @@ class GgmlFrontend:
                 if session is None:
                     raise ProtocolError("HELLO must come first")
                 reply = self.serve_command[cmd](session, payload)
+            if (cmd in G.REPLIES) != (reply is not None):  # (a bug here: its connection ends, not the server)
+                raise RuntimeError(f"{cmd.name}: a reply where ggml-rpc has none, or none where it has one")
             server.counters.served(f"ggml {name}", time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - ggml-rpc's answer to any error: the connection closes
             if not isinstance(e, (ProtocolError, ValueError, IndexError, MemoryError)):
@@ -157,8 +159,6 @@ class GgmlFrontend:
             server.counters.refused += 1
             self.drop(peer)
             return
-        if (cmd in G.REPLIES) != (reply is not None):
-            raise AssertionError(f"{cmd.name}: a reply where ggml-rpc has none, or none where it has one")
         if reply is not None:
             server.counters.bytes_out += G.REPLY_HEAD.size + len(reply)
             server.listener.send(peer, [reply], now=False)
