@@ -72,7 +72,7 @@ def run_pyggml(alias: str, threads: int, n_gen: int, n_prompt: int, profile: boo
     import pyggml
     from pyggml.cpu import warm_up
     from pyggml.cpu.warmup import parts_for_file
-    from pyggml.hub import resolve
+    from pyggml.models.hub import resolve
     # numba's JIT, its threads and the model's CPU kernels loaded: the runtime, before any model
     warm_up(parts_for_file(resolve(alias)))
     runtime = resident()
@@ -237,7 +237,7 @@ def synthetic_moe(arch: str = "qwen3moe") -> Path:
 def model_file(alias: str) -> str:
     if os.path.exists(alias):
         return alias
-    from pyggml import hub
+    from pyggml.models import hub
     return str(hub.fetch(alias))
 
 

@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    from pyggml import hub
+    from pyggml.models import hub
     model = str(hub.fetch("smollm2"))
     ours = ServerProcess("--protocol", "ggml", "-t", "1", prefix=pinned(1))
     try:

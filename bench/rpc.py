@@ -333,8 +333,8 @@ def pipeline_main(args, env: dict, hosts: Hosts) -> None:
     servers = [ServerProcess("--threads", "1", *(("-H", hosts.address) if hosts.address else ()), env=env,
                              prefix=(*hosts.prefix, "taskset", "-c", str(cores[i]))) for i in range(2)]
     try:
-        from pyggml.models.kv_cache import PAGE  # each sequence takes whole pages of cells
-        n_ctx = max(1024, args.prompt_tokens + 16, 2 * PAGE * max(args.sequences, default=0))
+        from pyggml.batch_rules import BATCH_RULES  # each sequence takes whole pages of cells
+        n_ctx = max(1024, args.prompt_tokens + 16, 2 * BATCH_RULES.kv_page * max(args.sequences, default=0))
         m = pg.Model(args.model, n_ctx=n_ctx, rpc=[s.endpoint for s in servers],
                      n_batch=256, progress=False)
         ids = (m.tokenize(PROMPT * 64))[:args.prompt_tokens]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 import pyggml as pg
-from pyggml import hub
+from pyggml.models import hub
 from tests.rpc_helpers import ServerProcess
 
 DENSE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyggml" / "bench" / "dense-llama-1b-q4_0.gguf"

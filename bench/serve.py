@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyggml import hub  # noqa: E402
+from pyggml.models import hub  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain in detail how bread is made.",
            "Describe a journey across the ocean.", "Tell me about the history of clocks.",

@@ -97,42 +97,6 @@ def runs_of(seq: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], cuts, [len(seq)]]).astype(np.int32)
 
 
-# Reading a prompt in pieces gives every token the bits it gets when the prompt is read whole
-# (Context.decode: ubatches of n_ubatch tokens) when the pieces keep what decides a product's
-# kernels (cpu/blockdot.py column_format): a token's place among whole fours of columns from
-# its ubatch's start (repacked Q4_K's gemm) and whether its ubatch piece has at least 8 columns
-# (the tiled K-quant kernels), and the attention's single-token path for a piece of one.  So
-# pieces start and end on multiples of PIECE_ALIGN within the ubatch grid, and none leaves less
-# than TILED_COLS of its ubatch to read after it.
-PIECE_ALIGN = 8
-TILED_COLS = 8
-
-
-def prompt_cut(done: int, total: int, budget: int, ubatch: int) -> int:
-    """How many of a prompt's tokens to read now, from position ``done`` of ``total``, at most
-    ``budget``, by the rule above: 0 when no such piece fits (never with a budget of 16 or more)."""
-    end = min(total, (done // ubatch + 1) * ubatch)  # the end of the ubatch that holds `done`
-    if end - done <= budget:
-        return max(0, end - done)
-    n = (done + budget) // PIECE_ALIGN * PIECE_ALIGN - done
-    if end - (done + n) < TILED_COLS:
-        n -= PIECE_ALIGN
-    return max(n, 0)
-
-
-def reusable_prefix(cached: int, total: int, ubatch: int) -> int:
-    """The part of a cached prefix of ``cached`` tokens that the rest of a ``total``-token prompt
-    can be read after as if the prompt were read whole (prompt_cut's rule): never the last
-    token, which is always evaluated, for its logits."""
-    cached = min(cached, total - 1)
-    start = cached // ubatch * ubatch
-    end = min(total, start + ubatch)
-    c = cached // PIECE_ALIGN * PIECE_ALIGN
-    while c > start and end - c < TILED_COLS:
-        c -= PIECE_ALIGN
-    return c
-
-
 PIPELINE_MICRO = int(os.environ.get("PYGGML_PIPELINE_MICRO", "64"))  # 0: no pipelining
 
 
@@ -141,7 +105,7 @@ def pipeline_micro_batch(model: LoadedModel) -> int:
     micro-batches).  A ubatch is then read in pieces that do not wait for each other: each
     server works on piece i while the one before it works on piece i + 1, their activations
     passed straight between them (rpc/peers.py) - llama.cpp's pipeline parallelism.  The pieces
-    follow prompt_cut's rule, so every token meets the kernels of the whole ubatch, and the
+    follow BatchRules.prompt_cut's rule, so every token meets the kernels of the whole ubatch, and the
     bits are those of a run without pipelining.  Not for a mixture of experts: an expert's share
     of the tokens decides its kernels there, and a micro-batch holds fewer."""
     return PIPELINE_MICRO if layer_servers(model) > 1 and not model.hp.n_expert else 0
@@ -149,7 +113,7 @@ def pipeline_micro_batch(model: LoadedModel) -> int:
 
 def layer_servers(model: LoadedModel) -> int:
     """How many remote servers hold the model's layers (the stages of a pipeline)."""
-    return len({getattr(model.layer_device(il), "conn", None) for il in range(model.hp.n_layer)} - {None})
+    return len({model.layer_device(il).connection() for il in range(model.hp.n_layer)} - {None})
 
 
 # A pipelined batch of several sequences (a server's decode step) is cut into one group of
@@ -190,12 +154,15 @@ class Context:
         self.sched = Scheduler(self.backends)
         self.mask_type = mask_type([model.devices[i] for i in used])
         self._backend_of = {dev: i for i, dev in enumerate(used + [cpu])}  # device id -> scheduler backend
+        self.rules = model.batch_rules
         if model.shards:
             self.kv = KVCache(self.hp, n_ctx, [], shards=[(model.devices[s.device].get_buffer_type(),
-                                                          local_hparams(self.hp, s)) for s in model.shards])
+                                                          local_hparams(self.hp, s)) for s in model.shards],
+                              page=self.rules.kv_page)
         else:
             self.kv = KVCache(self.hp, n_ctx,
-                              [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)])
+                              [model.layer_device(il).get_buffer_type() for il in range(self.hp.n_layer)],
+                              page=self.rules.kv_page)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
         # the batches that wrote the cells the cache holds now, in order, less the runs of rows
         # whose cells were all freed since (seq_rm prunes them: a sequence's rows get the bits
@@ -299,7 +266,7 @@ class Context:
         if b is not None:
             self._graphs.move_to_end(key)
             return b
-        shape = dict(n_tokens=n_tokens, n_kv=n_kv, n_outputs=n_outputs, rope_mode=self.model.arch.ROPE_MODE,
+        shape = dict(n_tokens=n_tokens, n_kv=n_kv, n_outputs=n_outputs, rope_mode=self.model.arch.rope_mode,
                      n_top=n_top, n_hist=n_hist, n_runs=n_runs, n_output_runs=n_output_runs, mask_type=self.mask_type)
         model = self.model
         if model.shards:
@@ -444,7 +411,7 @@ class Context:
                 continue
             done = 0
             while done < end - start:
-                n = prompt_cut(done, end - start, self.n_micro, self.n_ubatch) or end - start - done
+                n = self.rules.prompt_cut(done, end - start, self.n_micro, self.n_ubatch) or end - start - done
                 pieces.append((start + done, start + done + n))
                 done += n
         return pieces
@@ -482,7 +449,7 @@ class Context:
     def reused_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` eval_prefix takes from the cache (reusable_prefix of those
         cached)."""
-        return reusable_prefix(self.common_prefix(tokens), len(tokens), self.n_ubatch)
+        return self.rules.reusable_prefix(self.common_prefix(tokens), len(tokens), self.n_ubatch)
 
     def eval_prefix(self, tokens: Sequence[int], n_top: int = 0, hist: np.ndarray | None = None):
         """Make the cache hold exactly ``tokens``, reusing the longest cached prefix; return

@@ -34,7 +34,7 @@ path per sequence (kv_cache.py, cpu/nn.py::attention), each product computes eve
 sequence's run of columns as that sequence alone would (llama.cpp's K-quant kernels change
 with a batch's width: ops.mul_mat's runs, which Context passes for a batch of several
 sequences), and prompts are read in pieces that keep every token's kernels those of a whole
-read (context.py: prompt_cut, reusable_prefix).
+read (pyggml.batch_rules: BatchRules.prompt_cut, reusable_prefix).
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 
 from .completion import Shape, TextStream, Usage
-from .context import Batch, ContextFullError, prompt_cut, reusable_prefix
-from .kv_cache import KV_PAD, KV_PAD_MAX, PAGE, kv_padded
+from .context import Batch, ContextFullError
+from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 
 log = logging.getLogger("pyggml.engine")
@@ -209,8 +209,10 @@ class Engine:
         self.ctx = model.context
         self.ctx.clear_cache()
         self.n_ctx = self.ctx.n_ctx
-        if self.n_ctx % PAGE:
-            raise ValueError(f"an Engine needs a context of whole {PAGE}-cell pages, not {self.n_ctx} cells")
+        self.rules = self.ctx.rules
+        if self.n_ctx % self.rules.kv_page:
+            raise ValueError(f"an Engine needs a context of whole {self.rules.kv_page}-cell pages, "
+                             f"not {self.n_ctx} cells")
         self.n_batch = n_batch
         self.max_queue = max_queue
         self.slots = [Slot(i) for i in range(n_parallel)]
@@ -610,7 +612,7 @@ class Engine:
         while queued and self.queue:
             self.queue.popleft().sink(Event("error", error=message))
 
-    # cells come in pages (kv_cache.PAGE); the bookkeeping below counts pages
+    # cells come in pages (BatchRules.kv_page); the bookkeeping below counts pages
     def _pages_needed(self, s: Slot, owned: dict) -> int:
         """Pages an admitted request still needs: the rest of its prompt and one token more."""
         start = len(s.tokens)
@@ -629,10 +631,11 @@ class Engine:
             if not idle:
                 return
             slot = max(idle, key=lambda s: (_common(s.tokens, req.ids), -s.last_used))
-            cached = reusable_prefix(_common(slot.tokens, req.ids), len(req.ids), self.ctx.n_ubatch)
+            cached = self.rules.reusable_prefix(_common(slot.tokens, req.ids), len(req.ids), self.ctx.n_ubatch)
             owned = kv._owned()
-            kept = -(-cached // PAGE)  # the slot's pages that the shared prefix keeps
-            need = len(req.ids) // PAGE - cached // PAGE + 1 - (1 if cached % PAGE else 0)
+            page = kv.page
+            kept = -(-cached // page)  # the slot's pages that the shared prefix keeps
+            need = len(req.ids) // page - cached // page + 1 - (1 if cached % page else 0)
             room = (kv.free_pages + kv.seq_pages(slot.seq) - kept
                     + sum(kv.seq_pages(s.seq) for s in idle if s is not slot)
                     - sum(self._pages_needed(s, owned) for s in self.slots if s.req is not None))
@@ -697,8 +700,9 @@ class Engine:
         for s in prefilling:
             done, left = len(s.tokens), len(s.req.ids) - len(s.tokens)
             # positions that fit: the rest of the page holding `done`, if the slot owns it, and free pages
-            room = free * PAGE + ((PAGE - done % PAGE) if done % PAGE else 0)
-            n = prompt_cut(done, len(s.req.ids), min(budget, room), self.ctx.n_ubatch)
+            page = self.ctx.kv.page
+            room = free * page + ((page - done % page) if done % page else 0)
+            n = self.rules.prompt_cut(done, len(s.req.ids), min(budget, room), self.ctx.n_ubatch)
             if n == 0 and len(parts) == len(generating):  # a budget under 16: progress before bits
                 n = min(budget, left, room)
             if n <= 0:

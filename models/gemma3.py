@@ -9,11 +9,11 @@ import math
 from pyggml import Tensor, ops
 from pyggml.opdefs import RopeMode
 
+from .architecture import Architecture
 from .blocks import GraphBuilder
 from .hparams import HParams
 
-ROPE_MODE = RopeMode.NEOX
-FFN_ACT = ops.geglu  # the feed-forward's gate; warmup compiles its kernel only
+FFN_ACT = ops.geglu
 
 
 def adjust_hparams(hp: HParams) -> None:
@@ -39,3 +39,6 @@ def build(b: GraphBuilder) -> Tensor:
         cur = b.build_norm(cur, b.w("post_ffw_norm.weight", il), "ffn_post_norm", il)
         inp = b.cb(ops.add(cur, sa_out), "l_out", il)
     return b.build_output(inp)
+
+
+ARCHITECTURE = Architecture("gemma3", build, RopeMode.NEOX, FFN_ACT, adjust_hparams)

@@ -13,11 +13,10 @@ from __future__ import annotations
 from pyggml import Tensor, ops
 from pyggml.opdefs import RopeMode
 
+from .architecture import Architecture
 from .blocks import GraphBuilder
 from .hparams import HParams
 
-ROPE_MODE = RopeMode.NEOX
-FFN_ACT = ops.swiglu_oai  # the experts' gate; warmup compiles its kernel only
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
@@ -63,3 +62,6 @@ def build(b: GraphBuilder) -> Tensor:
         cur = build_moe_ffn(b, cur, il)
         inp = b.cb(ops.add(cur, ffn_inp), "l_out", il)
     return b.build_output(inp)
+
+
+ARCHITECTURE = Architecture("gpt-oss", build, RopeMode.NEOX, ops.swiglu_oai, adjust_hparams)

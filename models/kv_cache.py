@@ -7,11 +7,11 @@ sequences share one cache and never see each other.  New keys and values are wri
 SET_ROWS at the cells given as a graph input, so one decode graph serves every position
 (llama.cpp does the same).
 
-Cells are handed out in pages of PAGE cells, each page owned by one sequence: position p
-of a sequence lives at offset p % PAGE of the sequence's page for block p // PAGE, pages
-taken lowest first.  So one sequence alone fills cells 0, 1, 2 ... (cell i holds position
+Cells are handed out in pages of ``page`` cells (pyggml.batch_rules: kv_page), each page
+owned by one sequence: position p of a sequence lives at offset p % page of the sequence's
+page for block p // page, pages taken lowest first.  So one sequence alone fills cells 0, 1, 2 ... (cell i holds position
 i, as a single-sequence cache would), and in a shared cache every sequence's cells sit at
-the same offsets modulo PAGE as they would alone.  That matters for the bits: the
+the same offsets modulo page as they would alone.  That matters for the bits: the
 attention's sums run in lanes picked by cell index modulo 64 (ggml's vector width times
 its unrolling), so a sequence decoded beside others gets exactly its solo logits.
 """
@@ -24,6 +24,7 @@ import numpy as np
 
 from pyggml import Tensor, Type, new_tensor
 from pyggml.backend import Buffer, BufferType, BufferUsage, alloc_tensors
+from pyggml.batch_rules import BATCH_RULES
 
 from .hparams import HParams
 
@@ -35,7 +36,6 @@ from .hparams import HParams
 # all of them.  Cells past the ones in use are masked, and the kernels skip them.
 KV_PAD = 256
 KV_PAD_MAX = 1024
-PAGE = 64     # a multiple of the attention kernels' 64 lanes
 FREE = -1
 
 
@@ -60,11 +60,13 @@ class KVPart:
 
 class KVCache:
     def __init__(self, hp: HParams, n_ctx: int, layer_bufts: Sequence[BufferType], type: Type = Type.F16,
-                 shards: Sequence[tuple[BufferType, HParams]] = ()) -> None:
+                 shards: Sequence[tuple[BufferType, HParams]] = (), page: int = BATCH_RULES.kv_page) -> None:
         """``shards`` (a tensor split): per device its buffer type and the head counts it holds;
         each then has the keys and values of its heads for every layer, in ``parts``, and the
-        cells (one set of tags for all) are the same on every device."""
+        cells (one set of tags for all) are the same on every device.  ``page``: cells per
+        page (BatchRules.kv_page of the devices)."""
         self.n_ctx = n_ctx
+        self.page = page
         self.type = type
         self.n_swa = hp.n_swa
         groups: dict[int, tuple[BufferType, list]] = {}
@@ -93,12 +95,12 @@ class KVCache:
 
     @property
     def n_pages(self) -> int:
-        return (self.n_ctx + PAGE - 1) // PAGE
+        return (self.n_ctx + self.page - 1) // self.page
 
     def _by_page(self, cells: np.ndarray, fill: int) -> np.ndarray:
-        """A per-cell array as [n_pages, PAGE] (the last page padded with ``fill``)."""
-        pad = self.n_pages * PAGE - self.n_ctx
-        return (np.concatenate([cells, np.full(pad, fill, cells.dtype)]) if pad else cells).reshape(-1, PAGE)
+        """A per-cell array as [n_pages, page] (the last page padded with ``fill``)."""
+        pad = self.n_pages * self.page - self.n_ctx
+        return (np.concatenate([cells, np.full(pad, fill, cells.dtype)]) if pad else cells).reshape(-1, self.page)
 
     def _owned(self) -> dict[tuple[int, int], int]:
         """(sequence, block) -> page, for every page holding a cell (read it, do not change it).
@@ -106,8 +108,8 @@ class KVCache:
         if self._owner is None:
             used = self._by_page(self.cell_seq, FREE) != FREE
             pages = np.flatnonzero(used.any(axis=1))
-            first = pages * PAGE + used[pages].argmax(axis=1)
-            self._owner = {(int(seq), int(pos) // PAGE): int(page)
+            first = pages * self.page + used[pages].argmax(axis=1)
+            self._owner = {(int(seq), int(pos) // self.page): int(page)
                            for seq, pos, page in zip(self.cell_seq[first], self.cell_pos[first], pages)}
         return self._owner
 
@@ -122,7 +124,7 @@ class KVCache:
     def pages_for(self, seq: int, p0: int, p1: int, owned: dict | None = None) -> int:
         """Pages sequence ``seq`` must take to hold positions p0 .. p1 - 1."""
         owned = self._owned() if owned is None else owned
-        return sum((seq, blk) not in owned for blk in range(p0 // PAGE, (p1 - 1) // PAGE + 1)) if p1 > p0 else 0
+        return sum((seq, blk) not in owned for blk in range(p0 // self.page, (p1 - 1) // self.page + 1)) if p1 > p0 else 0
 
     def seq_pages(self, seq: int) -> int:
         return sum(s == seq for s, _ in self._owned())
@@ -136,13 +138,13 @@ class KVCache:
         new: dict[tuple[int, int], int] = {}
         cells = np.empty(seq.size, dtype=np.int32)
         for i, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
-            key = (s, p // PAGE)
+            key = (s, p // self.page)
             g = owned.get(key, new.get(key))
             if g is None:
                 g = new[key] = next(free, None)
                 if g is None:
                     return None
-            c = g * PAGE + p % PAGE
+            c = g * self.page + p % self.page
             if c >= self.n_ctx:
                 return None
             cells[i] = c
@@ -155,7 +157,7 @@ class KVCache:
         if len(cells) == 0:
             return
         if self._owner is not None:  # find_cells' cells: each in its (sequence, block)'s page
-            pages = {(s, p // PAGE): c // PAGE for c, s, p in zip(np.asarray(cells).tolist(),
+            pages = {(s, p // self.page): c // self.page for c, s, p in zip(np.asarray(cells).tolist(),
                                                                    np.broadcast_to(seq, len(cells)).tolist(),
                                                                    np.broadcast_to(pos, len(cells)).tolist())}
             if any(self._owner.get(key) != page for key, page in pages.items()):

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pyggml import Tensor, ops
 from pyggml.opdefs import RopeMode
 
+from .architecture import Architecture
 from .blocks import GraphBuilder
 
-FFN_ACT = ops.swiglu  # the feed-forward's gate (experts use SwiGLU too); warmup compiles its kernel only
+FFN_ACT = ops.swiglu  # (experts use SwiGLU too)
 
 
 def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
@@ -32,8 +33,8 @@ def build_llama_layers(b: GraphBuilder, qk_norm: bool = False) -> Tensor:
     return b.build_output(inp)
 
 
-ROPE_MODE = RopeMode.NORMAL
-
-
 def build(b: GraphBuilder) -> Tensor:
     return build_llama_layers(b)
+
+
+ARCHITECTURE = Architecture("llama", build, RopeMode.NORMAL, FFN_ACT)

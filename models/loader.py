@@ -7,21 +7,23 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 from pyggml import Tensor
 from pyggml.backend import Buffer, Device, DeviceType
 from pyggml.gguf import GGUFError, GGUFFile
 
 from . import gemma3, gpt_oss, llama, qwen2, qwen3, qwen3moe
+from pyggml.batch_rules import BatchRules
+
+from .architecture import Architecture
 from .hparams import HParams
 from .placement import MiB, Placement, PlacementError, Sizes, describe, parse_ngl, parse_split, plan_auto
 from .tensor_split import FileSlice, Shard, SplitError, plan_tensor_split, shard_rows, shard_tensor
 
 log = logging.getLogger("pyggml.models")
 
-ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe,
-                                         "gemma3": gemma3, "gpt-oss": gpt_oss}
+ARCHITECTURES: dict[str, Architecture] = {m.ARCHITECTURE.name: m.ARCHITECTURE
+                                          for m in (llama, qwen2, qwen3, qwen3moe, gemma3, gpt_oss)}
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -34,7 +36,7 @@ class LoadedModel:
     path: Path
     gguf: GGUFFile
     hp: HParams
-    arch: ModuleType
+    arch: Architecture
     devices: list[Device]
     placement: Placement
     weights: dict[str, Tensor] = field(default_factory=dict)
@@ -51,6 +53,15 @@ class LoadedModel:
     def used_devices(self) -> list[int]:
         """The device ids that hold some of the model (the CPU included where it does)."""
         return sorted({*self.placement.used(), *(s.device for s in self.shards or [])})
+
+    @property
+    def batch_rules(self) -> BatchRules:
+        """The batch widths every device holding the model computes by (pyggml.batch_rules)."""
+        rules = {self.devices[i].batch_rules() for i in self.used_devices()}
+        if len(rules) != 1:
+            raise PlacementError(f"the devices compute with different batch rules ({rules}): "
+                                 "a sequence's bits would depend on its device")
+        return rules.pop()
 
     def layer_device(self, il: int) -> Device:
         return self.devices[self.placement.layers[il]]
@@ -93,7 +104,7 @@ def _open_cached(path: str | os.PathLike) -> GGUFFile:
     return f
 
 
-def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, ModuleType]:
+def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, Architecture]:
     f = _open_cached(path)
     arch = f.architecture
     if arch not in ARCHITECTURES:
@@ -126,8 +137,8 @@ def device_speeds(devices: list[Device]) -> list[float] | None:
     a local GPU's measured now (once per process); None unless every one is known."""
     speeds = []
     for d in devices:
-        speed = getattr(d, "speed", None)
-        if speed is None and d.get_type() != DeviceType.CPU:
+        speed = d.get_speed()
+        if speed is None and d.connection() is None and d.get_type() != DeviceType.CPU:  # a local GPU
             speed = _local_speed.get(d.get_name())
             if speed is None:
                 from pyggml.speed import measure
@@ -155,8 +166,8 @@ def plan(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: list[Device],
             raise PlacementError(f"placement by {place_by!r}: choose one of {', '.join(PLACE_BY)}")
         speeds = device_speeds(devices[:-1]) if place_by == "speed" and tensor_split is None else None
         if speeds:
-            measured = [f"{s:.1f} GB/s" + (f", {1e3 * d.conn.rtt:.2f} ms round trip" if hasattr(d, "conn") else "")
-                        for s, d in zip(speeds, devices)]
+            measured = [f"{s:.1f} GB/s" + (f", {1e3 * d.connection().rtt:.2f} ms round trip"
+                                            if d.connection() is not None else "") for s, d in zip(speeds, devices)]
         placement = plan_auto(sizes, names, free, parse_split(tensor_split, len(devices) - 1), speeds)
     else:
         placement = parse_ngl(ngl, hp.n_layer, names)
@@ -320,8 +331,7 @@ def load_model(path: str | os.PathLike, ngl: str | int | None = None, devices: l
         raise PlacementError(f"split mode {split_mode!r}: choose one of {', '.join(SPLIT_MODES)}")
     f, arch = open_gguf(path)
     hp = HParams.from_gguf(f, f.architecture)
-    if hasattr(arch, "adjust_hparams"):
-        arch.adjust_hparams(hp)
+    arch.adjust_hparams(hp)
     devices = devices or default_devices()
     chose = ""
     if split_mode == "auto":

@@ -12,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from pyggml import hub
+import pyggml
+from pyggml.backend import Preparation
+
+from . import hub
 
 from .chat import ChatTemplate
 from .completion import Shape, TextStream, Usage, stop_list
@@ -37,23 +40,17 @@ def _tokenizer_of(gguf) -> Tokenizer:
     return tk
 
 
-def _compile_kernels(path, progress: bool | None):
-    """warmup.compile_for_model for a GGUF file (None if its header cannot be read: the load
-    that follows says why)."""
-    from pyggml.cpu import warmup
+def _prepare_cpu(path, progress: bool | None) -> Preparation | None:
+    """What the CPU prepares for a GGUF file's model (its kernels compiled in other processes
+    while this one loads: Device.prepare_for); None if the file's header cannot be read (the
+    load that follows says why) or there is nothing to prepare."""
     from .loader import open_gguf
     try:
         f, arch = open_gguf(path)  # parsed once: the load that follows takes it from open_gguf's cache
     except (OSError, ValueError):
         return None
-    return warmup.compile_for_model(((t.name, t.type, t.ne) for t in f.tensors.values()),
-                                    None if progress is False else hub.say, gate_part(arch))
-
-
-def gate_part(arch) -> str | None:
-    """The kernel part (warmup.GATES) of an architecture's feed-forward gate, None if unknown."""
-    act = getattr(arch, "FFN_ACT", None)
-    return act.__name__ if act is not None else None
+    return pyggml.cpu_device().prepare_for([(t.name, t.type, t.ne) for t in f.tensors.values()], arch.gate_name,
+                                           None if progress is False else hub.say)
 
 
 def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SSLContext | None = None,
@@ -141,7 +138,7 @@ class Model:
         else:
             self.spare_endpoints = []
         self.n_threads, self.progress, self.use_mmap = n_threads, progress, use_mmap
-        compiling = _compile_kernels(self.path, progress)  # in other processes, while this one loads
+        compiling = _prepare_cpu(self.path, progress)  # in other processes, while this one loads
         try:
             # every server reached before any weights move
             self.rpc_devices = connect_rpc(rpc, rpc_key, discover_timeout=discover_timeout)
@@ -179,8 +176,7 @@ class Model:
         self._placed = True
         if self.n_threads:
             for backend in self.context.backends:
-                if hasattr(backend, "set_n_threads"):
-                    backend.set_n_threads(self.n_threads)
+                backend.set_n_threads(self.n_threads)
 
     # -- failover -----------------------------------------------------------------------------------
     def _history(self) -> History:
@@ -390,7 +386,7 @@ class Model:
         """Each device and what it holds, one line each: every RPC server connected (a spare
         the plan did not need says so) and the local devices that hold something."""
         return [f"  {dev.get_name()}: {share or 'nothing (the others hold the whole model)'}"
-                for dev, _, share in self._shares() if share is not None or getattr(dev, "conn", None) is not None]
+                for dev, _, share in self._shares() if share is not None or dev.connection() is not None]
 
     def cluster_devices(self) -> list[dict[str, Any]]:
         """Each device with what it holds and its memory now (asks every RPC server: call it
@@ -398,7 +394,7 @@ class Model:
         out = []
         busy = self.context.sched.busy_seconds
         for dev, layers, share in self._shares():
-            conn = getattr(dev, "conn", None)
+            conn = dev.connection()
             if share is None and conn is None:
                 continue
             free, total = dev.get_memory()

@@ -6,11 +6,13 @@ from __future__ import annotations
 from pyggml import Tensor
 from pyggml.opdefs import RopeMode
 
+from .architecture import Architecture
 from .blocks import GraphBuilder
-from .llama import FFN_ACT, build_llama_layers  # FFN_ACT: this architecture's, as its layers are llama's
-
-ROPE_MODE = RopeMode.NEOX
+from .llama import FFN_ACT, build_llama_layers
 
 
 def build(b: GraphBuilder) -> Tensor:
     return build_llama_layers(b, qk_norm=True)
+
+
+ARCHITECTURE = Architecture("qwen3moe", build, RopeMode.NEOX, FFN_ACT)

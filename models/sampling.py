@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pyggml.cpu.kernels import top_k_indices
+from pyggml.ranking import top_k_indices
 
 
 @dataclass

@@ -42,9 +42,9 @@ def __getattr__(name: str):
     if name == "Model":
         from .models import Model
         return Model
-    if name in ("gguf", "hub"):  # submodules the README's examples reach as pyggml.gguf, pyggml.hub
+    if name in ("gguf", "hub"):  # reached as pyggml.gguf and pyggml.hub (the models' downloads) in examples
         import importlib
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module({"gguf": ".gguf", "hub": ".models.hub"}[name], __name__)
     raise AttributeError(f"module 'pyggml' has no attribute {name!r}")
 
 

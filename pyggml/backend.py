@@ -9,10 +9,11 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import numpy as np
 
+from .batch_rules import BATCH_RULES, BatchRules
 from .tensor import Tensor
 from .types import Type
 
@@ -60,8 +61,27 @@ class BufferType(abc.ABC):
     def get_device(self) -> Device | None:
         return None
 
+    def buffer_from_map(self, data: np.ndarray) -> Buffer | None:
+        """ggml's buffer_from_host_ptr: a buffer over memory that already holds the tensors
+        (a file's map), so that loading copies nothing; None where this type cannot (not host
+        memory)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.get_name()}>"
+
+
+class TensorSource(Protocol):
+    """Where a weight's bytes lie in a model file (pyggml.gguf.FileSlice), for
+    :meth:`Buffer.load_tensor`."""
+
+    nbytes: int
+
+    def read(self) -> np.ndarray | memoryview:
+        """The bytes, from the file's map or read from the file."""
+
+    def read_into(self, out: np.ndarray) -> None:
+        """The bytes, read straight into ``out`` (``nbytes`` long)."""
 
 
 class Buffer(abc.ABC):
@@ -113,6 +133,26 @@ class Buffer(abc.ABC):
         """Copy between buffers without a host round trip where possible; False if not."""
         return False
 
+    def cpy_tensor_send(self, src: Tensor, dst: Tensor) -> int | None:
+        """The first half of a copy started early (as soon as ``src`` is computed, before the
+        scheduler reaches ``dst``'s split): a tag for :meth:`cpy_tensor_wait`, or None where
+        this buffer cannot (then cpy_tensor does the whole copy when it is reached)."""
+        return None
+
+    def cpy_tensor_wait(self, dst: Tensor, tag: int) -> None:
+        """The second half of a copy that :meth:`cpy_tensor_send` started."""
+        raise NotImplementedError(f"{type(self).__name__} starts no copies early")
+
+    def load_tensor(self, tensor: Tensor, source: TensorSource) -> None:
+        """Fill a weight from its model file.  By default its bytes are read and set; host
+        memory reads straight into place, and a remote device whose server holds the same
+        file reads it from its own disk."""
+        self.set_tensor(tensor, source.read())
+
+    def load_summary(self) -> str | None:
+        """Where this buffer's weights came from, said once loading ends; None if not worth saying."""
+        return None
+
     @abc.abstractmethod
     def clear(self, value: int) -> None: ...
 
@@ -145,6 +185,15 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:
         pass
+
+    def set_n_threads(self, n: int) -> None:
+        """How many threads compute (ggml_backend_cpu_set_n_threads); ignored where the
+        backend has no threads to set."""
+
+    def keeps_steps(self) -> bool:
+        """Whether this backend can record a step's requests and keep them to run again with
+        one request (an RPC server: rpc/steps.py), through step_begin/step_end/step_valid/step_run."""
+        return False
 
     def set_tensor_async(self, tensor: Tensor, data: bytes | np.ndarray, offset: int = 0) -> None:
         tensor_set(tensor, data, offset)
@@ -204,8 +253,46 @@ class Device(abc.ABC):
         description (a llama.cpp rpc-server: no TLS, LZ4, --gguf or links)."""
         return []
 
+    def prepare_for(self, weights: Sequence[tuple[str, Type, tuple[int, ...]]], gate: str | None,
+                    say: Callable[[str], None] | None = None) -> Preparation | None:
+        """Start what this device needs before it computes a model with these weights (name,
+        type, ne) and feed-forward ``gate`` (an op's name, e.g. ``swiglu``): the CPU compiles
+        its kernels in other processes.  Something to wait on before the model's first step,
+        or None when nothing is to be done (``say`` hears one line when something is)."""
+        return None
+
+    def batch_rules(self) -> BatchRules:
+        """The batch widths that decide this device's kernels (pyggml.batch_rules)."""
+        return BATCH_RULES
+
+    def connection(self) -> Connection | None:
+        """The connection to the server this device lives on (devices of one server share
+        it); None for a device in this process."""
+        return None
+
+    def get_speed(self) -> float | None:
+        """GB/s of weights through a product, as measured where the device is (pyggml.speed);
+        None where unknown."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.get_name()}>"
+
+
+class Preparation(Protocol):
+    """Work a device started for a model (Device.prepare_for)."""
+
+    def wait_for_first_answer(self) -> None:
+        """Until what the model's first step needs is done (the rest may go on)."""
+
+
+class Connection(Protocol):
+    """What the rest of pyggml reads of a remote device's connection (rpc.client.Connection)."""
+
+    endpoint: str
+    rtt: float  # seconds, one round trip as measured at HELLO
+    bytes_sent: int
+    bytes_received: int
 
 
 class Registry:

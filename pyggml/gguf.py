@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -43,6 +43,37 @@ class TensorInfo:
     offset: int      # absolute byte offset in the file
     nbytes: int
     data: np.ndarray  # uint8 view into the memory map
+
+
+@dataclass
+class FileSlice:
+    """``nbytes`` of a tensor's data from ``start`` on, in a model file being loaded: what
+    :meth:`Buffer.load_tensor` fills a weight from (pyggml.backend.TensorSource)."""
+
+    gguf: GGUFFile
+    info: TensorInfo
+    start: int
+    nbytes: int
+    file: BinaryIO | None  # the file open for reading, or None to take the bytes from its map
+
+    @property
+    def path(self) -> Path:
+        return self.gguf.path
+
+    @property
+    def file_offset(self) -> int:
+        return self.info.offset + self.start
+
+    def read(self) -> np.ndarray:
+        if self.file is None:
+            return self.info.data[self.start:self.start + self.nbytes]
+        return self.read_into(np.empty(self.nbytes, dtype=np.uint8))
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        if self.file is None:
+            out[...] = self.info.data[self.start:self.start + self.nbytes]
+            return out
+        return self.gguf._read_into(self.file, self.info, out, self.start)
 
 
 class GGUFFile:
@@ -141,45 +172,36 @@ class GGUFFile:
         mapped: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for t in tensors:
             buft = pick(t)
-            # host memory with mmap: the weights stay in the file's map and nothing is copied
+            # with mmap, a tensor stored as it will be used may stay in the file's map
             info, _, nbytes = span(t)
             same = info.type == t.type and nbytes == t.nbytes() and t.is_contiguous()
-            into = mapped if mmap and same and hasattr(buft, "buffer_from_array") else groups
+            into = mapped if mmap and same else groups
             into.setdefault(id(buft), (buft, []))[1].append(t)
-        buffers = [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
-        buffers += [self._map_into(ts, buft, span) for buft, ts in mapped.values()]
+        buffers = []
+        for buft, ts in mapped.values():
+            buffer = self._map_into(ts, buft, span)
+            if buffer is not None:
+                buffers.append(buffer)
+            else:  # not host memory: loaded as the others are
+                groups.setdefault(id(buft), (buft, []))[1].extend(ts)
+        buffers += [alloc_tensors(ts, buft, BufferUsage.WEIGHTS) for buft, ts in groups.values()]
         tensors = [t for _, ts in groups.values() for t in ts]
         total = sum(span(t)[2] for t in tensors)
         show = progress if progress is not None else total > 32 << 20 and sys.stderr.isatty()
-        identity: bytes | None = None
-        summaries: dict[str, Callable[[], str]] = {}
+        summaries: dict[str, Buffer] = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar, open(self.path, "rb") as file:
             for t in tensors:
                 info, start, nbytes = span(t)
-                buf = t.buffer
-                if hasattr(buf, "load_summary"):
-                    summaries.setdefault(buf.get_type().get_name(), buf.load_summary)
-                # a remote device whose server holds this very file fills the tensor from its copy
-                if hasattr(buf, "holds_file") and buf.holds_any_file():
-                    if identity is None:
-                        from .file_identity import file_identity
-                        identity = file_identity(self.path)
-                    if (buf.holds_file(identity, self.path.name)
-                            and buf.set_tensor_from_file(t, identity, info.offset + start, nbytes)):
-                        bar.update(nbytes)
-                        continue
-                if mmap:
-                    buf.set_tensor(t, info.data[start:start + nbytes])
-                elif hasattr(buf, "tensor_bytes"):  # host memory: read straight into place
-                    self._read_into(file, info, buf.tensor_bytes(t), start)
-                else:
-                    buf.set_tensor(t, self._read_into(file, info, np.empty(nbytes, dtype=np.uint8), start))
+                if t.buffer.load_summary() is not None:
+                    summaries.setdefault(t.buffer.get_type().get_name(), t.buffer)
+                t.buffer.load_tensor(t, FileSlice(self, info, start, nbytes, None if mmap else file))
                 bar.update(nbytes)
                 if summaries:
-                    bar.set_postfix_str("; ".join(f"{n}: {f()}" for n, f in summaries.items()), refresh=False)
-        for name, summary in summaries.items():
-            log.info("%s: weights %s", name, summary())
+                    bar.set_postfix_str("; ".join(f"{n}: {b.load_summary()}" for n, b in summaries.items()),
+                                        refresh=False)
+        for name, buffer in summaries.items():
+            log.info("%s: weights %s", name, buffer.load_summary())
         return buffers
 
     def _read_into(self, file, info: TensorInfo, out: np.ndarray, start: int = 0) -> np.ndarray:
@@ -190,10 +212,13 @@ class GGUFFile:
         return out
 
     def _map_into(self, tensors: list[Tensor], buft: BufferType,
-                  span: Callable[[Tensor], tuple[TensorInfo, int, int]]) -> Buffer:
+                  span: Callable[[Tensor], tuple[TensorInfo, int, int]]) -> Buffer | None:
         """ggml's mmap loading: one host buffer over the whole file, each tensor at its own
-        offset, so the page cache holds the weights once and loading copies nothing."""
-        buffer = buft.buffer_from_array(self.map)
+        offset, so the page cache holds the weights once and loading copies nothing.  None
+        where ``buft`` cannot map memory (not host memory)."""
+        buffer = buft.buffer_from_map(self.map)
+        if buffer is None:
+            return None
         buffer.set_usage(BufferUsage.WEIGHTS)
         for t in tensors:
             info, start, _ = span(t)

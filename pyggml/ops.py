@@ -388,7 +388,7 @@ def argsort(a: Tensor, order: SortOrder = SortOrder.ASC) -> Tensor:
 def top_k(a: Tensor, k: int) -> Tensor:
     """The indices of the ``k`` largest values of each row of F32 ``a`` (I32 [k, ne1, ne2,
     ne3]), as ggml_top_k.  ggml leaves their order open; here they come largest first, equal
-    values lowest index first (``pyggml.cpu.kernels.top_k_indices``: what the sampler uses)."""
+    values lowest index first (``pyggml.ranking``: what the sampler uses)."""
     _check(a.type == Type.F32 and a.nb[0] == 4, "TOP_K", "needs F32 rows of contiguous elements", a)
     _check(0 < k <= a.ne[0], "TOP_K", f"k = {k} must be in 1..{a.ne[0]} (the row length)", a)
     return _result(Op.TOP_K, Type.I32, (k, a.ne[1], a.ne[2], a.ne[3]), [a])

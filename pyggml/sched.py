@@ -257,8 +257,7 @@ class Scheduler:
             name = backend.get_name()
             self.busy_seconds[name] = self.busy_seconds.get(name, 0.0) + time.perf_counter() - t0
             for src, copy in split.sends:  # (else its server would send it only after its next split)
-                send = getattr(copy.buffer, "cpy_tensor_send", None)
-                tag = send(src, copy) if send is not None else None
+                tag = copy.buffer.cpy_tensor_send(src, copy)
                 if tag is not None:
                     started[id(copy)] = tag
         self.n_copies = copied
@@ -278,15 +277,15 @@ class Scheduler:
         used = self._kept_backends()
         if len(self.splits) == len(used):  # one request per backend already: nothing to gain
             return False
-        if not all(hasattr(self.backends[b], "step_begin") for b in used):
+        if not all(self.backends[b].keeps_steps() for b in used):
             return False
-        if len({id(getattr(self.backends[b].get_device(), "conn", None)) for b in used}) != len(used):
+        if len({id(self.backends[b].get_device().connection()) for b in used}) != len(used):
             return False
         first = {b: next(i for i, sp in enumerate(self.splits) if sp.backend_id == b) for b in used}
         for i, split in enumerate(self.splits):
             for src, _ in split.copies:
                 home = self._backend_of(src)
-                if (home not in used or not hasattr(self.backends[home], "step_begin")) and first[split.backend_id] != i:
+                if (home not in used or not self.backends[home].keeps_steps()) and first[split.backend_id] != i:
                     return False
         return True
 

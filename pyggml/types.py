@@ -49,6 +49,12 @@ class Type(enum.IntEnum):
         return self not in _PLAIN_DTYPES
 
     @property
+    def has_vec_dot(self) -> bool:
+        """Whether a product reads weights of this type as stored, block by block (ggml's
+        type_traits_cpu vec_dot: every quantized type, and F16), rather than as float32."""
+        return self.is_quantized or self == Type.F16
+
+    @property
     def np_dtype(self) -> np.dtype | None:
         """numpy dtype of one element, or None for block-quantized types."""
         return _PLAIN_DTYPES.get(self)

@@ -20,7 +20,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from pyggml.backend import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType
+from pyggml.backend import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, TensorSource
 from pyggml.graph import Graph
 from pyggml.opdefs import Op
 from pyggml.tensor import Tensor
@@ -30,6 +30,7 @@ from . import steps
 from .steps import KeptStep
 from .cache import digest
 from .client import Connection
+from .file_identity import file_identity
 from .protocol import Codec, Command, RPCError, WireTensor
 
 log = logging.getLogger("pyggml.rpc")
@@ -123,13 +124,20 @@ class RPCBuffer(Buffer):
                 and tensor.view_src is None):
             self.conn.send(Command.INIT_TENSOR, wire(tensor).pack())
 
-    def holds_any_file(self) -> bool:
-        return bool(self.conn.server_files)
-
     def load_summary(self) -> str:
         """Where this server's weights came from: its files, its tensor cache, the wire."""
         mib = {k: v / (1 << 20) for k, v in self.conn.loaded.items()}
         return f"{mib['disk']:.0f} MiB from its disk, {mib['cache']:.0f} from its cache, {mib['wire']:.0f} sent"
+
+    def load_tensor(self, tensor: Tensor, source: TensorSource) -> None:
+        """From the server's own copy of the model file where it holds this very file
+        (``--gguf``), else uploaded."""
+        if self.conn.server_files:
+            identity = file_identity(source.path)
+            if (self.holds_file(identity, source.path.name)
+                    and self.set_tensor_from_file(tensor, identity, source.file_offset, source.nbytes)):
+                return
+        self.set_tensor(tensor, source.read())
 
     def holds_file(self, identity: bytes, name: str) -> bool:
         """Whether the server holds the GGUF ``identity`` (``--gguf``); a file of the same
@@ -349,6 +357,9 @@ class RPCBackend(Backend):
         conn.flush()  # (see below)
 
     # -- steps kept on the server (rpc/steps.py) --------------------------------------------------
+    def keeps_steps(self) -> bool:
+        return True
+
     def step_begin(self) -> None:
         conn = self.device.conn
         conn.recording, conn.recording_spoiled = [], False
@@ -409,7 +420,7 @@ class RPCDevice(Device):
         self.index = index
         info, frames = conn.request(Command.GET_DEVICE_INFO, P.U32.pack(index), reply=P.DEVICE_INFO)
         dtype, _, _, self.alignment, self.max_size, exact, speed = info
-        self.speed = speed if math.isfinite(speed) and speed > 0 else 0.0  # (0: unknown, place by memory)
+        self.speed = speed if math.isfinite(speed) and speed > 0 else None  # (unknown: place by memory)
         if len(frames) != 3:
             raise RPCError(conn.endpoint, "malformed device description")
         self.remote_name = bytes(frames[0]).decode("utf-8", "replace")
@@ -440,6 +451,12 @@ class RPCDevice(Device):
 
     def limitations(self) -> list[str]:
         return self.conn.limitations()
+
+    def connection(self) -> Connection:
+        return self.conn
+
+    def get_speed(self) -> float | None:
+        return self.speed
 
     def supports_op(self, op: Tensor) -> bool:
         if op.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE):

@@ -2,7 +2,7 @@
 that load the same file ask it to fill tensors instead of sending their bytes.
 
 Each file is known by its identity (the SHA-256 of the whole file, remembered across
-restarts by path, size, times and inode: pyggml/file_identity.py) and parsed once, so that
+restarts by path, size, times and inode: rpc/file_identity.py) and parsed once, so that
 every request - file, offset, size - is checked against the file's real tensor table before
 any byte moves: the range must lie inside one tensor's data.  Nothing the client says is
 trusted beyond choosing among the ranges the file itself declares.
@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyggml.file_identity import file_identity
+from pyggml.rpc.file_identity import file_identity
 from pyggml.gguf import GGUFError, GGUFFile
 
 from .protocol import ProtocolError

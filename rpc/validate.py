@@ -22,7 +22,6 @@ import numpy as np
 
 from pyggml import ops
 from pyggml.backend import Buffer
-from pyggml.cpu.qmatmul import supports as quant_supported
 from pyggml.graph import Graph
 from pyggml.opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluParams, NormParams, Op, RopeParams,
                            ScaleParams, SoftMaxParams, UnaryParams)
@@ -173,11 +172,11 @@ def node_cost(node: Tensor) -> tuple[int, int]:
     converted = srcs
     if node.op == Op.MUL_MAT:
         work = node.nelements() * srcs[0].ne[0]
-        converted = srcs[1:] if quant_supported(srcs[0].type) else srcs
+        converted = srcs[1:] if srcs[0].type.has_vec_dot else srcs
         scratch += 4 * srcs[1].nelements()  # the activations quantized for the integer products
     elif node.op == Op.MUL_MAT_ID:  # one product per (token, used expert); the ids are checked when it runs
         work = node.nelements() * srcs[0].ne[0]
-        converted = srcs[1:] if quant_supported(srcs[0].type) else srcs
+        converted = srcs[1:] if srcs[0].type.has_vec_dot else srcs
         scratch += 4 * node.nelements() + 4 * srcs[1].ne[0] * node.ne[1] * node.ne[2]
     elif node.op == Op.FLASH_ATTN_EXT:
         q, k, v = srcs[:3]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml import hub
+from pyggml.models import hub
 
 
 @pytest.fixture(scope="session")

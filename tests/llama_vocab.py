@@ -10,7 +10,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from pyggml.hub import cache_dir
+from pyggml.cache import cache_dir
 
 PACKAGE = "llama-cpp-python==0.3.36"
 SEPARATOR = "\n__ggml_vocab_test__\n"

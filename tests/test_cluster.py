@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml import hub
-from pyggml.file_identity import file_identity
+from pyggml.models import hub
+from pyggml.rpc.file_identity import file_identity
 from pyggml.rpc import load_key
 from pyggml.models import Engine
 from pyggml.rpc.discovery import browse, connect_auto, parse, parse_auto, txt_record

@@ -14,10 +14,13 @@ import pyggml as pg
 from pyggml.models import Engine
 from pyggml.cpu.blockdot import column_format
 from pyggml.cpu.kinds import Fmt
-from pyggml.models.context import Batch, prompt_cut, reusable_prefix
+from pyggml.batch_rules import BATCH_RULES
+from pyggml.models.context import Batch
 from pyggml.models.engine import QueueFullError
 
 from .conftest import shared_model
+
+prompt_cut, reusable_prefix = BATCH_RULES.prompt_cut, BATCH_RULES.reusable_prefix
 
 PROMPTS = ["The capital of France is", "Once upon a time there was", "def fib(n):", "Water is made of"]
 

@@ -40,7 +40,7 @@ def test_a_change_to_any_source_or_to_the_code_settings_changes_the_folder(tmp_p
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="NUMBA_CACHE_DIR set: the user's folder is kept")
 def test_the_kernels_are_cached_in_the_folder_of_their_sources():
     from pyggml.cpu import rows
-    from pyggml.hub import cache_dir
+    from pyggml.cache import cache_dir
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())
     assert os.path.commonpath([rows.run_table._cache._cache_path, folder]) == str(folder)
 
@@ -70,8 +70,8 @@ def test_a_cold_cache_is_said_and_compiled_while_the_model_loads(tmp_path, monke
     assert warmup.missing(events[0]) == []
     pyggml.Model(smollm2_path, n_ctx=64, progress=None)
     assert len(events) == 2 and "compiling" not in capsys.readouterr().err
-    from pyggml.models.model import _compile_kernels
-    assert _compile_kernels(tmp_path / "missing.gguf", None) is None  # the load says what is wrong
+    from pyggml.models.model import _prepare_cpu
+    assert _prepare_cpu(tmp_path / "missing.gguf", None) is None  # the load says what is wrong
 
 
 def test_old_versions_of_the_cache_are_pruned(tmp_path):
@@ -225,14 +225,13 @@ from numba.core.registry import CPUDispatcher
 import pyggml
 from pyggml.cpu.warmup import parts_for_file, warm_up
 from pyggml.models.loader import open_gguf
-from pyggml.models.model import gate_part
 
 def overloads():
     # issubclass of the type: isinstance would ask a dead weak proxy (numba's cfuncs leave some) and raise
     return {d: len(d.overloads) for d in gc.get_objects() if issubclass(type(d), CPUDispatcher)}
 
 path = sys.argv[1]
-warm_up(parts_for_file(path, gate_part(open_gguf(path)[1])))  # the model's own gate only
+warm_up(parts_for_file(path, open_gguf(path)[1].gate_name))  # the model's own gate only
 before = overloads()
 if sys.argv[2] == "model":
     m = pyggml.Model(path, n_ctx=256, progress=False)

@@ -9,7 +9,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import pyggml as pg
-from pyggml.models.kv_cache import FREE, PAGE, KVCache
+from pyggml.batch_rules import BATCH_RULES
+from pyggml.models.kv_cache import FREE, KVCache
+
+PAGE = BATCH_RULES.kv_page
 
 
 def small_cache(n_ctx: int) -> KVCache:

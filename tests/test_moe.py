@@ -90,10 +90,9 @@ def test_over_rpc_as_locally(moe, rpc_pair):
 
 def test_every_architecture_has_its_gates_kernels():
     """pyggml.Model compiles a model's kernels before loading it, its feed-forward's gate among
-    them (FFN_ACT): every architecture's gate must be a part warmup knows."""
+    them (Architecture.ffn_act): every architecture's gate must be a part warmup knows."""
     from pyggml.cpu import warmup
     from pyggml.models.loader import ARCHITECTURES
-    from pyggml.models.model import gate_part
     for name, arch in ARCHITECTURES.items():
-        assert gate_part(arch) in warmup.GATES, name
-        warmup.parts_for_tensors([("blk.0.ffn_up_exps.weight", pg.Type.MXFP4, (64, 64, 6))], gate_part(arch))
+        assert arch.gate_name in warmup.GATES, name
+        warmup.parts_for_tensors([("blk.0.ffn_up_exps.weight", pg.Type.MXFP4, (64, 64, 6))], arch.gate_name)

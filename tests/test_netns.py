@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml import hub
+from pyggml.models import hub
 
 from .conftest import shared_model
 from .rpc_helpers import HostedServers, NamespaceUnavailable, network_namespace

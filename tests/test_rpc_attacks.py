@@ -15,8 +15,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from pyggml import hub
-from pyggml.file_identity import file_identity
+from pyggml.models import hub
+from pyggml.rpc.file_identity import file_identity
 from pyggml.gguf import GGUFFile
 from pyggml.ops import Op
 from pyggml.rpc import keys, transport

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml import hub
-from pyggml.file_identity import file_identity
+from pyggml.models import hub
+from pyggml.rpc.file_identity import file_identity
 from pyggml.gguf import GGUFFile
 from pyggml.rpc import protocol as P
 from pyggml.rpc.protocol import Command as C
@@ -97,7 +97,7 @@ def test_a_warm_start_hashes_nothing(tmp_path, smollm2):
     """The identity is remembered by path, size and modification time: a second process hashes
     nothing; touching the file makes it hash again."""
     env = {**os.environ, "PYGGML_CACHE": str(tmp_path)}
-    code = ("import sys, pyggml.file_identity as f; d = f.file_identity(sys.argv[1]); "
+    code = ("import sys, pyggml.rpc.file_identity as f; d = f.file_identity(sys.argv[1]); "
             "print(f.hashed_files, d.hex())")
 
     def run():

@@ -264,7 +264,7 @@ def small_gguf(path) -> tuple[bytes, int, int]:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from pyggml.file_identity import file_identity
+    from pyggml.rpc.file_identity import file_identity
     from pyggml.gguf import GGUFFile
     info = GGUFFile(path).tensors["a"]
     return file_identity(path), info.offset, info.nbytes

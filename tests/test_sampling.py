@@ -95,12 +95,14 @@ def test_top_k_indices_is_the_head_of_the_full_order(k):
     """Largest first, equal values lowest index first - by a pass keeping the k best up to 256
     (numpy's argmax for 1), by a partition beyond: both the first k of a stable sort of the whole
     row, many values equal."""
+    from pyggml import ranking
     from pyggml.cpu.kernels import top_k_indices
     rng = np.random.default_rng(k)
     for _ in range(20):
         row = (np.round(rng.standard_normal(1000) * 3) / 3).astype(np.float32)
         order = np.lexsort((np.arange(row.size), -row))
         assert np.array_equal(top_k_indices(row, k), order[:k])
+        assert np.array_equal(ranking.top_k_indices(row, k), order[:k])
 
 
 @pytest.mark.parametrize("k", [1, 40, 256])
@@ -128,6 +130,7 @@ def test_the_top_k_pass_skips_groups_of_16_only_when_none_enters(k):
 def test_top_k_indices_ranks_nan_below_every_number_on_both_paths(k):
     """k above 256 on a row holding NaN failed with a numpy broadcast error (the partition's
     k-th value was NaN, which compares with nothing); NaN ranks as -inf does, by index."""
+    from pyggml import ranking
     from pyggml.cpu.kernels import top_k_indices
     rng = np.random.default_rng(k)
     for nan_every in (3, 1):  # some NaN, then a row of nothing else
@@ -135,4 +138,5 @@ def test_top_k_indices_ranks_nan_below_every_number_on_both_paths(k):
         row[::nan_every] = np.nan
         row[5] = -np.inf
         order = np.lexsort((np.arange(row.size), -np.where(np.isnan(row), -np.inf, row)))
-        assert np.array_equal(top_k_indices(row, k), order[:k])
+        assert np.array_equal(top_k_indices(row, k), order[:k])  # the CPU's TOP_K (a heap for k <= 256)
+        assert np.array_equal(ranking.top_k_indices(row, k), order[:k])  # the sampler's

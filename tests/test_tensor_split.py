@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
-from pyggml import hub
+from pyggml.models import hub
 from pyggml.models import PlacementError
 from pyggml.models.hparams import HParams
 from pyggml.models.tensor_split import Shard, SplitError, cuts, plan_tensor_split, shard_rows

@@ -12,7 +12,7 @@ from .conftest import REFERENCES, reference
 @pytest.fixture(scope="module", params=list(REFERENCES))
 def case(request):
     """Each model's tokenizer, built from the GGUF."""
-    from pyggml import hub
+    from pyggml.models import hub
     return Tokenizer(GGUFFile(hub.fetch(request.param))), reference(request.param), request.param
 
 

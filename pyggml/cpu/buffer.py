@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Buffer, BufferType, Device
+from ..backend import Buffer, BufferType, Device, TensorSource
 from ..tensor import Tensor
 from ..types import Type
 
@@ -24,7 +24,7 @@ class CPUBufferType(BufferType):
         except MemoryError:
             raise MemoryError(f"{self.name}: out of host memory allocating {size / 2**20:.1f} MiB") from None
 
-    def buffer_from_array(self, data: np.ndarray) -> CPUBuffer:
+    def buffer_from_map(self, data: np.ndarray) -> CPUBuffer:
         """A buffer over existing host bytes (ggml_backend_cpu_buffer_from_ptr), e.g. a
         read-only memory map of a GGUF file: tensors placed in it are read, never written."""
         return CPUBuffer(self, np.asarray(data, dtype=np.uint8).reshape(-1))
@@ -79,6 +79,10 @@ class CPUBuffer(Buffer):
     def tensor_bytes(self, tensor: Tensor) -> np.ndarray:
         """The tensor's bytes in this buffer, writable in place (a file is read straight into them)."""
         return self.data[self._span(tensor, 0, None)]
+
+    def load_tensor(self, tensor: Tensor, source: TensorSource) -> None:
+        """Read straight into place (the file's bytes cross no other buffer)."""
+        source.read_into(self.tensor_bytes(tensor))
 
     def get_tensor(self, tensor: Tensor, offset: int = 0, size: int | None = None) -> np.ndarray:
         return self.data[self._span(tensor, offset, size)].copy()

@@ -4,16 +4,22 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..backend import Backend, BufferType, Device, DeviceType
 from ..graph import Graph
 from ..opdefs import VIEW_OPS, Op, UnaryParams
 from ..tensor import Tensor
+from ..types import Type
 from .buffer import CPUBufferType
 from .fusion import fused_plan
 from .kernels import OP_TABLE, UNARY, Step
 from .plan import plan_runs
+
+if TYPE_CHECKING:
+    from .warmup import Compiling
 
 _threads_configured = False
 
@@ -99,6 +105,14 @@ class CPUDevice(Device):
 
     def supports_buft(self, buft: BufferType) -> bool:
         return buft.is_host()
+
+
+    def prepare_for(self, weights: Sequence[tuple[str, Type, tuple[int, ...]]], gate: str | None,
+                    say: Callable[[str], None] | None = None) -> Compiling | None:
+        """The kernels of these weights' formats and of the gate, compiled into the cache in
+        other processes where this machine has not compiled them yet (warmup.compile_for_model)."""
+        from .warmup import compile_for_model
+        return compile_for_model(weights, say, gate)
 
 
 class CPUBackend(Backend):

@@ -39,7 +39,7 @@ def use_versioned_cache() -> None:
     Where that folder cannot be written, numba's own choice stays."""
     import numba
 
-    from ..hub import cache_dir
+    from ..cache import cache_dir
     if numba.config.CACHE_DIR:
         return
     folder = cache_dir() / "numba" / kernel_digest(kernel_sources())

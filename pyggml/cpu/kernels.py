@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import quants
+from .. import quants, ranking
 from ..opdefs import (ArgsortParams, ClampParams, ConcatParams, FlashAttnParams, GluOp, GluParams, NormParams, Op, RopeMode,
                       RopeParams, ScaleParams, SoftMaxParams, SortOrder, UnaryOp, UnaryParams)
 from ..tensor import Tensor
@@ -802,25 +802,14 @@ HEAP_TOP_K = 256
 
 
 def top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
-    """The indices of the k largest values of a 1-D row, largest first, equal values lowest
-    index first - one rule, so that TOP_K on any device and the sampler over a whole row
-    pick the same k in the same order."""
+    """pyggml.ranking.top_k_indices (the one order of TOP_K), with a heap for few of many."""
     n = row.size
     k = min(k, n)
-    if k <= 0:
-        return np.zeros(0, dtype=np.int64)
-    if k <= HEAP_TOP_K:
+    if 0 < k <= HEAP_TOP_K:
         out = np.empty((1, k), dtype=np.int64)
         nn.top_k_rows(np.ascontiguousarray(row, dtype=f32).reshape(1, n), k, out)
         return out[0]
-    row = np.where(np.isnan(row), f32(-np.inf), row) if np.isnan(row).any() else row  # NaN ranks below every number
-    if k < n:  # a partition, then a sort of k
-        kth = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
-        above = np.flatnonzero(row > kth)
-        ids = np.concatenate([above, np.flatnonzero(row == kth)[:k - above.size]])
-    else:
-        ids = np.arange(n)
-    return ids[np.lexsort((ids, -row[ids]))]
+    return ranking.top_k_indices(row, k)
 
 
 def bind_argsort(node: Tensor, shared: dict) -> Step:

@@ -30,6 +30,7 @@ import numpy as np
 import numba
 from numba import carray, njit, prange, types
 
+from ..batch_rules import BATCH_RULES
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
 from .kinds import Fmt, kernel_of_kind
 from .rows import RowCall, address_of, c_rows, product_call, row_kernel, run_calls, serial_call
@@ -37,7 +38,7 @@ from .simd import KERNEL, address, call_address, pointer
 
 
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
-TILED_MIN_COLS = 8
+TILED_MIN_COLS = BATCH_RULES.tiled_min_cols
 assert set(Fmt) == set(FORMATS), "blockdot.py lacks a format"
 
 _jit = njit(inline="always", **KERNEL)

@@ -147,3 +147,6 @@ def quant_matmul(w: np.ndarray, qtype: Type, x: np.ndarray) -> np.ndarray:
 
 def supports(qtype: Type) -> bool:
     return qtype in DECODER
+
+
+assert set(DECODER) == {t for t in Type if t.has_vec_dot}, "a type with a vec_dot the CPU cannot decode"

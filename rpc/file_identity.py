@@ -15,10 +15,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .hub import cache_dir
+from pyggml.cache import cache_dir
 
 _lock = threading.Lock()
 hashed_files = 0  # files hashed by this process (a warm start hashes none)
+_known: dict[str, bytes] = {}  # this process's digests by _key (loading asks once per tensor)
 
 
 def _index_path() -> Path:
@@ -44,17 +45,20 @@ def file_identity(path: str | os.PathLike) -> bytes:
     p = Path(path)
     key = _key(p)
     with _lock:
+        if key in _known:
+            return _known[key]
         known = _load().get(key)
         if isinstance(known, str) and len(known) == 64:
             try:
-                return bytes.fromhex(known)
+                _known[key] = bytes.fromhex(known)
+                return _known[key]
             except ValueError:
                 pass
         h = hashlib.sha256()
         with open(p, "rb") as f:
             while chunk := f.read(8 << 20):
                 h.update(chunk)
-        digest = h.digest()
+        digest = _known[key] = h.digest()
         hashed_files += 1
         here = key.split("|", 1)[0]  # (this path's older entries are of bytes it no longer holds)
         index = {k: v for k, v in _load().items()

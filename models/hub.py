@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyggml.cache import cache_dir
+
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -41,10 +43,6 @@ KNOWN_MODELS = {
         "Gemma 3 270M, Q4_K_M (253 MB)"),
 }
 DEFAULT_MODEL = "smollm2"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PYGGML_CACHE", Path.home() / ".cache" / "pyggml"))
 
 
 def _sha256(path: Path) -> str:
