@@ -218,7 +218,7 @@ def synthetic_moe(arch: str = "qwen3moe") -> Path:
     if path.exists():
         return path
     sys.path.insert(0, str(ROOT))
-    from tests.synthetic import Shape, random_weights, write_model
+    from tests.models.synthetic import Shape, random_weights, write_model
     s = Shape(n_embd=1024, n_layer=24, n_ff=1536, n_head=16, n_head_kv=4, n_vocab=32000, n_expert=32,
               n_expert_used=4, n_ff_exp=384)
     print(f"writing {path} (random weights, once) ...", flush=True)

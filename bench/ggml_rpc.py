@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg  # noqa: E402
-from tests.rpc_helpers import ServerProcess, free_port  # noqa: E402
+from tests.rpc.rpc_helpers import ServerProcess, free_port  # noqa: E402
 
 CORES = os.cpu_count() or 1
 

@@ -35,13 +35,13 @@ if ! "$PY" -c "import cupy, numpy, gguf, lz4, click, numba, pyggml.models; print
   exit 2
 fi
 
-# tests/test_cuda.py only: the kernel tests (tests/test_cuda_kernels.py: nvcc compiles, the CUDA
+# tests/cuda/test_cuda.py only: the kernel tests (tests/cuda/test_cuda_kernels.py: nvcc compiles, the CUDA
 # emulator) need no GPU and run in CI; here they would spend device minutes building the emulator
 echo "== GPU tests (real models only where ~/.cache/pyggml holds them: no downloads here)"
 select="not real_model"
 ls ~/.cache/pyggml/models/*.gguf >/dev/null 2>&1 && select=""
 select="${TEST_SELECT-$select}"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py ${select:+-k "$select"} \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py ${select:+-k "$select"} \
   2>&1 | tee "$out/tests.txt" | tail -25
 tests_rc=${PIPESTATUS[0]}
 

@@ -47,7 +47,7 @@ import numpy as np
 
 import pyggml as pg
 from pyggml.rpc import backend as rpc_backend
-from tests.rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
+from tests.rpc.rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -38,7 +38,7 @@ import numpy as np
 
 import pyggml as pg
 from pyggml.models import hub
-from tests.rpc_helpers import ServerProcess
+from tests.rpc.rpc_helpers import ServerProcess
 
 DENSE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyggml" / "bench" / "dense-llama-1b-q4_0.gguf"
 DENSE_SHAPE = dict(n_embd=2048, n_layer=16, n_ff=8192, n_head=32, n_head_kv=8)  # Llama 3.2 1B

@@ -203,7 +203,7 @@ class Engine:
         if n_batch > model.context.n_ubatch:
             raise ValueError(f"n_batch ({n_batch}) must fit in the context's ubatch ({model.context.n_ubatch} tokens): "
                              f"a step is one ubatch, so that no sequence's tokens are cut between two")
-        if getattr(model, "engine", None) is not None:
+        if model.engine is not None:
             raise RuntimeError("this model is already served by an Engine")
         self.model = model
         self.ctx = model.context
@@ -241,7 +241,7 @@ class Engine:
         self._prober.start()
         # a model placed over the servers found on the network (--rpc auto) takes in those that
         # appear later, at a step boundary, as it takes back lost ones
-        if getattr(model, "discovers", False):
+        if model.discovers:
             from pyggml.rpc.discovery import Watcher
             self._watcher = Watcher(self._found)
 

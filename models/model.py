@@ -366,7 +366,8 @@ class Model:
             self.recoveries.append((time.time(), reason, time.perf_counter() - t0))
             del self.recoveries[:-64]
             return
-        raise RPCError(getattr(error, "endpoint", "RPC"), f"{reason}; servers kept being lost while recovering")
+        endpoint = error.endpoint if isinstance(error, RPCError) else "RPC"
+        raise RPCError(endpoint, f"{reason}; servers kept being lost while recovering")
 
     def _shares(self) -> list[tuple[Any, list[int], str | None]]:
         """Per device: the device, its layers, and what it holds in words (None: nothing)."""

@@ -11,7 +11,7 @@ Control tokens (``token_type`` 3, e.g. ``<|im_start|>``, ``<bos>``) are recognis
 text only with ``special=True``, like llama.cpp's ``parse_special``: we split the text at
 them ourselves (llama.cpp's special-token partition) rather than registering them with
 ``tokenizers`` as added tokens.  Both kinds reproduce llama.cpp's ids on every reference
-string (tests/test_tokenizer.py).
+string (tests/models/test_tokenizer.py).
 """
 from __future__ import annotations
 

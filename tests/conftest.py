@@ -108,7 +108,7 @@ def ggml_mul_mat_reference(x: np.ndarray, raw: np.ndarray, qtype) -> np.ndarray:
 @pytest.fixture
 def start_server():
     """Start ``pyggml-rpc-server`` processes for one test; all are stopped afterwards."""
-    from .rpc_helpers import ServerProcess
+    from tests.rpc.rpc_helpers import ServerProcess
     started = []
 
     def start(*args: str, **kw):
@@ -123,7 +123,7 @@ def start_server():
 @pytest.fixture(scope="session")
 def rpc_pair(tmp_path_factory):
     """Two servers shared by the model tests (each with its own tensor cache)."""
-    from .rpc_helpers import ServerProcess
+    from tests.rpc.rpc_helpers import ServerProcess
     servers = [ServerProcess("--cache-dir", str(tmp_path_factory.mktemp(f"cache{i}"))) for i in range(2)]
     yield servers
     for s in servers:
@@ -133,7 +133,7 @@ def rpc_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zmq_rpc_pair():
     """Two servers on the ZeroMQ transport (``zmq://`` endpoints)."""
-    from .rpc_helpers import ServerProcess
+    from tests.rpc.rpc_helpers import ServerProcess
     servers = [ServerProcess("--transport", "zmq") for _ in range(2)]
     yield servers
     for s in servers:

@@ -28,8 +28,8 @@ from pyggml import Type, ops
 from pyggml.cpu import CPUDevice
 from pyggml.opdefs import GluOp, RopeMode, SortOrder, UnaryOp
 
-from .rpc_helpers import LlamaRpcServer, ServerProcess
-from .test_quants import random_blocks
+from tests.rpc.rpc_helpers import LlamaRpcServer, ServerProcess
+from tests.test_quants import random_blocks
 
 f64 = np.float64
 
@@ -646,7 +646,7 @@ def _device(request):
         return dev, [dev.init_backend(), cpu.init_backend()]
     dev = _cuda_device()
     if dev is None:
-        pytest.skip("no CUDA device here (CuPy or a GPU missing); tests/test_cuda.py runs on the emulator")
+        pytest.skip("no CUDA device here (CuPy or a GPU missing); tests/cuda/test_cuda.py runs on the emulator")
     return dev, [dev.init_backend(), cpu.init_backend()]
 
 

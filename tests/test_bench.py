@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .cuda import emulator
+from tests.cuda import emulator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_rpc_bench_runs():
 
 
 def test_ggml_rpc_bench_runs():
-    from .rpc_helpers import llamacpp_tool
+    from tests.rpc.rpc_helpers import llamacpp_tool
     llamacpp_tool("llama-bench"), llamacpp_tool("ggml-rpc-server")
     r = run(sys.executable, "bench/ggml_rpc.py", "--tokens", "4", "--prompt", "8", "--rounds", "1")
     assert r.returncode == 0, r.stderr
@@ -88,7 +88,7 @@ def test_rpc_bench_pipeline_runs():
 def test_rpc_bench_runs_a_mixture_of_experts_without_a_tokenizer(tmp_path):
     """--synthetic-moe's path (token ids into a context, three placements), on a tiny qwen3moe
     in place of the ~1B one that the benchmark writes."""
-    from .synthetic import Shape, random_weights, write_model
+    from tests.models.synthetic import Shape, random_weights, write_model
     s = Shape()
     path = write_model(tmp_path / "moe.gguf", "qwen3moe", s, random_weights("qwen3moe", s, seed=3))
     r = run(sys.executable, "bench/rpc.py", "--synthetic-moe", str(path), "--tokens", "4", "--rounds", "1",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .conftest import reference
+from tests.conftest import reference
 
 
 def run(tool: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess:

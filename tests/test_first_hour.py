@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from .test_server import CHAT, HTTPServer
+from tests.server.test_server import CHAT, HTTPServer
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -100,7 +100,7 @@ def test_chat_flags_a_new_user_reaches_for():
 
 
 def test_the_chat_banner_names_the_file_its_name_size_and_type():
-    from .conftest import shared_model
+    from tests.conftest import shared_model
     text = shared_model("smollm2").describe()
     assert text.startswith("SmolLM2-135M-Instruct.Q4_1.gguf (") and '"Smollm2 135M' in text
     assert "135M" in text and "Q4_1" in text and text.endswith("MiB)")
@@ -109,7 +109,7 @@ def test_the_chat_banner_names_the_file_its_name_size_and_type():
 def test_a_model_without_a_chat_template_is_a_base_model():
     """Gemma 3 270M's file carries no chat template: -p continues the text as given (the
     README's example), interactive chat says so once, --chat-template picks a turn format."""
-    from .conftest import shared_model
+    from tests.conftest import shared_model
     text = "The three primary colours are"
     m = shared_model("gemma3-270m")
     m.context.clear()

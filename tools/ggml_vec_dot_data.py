@@ -2,7 +2,7 @@
 
 Needs llama-cpp-python (any environment; not a dependency of pyggml): its ggml CPU library is
 loaded with ctypes and its ``quantize_row_q8_*`` and ``ggml_vec_dot_*`` functions are called on
-random weight blocks and activations.  tests/test_ggml_exact.py checks that pyggml's CPU
+random weight blocks and activations.  tests/cpu/test_ggml_exact.py checks that pyggml's CPU
 kernels give the same float32 bits.
 
     python tools/ggml_vec_dot_data.py --llama-python /path/to/venv/bin/python

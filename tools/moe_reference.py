@@ -1,6 +1,6 @@
 """Write tests/data/moe-llamacpp.json: llama.cpp's next-token log-probabilities and greedy
-continuations on the tiny random mixture-of-experts models of tests/synthetic.py (qwen3moe,
-and a Mixtral-style llama), which tests/test_moe.py holds pyggml to.
+continuations on the tiny random mixture-of-experts models of tests/models/synthetic.py (qwen3moe,
+and a Mixtral-style llama), which tests/models/test_moe.py holds pyggml to.
 
     python tools/moe_reference.py ~/.cache/llama.cpp-ref/build/bin/llama-server [NAME ...]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.synthetic import Shape, expert_types, random_weights, write_model  # noqa: E402
+from tests.models.synthetic import Shape, expert_types, random_weights, write_model  # noqa: E402
 
 # name -> (arch, seed, type of the expert weights, type of the down experts if another)
 MODELS = {"qwen3moe": ("qwen3moe", 8, None, None), "llama-moe": ("llama", 9, None, None),

@@ -108,7 +108,7 @@ class CPUBuffer(Buffer):
 
 def tensor_view(t: Tensor) -> np.ndarray:
     """A numpy view of a plain-typed tensor's bytes, shaped ne[::-1] with its strides (no copy).
-    Graph plans make each once (kernels.py's binders), not at every step."""
+    Graph plans make each once (the binders of ops/), not at every step."""
     buf = t.buffer
     if not isinstance(buf, CPUBuffer):
         raise ValueError(f"tensor {t.name or '?'} is not in host memory")

@@ -15,7 +15,7 @@ from ..tensor import Tensor
 from ..types import Type
 from .buffer import CPUBufferType
 from .fusion import fused_plan
-from .kernels import OP_TABLE, UNARY, Step
+from .ops import OP_TABLE, UNARY, Step
 from .plan import plan_runs
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class CPUBackend(Backend):
 
 @dataclass
 class CPUPlan:
-    """A graph's nodes bound to their steps (kernels.py), made once and run at every compute;
+    """A graph's nodes bound to their steps (ops/), made once and run at every compute;
     the steps hold the views of every tensor they read and write."""
     graph: Graph
     steps: list[Step]

@@ -36,7 +36,8 @@ from ..tensor import Tensor
 from ..types import Type
 from . import nn
 from .buffer import CPUBuffer, tensor_view
-from .kernels import Step, _shared_activations, column_runs, quant_table_step, reader
+from .ops.base import Step, reader
+from .ops.matmul import _shared_activations, column_runs, quant_table_step
 from .kinds import EXACT
 from .plan import Span, TableStep, overlap, span
 from .qmatmul import QuantProduct, product_format

@@ -20,9 +20,10 @@ KEEP = 8  # versions kept (the most recently used); each holds tens of MB of mac
 
 
 def kernel_sources() -> list[Path]:
-    """The files the numba kernels are compiled from (the CPU backend, and the type and block
-    layout constants they read)."""
-    return sorted([*(PACKAGE / "cpu").glob("*.py"), PACKAGE / "types.py", *(PACKAGE / "quants").glob("*.py")])
+    """The files the numba kernels are compiled from (the CPU backend, and the type, block
+    layout and batch width constants they read)."""
+    return sorted([*(PACKAGE / "cpu").rglob("*.py"), PACKAGE / "types.py", PACKAGE / "batch_rules.py",
+                   *(PACKAGE / "quants").glob("*.py")])
 
 
 def kernel_digest(sources: list[Path]) -> str:

@@ -1,6 +1,6 @@
 """A CPU graph plan's steps run as tables: most of a decoding step in one compiled call.
 
-A binder (kernels.py) that can say what its node's kernels are as row-kernel calls
+A binder (ops/) that can say what its node's kernels are as row-kernel calls
 (rows.RowCall: an address, rows, arguments resolved when the plan is made) returns a
 :class:`TableStep`.  The plan joins consecutive table steps into one :class:`TableRun`: one
 call of rows.run_table for all their kernels, instead of a Python call (and numba's checks of

@@ -14,8 +14,10 @@ gate and up of a feed-forward) converts the activation once and hands it to each
 """
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +64,85 @@ def product_format(qtype: Type, m_rows: int) -> Fmt:
     """The block format an exact weight type's product takes: llama.cpp repacks Q4_K weights of a
     multiple of 8 rows (and multiplies them with other kernels)."""
     return Fmt.Q4_K_X8 if qtype == Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
+
+
+class ProductStep(enum.Enum):
+    TABLE = "calls in the plan's table, run with their neighbours' in one compiled call"
+    CALL = "one kernel call per step, its arguments found when bound"
+    CALL_COPY = "computed into an array of its own, then copied into the strided result"
+    PER_MATRIX = "one product per matrix of stacked or broadcast weights"
+    FLOAT_RUNS = "numpy's matmul, one product per run of columns"
+    FLOAT = "numpy's matmul over the broadcast matrices"
+
+
+class ProductKernel(enum.Enum):
+    EXACT = "ggml's integer block dots (qdot.py), each column in blockdot.column_format's format"
+    MXFP4 = "MXFP4's exact kernel (mxfp4.py)"
+    FUSED = "each weight row decoded and dotted with every column (qdecode.fused_matmul)"
+    DECODED_BLAS = "weight rows decoded a tile at a time and multiplied by BLAS"
+    BLAS = "numpy's matmul of the float values"
+
+
+@dataclass(frozen=True)
+class Layout:
+    one_matrix: bool  # the weights are one matrix (ne2 = ne3 = 1) whose rows lie one after another
+    out_rows: bool    # the result's rows lie one after another (C-contiguous)
+    x_rows: bool      # the activations are F32 rows one after another
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    step: ProductStep
+    kernel: ProductKernel
+    fmt: Fmt | None = None  # the exact kernel's block format (Q4_K_X8: repacked Q4_K)
+
+
+def choose_product(qtype: Type, m_rows: int, layout: Layout, n_cols: int, runs: bool) -> ProductPlan:
+    """How the CPU computes a MUL_MAT of ``m_rows`` weight rows of ``qtype`` with ``n_cols``
+    columns (a run's, where ``runs``: every run is computed as a product of its columns alone).
+
+    The kernel, by the weights' type:
+
+    | weights                                  | columns            | kernel       | format                    |
+    | ---------------------------------------- | ------------------ | ------------ | ------------------------- |
+    | not read as stored (F32, BF16 ...)       | any                | BLAS         |                           |
+    | exact (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K ...) | any                | EXACT        | product_format: Q4_K_X8 for Q4_K of a multiple of 8 rows |
+    | MXFP4                                    | any                | MXFP4        |                           |
+    | the others read as stored (F16, IQ4 ...) | up to FUSED_MAX_COLS | FUSED      |                           |
+    | the same                                 | more               | DECODED_BLAS |                           |
+
+    The step, by the layout (the first row that holds):
+
+    | weights                    | layout                                          | step       |
+    | -------------------------- | ----------------------------------------------- | ---------- |
+    | not read as stored         | runs                                            | FLOAT_RUNS |
+    | not read as stored         | no runs                                         | FLOAT      |
+    | read as stored             | not one matrix                                  | PER_MATRIX |
+    | EXACT, rows and columns    | one matrix, result rows, F32 activation rows    | TABLE      |
+    | read as stored             | one matrix, result rows                         | CALL       |
+    | read as stored             | one matrix, a strided result                    | CALL_COPY  |
+
+    Within the EXACT kernel, each column's format is blockdot.column_format's: repacked Q4_K's
+    gemm for whole fours of columns, the tiled K-quant kernels from BatchRules.tiled_min_cols
+    columns on; until a format's tiled rows are compiled (warmup's deferred parts) its columns
+    are taken one at a time, with the same bits.  Every choice is llama.cpp's for the same
+    weights and columns, so the bits are llama.cpp's."""
+    if not qtype.has_vec_dot:
+        return ProductPlan(ProductStep.FLOAT_RUNS if runs else ProductStep.FLOAT, ProductKernel.BLAS)
+    fmt = None
+    if qtype in EXACT:
+        kernel, fmt = ProductKernel.EXACT, product_format(qtype, m_rows)
+    elif qtype == Type.MXFP4:
+        kernel = ProductKernel.MXFP4
+    else:
+        kernel = ProductKernel.FUSED if n_cols <= FUSED_MAX_COLS else ProductKernel.DECODED_BLAS
+    if not layout.one_matrix:
+        step = ProductStep.PER_MATRIX
+    elif kernel == ProductKernel.EXACT and layout.out_rows and layout.x_rows and m_rows > 0 and n_cols > 0:
+        step = ProductStep.TABLE
+    else:
+        step = ProductStep.CALL if layout.out_rows else ProductStep.CALL_COPY
+    return ProductPlan(step, kernel, fmt)
 
 
 class QuantProduct:
@@ -122,7 +203,7 @@ class QuantProduct:
                     self(acts[r0:r1], out[r0:r1])
             return
         x = acts
-        if x.shape[0] <= FUSED_MAX_COLS:
+        if x.shape[0] <= FUSED_MAX_COLS:  # (choose_product's FUSED)
             fused_matmul(self.dec, w, x, out, F16_TABLE)
             return
         # BLAS writes each tile's result into contiguous rows of the transposed output

@@ -5,7 +5,7 @@ products, 16 for F16 and softmax), fuses multiply-adds, and uses its own exp pol
 activations quantized to 8 bits, a difference in the last bit of one value can flip the rounding
 of an activation, and through a model's layers that flips near-tied argmaxes: so the CPU backend
 does the same operations in the same order, and its results equal llama.cpp's bit for bit
-(tests/test_models.py checks this against llama.cpp's outputs).
+(tests/models/test_models.py checks this against llama.cpp's outputs).
 
 These helpers are numba functions inlined into the kernels that use them, and pieces of LLVM
 IR for the quantized products (blockdot.py), because numba does not vectorize their shape by

@@ -2,7 +2,7 @@
 memory, and ``RawModule`` kernels run by the CUDA emulator (tests/cuda/emulator.py).
 
 Put ``tests/cuda/fake`` first on ``PYTHONPATH`` and pyggml's CUDA backend runs unmodified
-(``pyggml.devices()`` lists one emulated GPU, "CUDA0"); tests/test_cuda_emulated.py runs the
+(``pyggml.devices()`` lists one emulated GPU, "CUDA0"); tests/cuda/test_cuda_emulated.py runs the
 GPU tests so.  It covers the part of CuPy that pyggml and bench/gpu.py use, and keeps CuPy's
 rules where breaking them would pass here and fail on a GPU:
 

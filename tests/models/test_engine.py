@@ -1,0 +1,252 @@
+"""The batching engine and the unified KV cache under it: a sequence decoded beside others
+gets its solo bits, requests from threads get their solo greedy answers, cells run out
+gracefully, abandoned streams free their slots."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyggml as pg
+from pyggml.models import Engine
+from pyggml.cpu.blockdot import column_format
+from pyggml.cpu.kinds import Fmt
+from pyggml.batch_rules import BATCH_RULES
+from pyggml.models.context import Batch
+from pyggml.models.engine import QueueFullError
+
+from tests.conftest import shared_model
+
+prompt_cut, reusable_prefix = BATCH_RULES.prompt_cut, BATCH_RULES.reusable_prefix
+
+PROMPTS = ["The capital of France is", "Once upon a time there was", "def fib(n):", "Water is made of"]
+
+
+def same(got: np.ndarray, want: np.ndarray, exact: bool) -> bool:
+    return np.array_equal(got, want) if exact else int(np.argmax(got)) == int(np.argmax(want))
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_a_sequence_in_a_batch_of_four_gets_its_solo_logits(alias):
+    """Four prompts read in one batch, then four decode steps of one token per sequence:
+    every row's logits are the bits of the same sequence decoded alone - SmolLM2's Q4_1 and
+    Gemma 3's K-quants alike: llama.cpp computes the K-quants by other kernels when a batch
+    has enough columns (the repacked Q4_K gemm for whole fours of columns, the tiled Q5_K/Q6_K
+    kernels from 8), and the batch's products compute each sequence's run of columns as that
+    sequence alone would (ops.mul_mat's runs)."""
+    m = shared_model(alias)
+    ctx = m.context
+    exact = True
+    prompts = [m.tokenize(t) for t in PROMPTS]
+    solo = []
+    for p in prompts:
+        ctx.clear()
+        rows, toks = [ctx.decode(p)[-1]], list(p)
+        for _ in range(4):
+            toks.append(int(np.argmax(rows[-1])))
+            rows.append(ctx.decode([toks[-1]])[-1])
+        solo.append((rows, toks))
+    ctx.clear()
+    ctx.kv.clear()
+    try:
+        batch = Batch(np.concatenate([np.array(p, np.int32) for p in prompts]),
+                      np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts]),
+                      np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(prompts)]),
+                      np.concatenate([np.arange(len(p)) == len(p) - 1 for p in prompts]))
+        got = ctx.decode_batch(batch)
+        for i in range(4):
+            assert same(got[i], solo[i][0][0], exact), f"prompt {i}"
+        for k in range(4):
+            step = Batch(np.array([solo[i][1][len(prompts[i]) + k] for i in range(4)], np.int32),
+                         np.array([len(p) + k for p in prompts], np.int32), np.arange(4, dtype=np.int32),
+                         np.ones(4, bool))
+            got = ctx.decode_batch(step)
+            for i in range(4):
+                assert same(got[i], solo[i][0][k + 1], exact), f"step {k}, sequence {i}"
+        assert ctx.kv.n_used == sum(len(p) + 4 for p in prompts)
+    finally:
+        ctx.kv.clear()
+
+
+def test_sequences_do_not_see_each_other():
+    """A sequence's logits do not change when another sequence's cells are rewritten."""
+    m = shared_model("smollm2")
+    ctx = m.context
+    ctx.clear()
+    ctx.kv.clear()
+    try:
+        a, b = m.tokenize("The capital of France is"), m.tokenize("Completely different words here")
+        ctx.decode_batch(Batch.of(a, 0, seq=3))
+        ctx.decode_batch(Batch.of(b, 0, seq=5))
+        first = ctx.decode_batch(Batch.of([11], len(a), seq=3))[0]
+        ctx.kv.seq_rm(3, len(a))
+        ctx.kv.seq_rm(5, 0)
+        ctx.decode_batch(Batch.of(m.tokenize("Other text entirely, longer than before"), 0, seq=5))
+        assert np.array_equal(ctx.decode_batch(Batch.of([11], len(a), seq=3))[0], first)
+    finally:
+        ctx.kv.clear()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """SmolLM2 with a 256-cell cache (four pages): room runs out quickly."""
+    with pg.Model("smollm2", n_ctx=256, progress=False) as m:
+        yield m
+
+
+def answers_from_threads(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy streamed answer, all asked at once from threads of their own."""
+    out: dict[str, str] = {}
+
+    def ask(p):
+        out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=max_tokens, temperature=0))
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def test_engine_from_threads_equals_the_model_alone(small):
+    want = {p: small.create_completion(p, max_tokens=12, temperature=0)["choices"][0]["text"] for p in PROMPTS}
+    with Engine(small, n_parallel=4, n_batch=64) as engine:
+        with pytest.raises(RuntimeError, match="belongs to the Engine"):
+            small.create_completion("x", max_tokens=1)
+        assert answers_from_threads(engine, PROMPTS, 12) == want
+        r = engine.submit(PROMPTS[0], stream=False, max_tokens=12, temperature=0)
+        assert r["choices"][0]["text"] == want[PROMPTS[0]]
+        # the slot still holds this prompt, but a rest of one token would take the attention's
+        # single-token path, not a fresh read's: nothing of 5 tokens is reused (reusable_prefix)
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert small.create_completion(PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"] == want[PROMPTS[1]]
+
+
+def test_decoding_steps_find_their_graphs_built_ahead(small):
+    """The stalls: a stream that joins or leaves changes the decoding step's shape, and a graph
+    built on the step loop stops every stream in the step for tens of ms.  The engine builds the
+    decoding steps' shapes while idle (1 .. n_parallel streams, greedy and default sampling),
+    so that no step that reads no prompt builds a graph; steps that read prompts still do."""
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        assert engine.wait_built_ahead(timeout=120) and engine.warming == 0
+        shapes = engine._warm_shapes()  # the largest step, then 1..3 streams, greedy and sampled
+        assert len(shapes) == 1 + 2 * 3 and all(engine.ctx.has_graph(s) for s in shapes)
+
+        def ask(prompt: str, n: int, **sampling) -> None:
+            list(engine.submit(prompt, max_tokens=n, **sampling))
+        # three streams that end one after another (3, 2, then 1 generating), one of them sampled
+        threads = [threading.Thread(target=ask, args=(p, n), kwargs=kw) for p, n, kw in
+                   [(PROMPTS[0], 4, {"temperature": 0}), (PROMPTS[1], 9, {"temperature": 0}),
+                    (PROMPTS[2], 14, {"temperature": 0.8, "seed": 1})]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        st = engine.stats
+        assert st.generated_tokens > 20
+        assert st.graph_builds > 0 and st.graph_builds_decoding == 0, (st.graph_builds, st.graph_builds_decoding)
+        assert sum(st.step_buckets) == st.steps and st.slowest_step > 0
+
+
+LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within fifty years "
+        "printers worked in more than two hundred cities, and the price of a book fell so far that students, "
+        "merchants and craftsmen could own the texts their parents had only heard read aloud in churches, and")
+
+
+def test_k_quant_answers_in_a_busy_engine_are_the_models_alone():
+    """Gemma 3's K-quants, whose batch kernels round otherwise: prompts of 6 to ~70 tokens read
+    in pieces of at most 32 tokens beside each other's decoding, then a follow-up that reuses a
+    slot's cached prefix - every greedy answer is Model.create_completion's, token for token."""
+    prompts = [PROMPTS[1], LONG, PROMPTS[3], LONG[:200]]
+    follow_up = LONG + " the first newspapers"
+    with pg.Model("gemma3-270m", n_ctx=1024, progress=False) as m:
+        want = {p: m.create_completion(p, max_tokens=16, temperature=0)["choices"][0]["text"]
+                for p in [*prompts, follow_up]}
+        assert len(m.tokenize(LONG)) > 64 and len(m.tokenize(prompts[3])) > 32
+        with Engine(m, n_parallel=4, n_batch=32) as engine:
+            assert answers_from_threads(engine, prompts, 16) == {p: want[p] for p in prompts}
+            r = engine.submit(follow_up, stream=False, max_tokens=16, temperature=0)
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
+            assert r["choices"][0]["text"] == want[follow_up]
+
+
+def test_full_cache_ends_with_length_and_frees_cells(small):
+    """Two sequences that want more than the 256 cells: each ends with "length" when its
+    next cell is missing, nothing hangs, and the cache serves the next request."""
+    with Engine(small, n_parallel=2, n_batch=64) as engine:
+        results = []
+
+        def ask(p):
+            results.append(engine.submit(p, stream=False, max_tokens=400, temperature=0))
+        threads = [threading.Thread(target=ask, args=(p,)) for p in ("1, 2, 3, 4, 5, 6,", "10, 20, 30, 40,")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(results) == 2
+        for r in results:
+            assert r["choices"][0]["finish_reason"] in ("length", "stop")
+        assert sum(r["usage"]["total_tokens"] for r in results) <= 256 + 2
+        assert any(r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] < 400
+                   for r in results)
+        r = engine.submit(PROMPTS[2], stream=False, max_tokens=4, temperature=0)
+        assert r["usage"]["completion_tokens"] == 4
+        with pytest.raises(ValueError, match="more than the context"):
+            engine.submit(list(range(1, 300)), stream=False)
+
+
+def test_abandoned_stream_frees_its_slot_and_full_queue_refuses(small):
+    with Engine(small, n_parallel=1, n_batch=64, max_queue=1) as engine:
+        stream = engine.submit(PROMPTS[0], max_tokens=200, temperature=0)
+        next(stream)
+        done = []
+        waiting = threading.Thread(target=lambda: done.append(
+            engine.submit(PROMPTS[1], stream=False, max_tokens=3, temperature=0)))
+        waiting.start()
+        for _ in range(200):
+            if engine.queued:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(QueueFullError):
+            engine.submit(PROMPTS[2], max_tokens=2)
+        stream.close()
+        waiting.join(60)
+        assert done and done[0]["usage"]["completion_tokens"] == 3
+        assert engine.busy_slots == 0 and engine.stats.requests == 2
+
+
+def kernels_of(pieces: list[tuple[int, int]]) -> dict[int, tuple]:
+    """What decides each position's arithmetic when a prompt is read in ``pieces``: its format
+    in repacked Q4_K and in Q6_K products (blockdot.column_format, the kernels' own rule) and
+    whether its piece is a single token (the attention's single-token path)."""
+    fmt = column_format.py_func
+    return {p: (fmt(Fmt.Q4_K_X8, p - s, e - s, 8), fmt(Fmt.Q6_K, p - s, e - s, 8), e - s == 1)
+            for s, e in pieces for p in range(s, e)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 700), ubatch=st.sampled_from([16, 64, 256]), cached=st.integers(0, 700),
+       budgets=st.lists(st.integers(16, 300), min_size=1, max_size=40))
+def test_a_prompt_read_in_pieces_gets_the_kernels_of_a_whole_read(total, ubatch, cached, budgets):
+    """The engine reads a prompt in pieces that fit each step's budget, after whatever prefix a
+    slot has cached; every token must still meet the kernels it meets when the prompt is read
+    whole in ubatches (Context.decode), or its bits - and a greedy answer - would depend on
+    what ran beside it."""
+    start = reusable_prefix(cached, total, ubatch)
+    assert 0 <= start <= min(cached, total - 1)
+    pieces, done = [], start
+    for step in range(total + 1):
+        if done == total:
+            break
+        budget = budgets[step % len(budgets)]
+        n = prompt_cut(done, total, budget, ubatch)
+        assert 0 < n <= budget
+        pieces.append((done, done + n))
+        done += n
+    whole = kernels_of([(s, min(s + ubatch, total)) for s in range(0, total, ubatch)])
+    got = kernels_of(pieces)
+    assert all(got[p] == whole[p] for p in range(start, total))
