@@ -22,7 +22,8 @@ import numpy as np
 from numba import carray, njit
 
 from .kinds import Act
-from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls, serial_call
+from .parts import LAYERS, part, sample_x
+from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, run_calls, serial_call
 from .simd import KERNEL, pointer, round_f16
 
 
@@ -78,6 +79,9 @@ def _quantize_rows(start, end, x_at, k, kind, yq_at, yd_at, ys_at, i6, i7, i8, i
         _quantize_row(x, r, kind, yq, yd, ys)
 
 
+QuantizeArgs = row_args(_quantize_rows)
+
+
 def quantize_q8(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """x [N, K] float32 -> yq [N, K] the 8-bit integers (as float32), yd [N, blocks] their
     scale, ys: Q8_1 F16(d * sum q) per block [N, K/32]; Q8_K ``bsums``, sum q per 16 values
@@ -116,9 +120,9 @@ def quantize_call(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: 
     if not (x.ndim == 2 and c_rows(np.float32, x, yq, yd, ys)
             and (yq.shape, yd.shape, ys.shape) == activation_shapes(*x.shape, kind)):
         raise ValueError("quantize_q8: x, yq, yd and ys must be C-contiguous float32, of activation_arrays' shapes")
-    return (rows_call if threads else serial_call)(quantize_rows_at(), x.shape[0],
-                                                   (address_of(x), x.shape[1], int(kind), address_of(yq),
-                                                    address_of(yd), address_of(ys)))
+    return (rows_call if threads else serial_call)(
+        quantize_rows_at(), x.shape[0], QuantizeArgs(x_at=address_of(x), k=x.shape[1], kind=int(kind), yq_at=address_of(yq),
+                                                     yd_at=address_of(yd), ys_at=address_of(ys)))
 
 
 def quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,3 +141,11 @@ def activation_values(x: np.ndarray, kind: int) -> np.ndarray:
     yq, yd, _ = quantize(x, kind)
     block = 256 if kind == Act.Q8_K else 32
     return (yq.reshape(len(x), -1, block) * yd[:, :, None]).reshape(x.shape)
+
+
+@part("activations", 0.9, LAYERS)
+def _compile_activations() -> None:
+    """The quantizer's rows (a call made, not run: rows.run_table, which runs every call, is the
+    table part - a part that ran a call would compile it again in its own process)."""
+    x = sample_x(2)
+    quantize_call(x, int(Act.Q8_0), *activation_arrays(2, x.shape[1], int(Act.Q8_0)))

@@ -39,10 +39,12 @@ from .buffer import CPUBuffer, tensor_view
 from .ops.base import Step, reader
 from .ops.matmul import _shared_activations, column_runs, quant_table_step
 from .kinds import EXACT
+from .parts import part
 from .plan import Span, TableStep, overlap, span
+from .qdot import activation_bytes_at
 from .qmatmul import QuantProduct, product_format
 from .activations import SERIAL_ROWS
-from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, serial_call
+from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, serial_call
 from .simd import pointer
 
 def _runs(node: Tensor) -> Tensor | None:
@@ -178,8 +180,8 @@ def bind_fused_products(group: list[Tensor], shared: dict) -> Step:
             bound.extend([call, parts])
         call, parts = bound
         call()
-        for out, part in parts:
-            out[...] = part
+        for out, piece in parts:
+            out[...] = piece
     return step
 
 
@@ -198,6 +200,9 @@ def _scatter_rows(start, end, result_at, width, at_at, ends_at, n_outs, i5, i6, 
                 dst[r, j] = result[r, ends[i] + j]
 
 
+ScatterArgs = row_args(_scatter_rows)
+
+
 def scatter_call(result: np.ndarray, at: np.ndarray, ends: np.ndarray) -> RowCall:
     """A fused product's result [rows, width] into each node's tensor (at[i], as many rows,
     ends[i + 1] - ends[i] wide) as a call (rows.RowCall): one call, not a copy each (in the
@@ -207,7 +212,8 @@ def scatter_call(result: np.ndarray, at: np.ndarray, ends: np.ndarray) -> RowCal
             and ends[-1] <= result.shape[1]):
         raise ValueError("scatter: a float32 matrix, and int64 addresses and ends that cut its rows")
     return (serial_call if result.shape[0] <= SERIAL_ROWS else rows_call)(
-        _scatter_at(), result.shape[0], (address_of(result), result.shape[1], address_of(at), address_of(ends), at.size))
+        _scatter_at(), result.shape[0], ScatterArgs(result_at=address_of(result), width=result.shape[1],
+                                                    at_at=address_of(at), ends_at=address_of(ends), n_outs=at.size))
 
 
 @functools.cache
@@ -273,3 +279,12 @@ def fused_plan(nodes: Sequence[Tensor], shared: dict,
             ops.append(node.op.name)
             outputs.append([node])
     return steps, ops, outputs
+
+
+@part("products", 0.6)
+def _compile_products() -> None:
+    """What every format's rows need around them in a plan: the activations' bytes, the fused
+    products' results scattered (run_table calls every format's rows by address: the table part)."""
+    out = np.zeros((1, 2), dtype=np.float32)
+    scatter_call(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    activation_bytes_at()

@@ -24,7 +24,8 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
-from .rows import RowCall, address_of, c_rows, chunking, row_kernel, rows_call, run_calls, serial_call
+from .parts import GATES, LAYERS, part, sample_x
+from .rows import RowCall, address_of, c_rows, chunking, row_args, row_kernel, rows_call, run_calls, serial_call
 from .simd import (EXP_RANGE, KERNEL, expf_in_range, expf_v, f16_axpy16, f16_bits, f16_dot16, f16_dot64,
                    fma32, half_to_float, pointer, reduce16, round_f16, silu_v, sum_lanes16, sum_lanes64)
 
@@ -90,11 +91,14 @@ def _softmax_rows(start, end, x_at, n, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
         _softmax_row(x[r], f32(-np.inf))
 
 
+SoftmaxArgs = row_args(_softmax_rows)
+
+
 def softmax_call(x: np.ndarray) -> RowCall:
     """softmax_rows(x) as a call (rows.RowCall)."""
     if not (x.ndim == 2 and c_rows(f32, x)):
         raise ValueError("softmax: the rows must be C-contiguous float32")
-    return rows_call(_kernel(_softmax_rows), x.shape[0], (address_of(x), x.shape[1]))
+    return rows_call(_kernel(_softmax_rows), x.shape[0], SoftmaxArgs(x_at=address_of(x), n=x.shape[1]))
 
 
 @njit(**KERNEL)
@@ -129,9 +133,8 @@ def _same_rows(what: str, *arrays: np.ndarray) -> None:
 def rms_norm_call(x: np.ndarray, eps: float, out: np.ndarray) -> RowCall:
     """rms_norm(x, eps, out) as a call (rows.RowCall)."""
     _same_rows("rms_norm", x, out)
-    x_at, out_at = address_of(x), address_of(out)
     return rows_call(_kernel(_norm_rows), x.shape[0],  # (neither an add nor a weight)
-                     (x_at, x_at, x_at, x_at, out_at, out_at, x.shape[1], 0, 0), (eps, 0.0))
+                     NormArgs(summed_at=address_of(x), normed_at=address_of(out), n=x.shape[1], eps=eps))
 
 
 def rms_norm(x: np.ndarray, eps: float, out: np.ndarray) -> None:
@@ -173,6 +176,9 @@ def _elementwise_rows(start, end, a_at, b_at, out_at, n, b_row_step, op, i6, i7,
                 out[r, i] = a[r, i] * s
 
 
+ElementwiseArgs = row_args(_elementwise_rows)
+
+
 def elementwise_call(op: int, a: np.ndarray, b: np.ndarray | None, out: np.ndarray, scale: float = 0.0,
                      bias: float = 0.0) -> RowCall:
     """out = a (op) b for rows a, out [rows, n] and b of the same shape or a single row [1, n]
@@ -183,15 +189,15 @@ def elementwise_call(op: int, a: np.ndarray, b: np.ndarray | None, out: np.ndarr
         if b is None or not (b.ndim == 2 and c_rows(f32, b) and b.shape[1] == a.shape[1] and b.shape[0] in (1, a.shape[0])):
             raise ValueError("elementwise: b must be C-contiguous float32 rows of a's shape, or one row")
         step = a.shape[1] if b.shape[0] > 1 else 0
-    a_at = address_of(a)
     return rows_call(_kernel(_elementwise_rows), a.shape[0],
-                     (a_at, a_at if b is None else address_of(b), address_of(out), a.shape[1], step, op),
-                     (scale, bias))
+                     ElementwiseArgs(a_at=address_of(a), b_at=0 if b is None else address_of(b), out_at=address_of(out),
+                                     n=a.shape[1], b_row_step=step, op=op, scale=scale, bias=bias))
 
 
 def _norm_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, out_at, n, add, mul, i9, eps, f1):
     """Rows start..end of add_rms_norm_mul (``mul``: times the weight; without it, out is normed:
-    rms_norm's rows, one kernel for both)."""
+    rms_norm's rows, one kernel for both).  a, b are read with ``add`` only, w and out with
+    ``mul`` only."""
     a, b, summed = rows_of(a_at, end, n), rows_of(b_at, end, n), rows_of(summed_at, end, n)
     normed, out, w = rows_of(normed_at, end, n), rows_of(out_at, end, n), rows_of(w_at, 1, n)
     for r in range(start, end):
@@ -204,6 +210,9 @@ def _norm_rows(start, end, a_at, b_at, summed_at, w_at, normed_at, out_at, n, ad
                 out[r, i] = normed[r, i] * w[0, i]
 
 
+NormArgs = row_args(_norm_rows)
+
+
 def add_rms_norm_mul_call(a: np.ndarray, b: np.ndarray, add: bool, summed: np.ndarray, eps: float, w: np.ndarray,
                           normed: np.ndarray, out: np.ndarray) -> RowCall:
     """add_rms_norm_mul as a call (rows.RowCall): a decoding step's row, in the calling thread."""
@@ -211,8 +220,9 @@ def add_rms_norm_mul_call(a: np.ndarray, b: np.ndarray, add: bool, summed: np.nd
     if not (c_rows(f32, w) and w.size == summed.shape[1]):
         raise ValueError("add_rms_norm_mul: the weight must be a C-contiguous float32 row of the rows' width")
     return serial_call(_kernel(_norm_rows), summed.shape[0],
-                       (address_of(a), address_of(b), address_of(summed), address_of(w), address_of(normed),
-                        address_of(out), summed.shape[1], int(add), 1), (eps, 0.0))
+                       NormArgs(a_at=address_of(a), b_at=address_of(b), summed_at=address_of(summed), w_at=address_of(w),
+                                normed_at=address_of(normed), out_at=address_of(out), n=summed.shape[1], add=int(add),
+                                mul=1, eps=eps))
 
 
 def add_rms_norm_mul(a, b, add, summed, eps, w, normed, out) -> None:
@@ -262,12 +272,15 @@ def _silu_rows(start, end, a_at, g_at, out_at, n, gated, table_at, i6, i7, i8, i
         _silu_row(a, g, out, r, gated != 0)
 
 
+GluArgs = row_args(_silu_rows)  # (and _gelu_rows', the same)
+
+
 def _glu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray, gated: bool, table: np.ndarray, at: int) -> RowCall:
     """A GLU's rows (its activation's alone, without ``gated``): the row kernel at ``at``
     (SiLU's, or GELU's, which reads ``table``)."""
     _same_rows("gated activation", a, g, out)
-    return rows_call(at, a.shape[0], (address_of(a), address_of(g), address_of(out), a.shape[1], int(gated),
-                                      address_of(table)))
+    return rows_call(at, a.shape[0], GluArgs(a_at=address_of(a), g_at=address_of(g), out_at=address_of(out),
+                                             n=a.shape[1], gated=int(gated), table_at=address_of(table)))
 
 
 _NO_TABLE = np.zeros(1, dtype=f32)  # SiLU's: it reads no table (GELU's is gelu_table(), 65536 values)
@@ -415,6 +428,9 @@ def _rope_rows(start, end, x_at, out_at, cos_at, sin_at, n_tok, n_head, hd, n_di
         _rope_row(x, out, cos, sin, n_dims, neox != 0, r, r % n_tok)
 
 
+RopeArgs = row_args(_rope_rows)
+
+
 def rope_call(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: bool) -> RowCall:
     """rope_rotate as a call (rows.RowCall)."""
     if not (x.ndim == 4 and c_rows(f32, x, out, cos, sin) and x.shape == out.shape and cos.shape == sin.shape
@@ -422,8 +438,9 @@ def rope_call(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
             and 0 <= n_dims <= x.shape[3]):
         raise ValueError("rope: x, out, cos and sin must be C-contiguous float32 and of agreeing shapes")
     b3, n_tok, n_head, hd = x.shape
-    return rows_call(_kernel(_rope_rows), b3 * n_tok, (address_of(x), address_of(out), address_of(cos),
-                                                         address_of(sin), n_tok, n_head, hd, n_dims, int(neox)))
+    return rows_call(_kernel(_rope_rows), b3 * n_tok,
+                     RopeArgs(x_at=address_of(x), out_at=address_of(out), cos_at=address_of(cos), sin_at=address_of(sin),
+                              n_tok=n_tok, n_head=n_head, hd=hd, n_dims=n_dims, neox=int(neox)))
 
 
 def rope_rotate(x: np.ndarray, out: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: bool) -> None:
@@ -443,6 +460,9 @@ def _set_rows_f16_rows(start, end, x_at, ids_at, out_at, n, n_out, i5, i6, i7, i
             out[r, j] = f16_bits(x[i, j])
 
 
+SetRowsArgs = row_args(_set_rows_f16_rows)
+
+
 def set_rows_f16_call(x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> RowCall:
     """set_rows_f16 as a call (rows.RowCall), in the calling thread: a few rows per step.  The
     ids are read when it runs: the caller checks them first, at every run."""
@@ -450,7 +470,8 @@ def set_rows_f16_call(x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> RowCal
             and ids.shape == (x.shape[0],) and out.shape[1] == x.shape[1]):
         raise ValueError("set_rows_f16: x float32 [n, ne0], ids int64 [n] and out uint16 [rows, ne0], C-contiguous")
     return serial_call(_kernel(_set_rows_f16_rows), x.shape[0],
-                       (address_of(x), address_of(ids), address_of(out), x.shape[1], out.shape[0]))
+                       SetRowsArgs(x_at=address_of(x), ids_at=address_of(ids), out_at=address_of(out), n=x.shape[1],
+                                   n_out=out.shape[0]))
 
 
 def set_rows_f16(x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
@@ -710,17 +731,19 @@ def attention_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head_kv: int, 
     sizes = np.array([n_head, n_tok, d, k.shape[0], k.strides[0] // k.itemsize, k.shape[1], v.shape[0],
                       v.strides[0] // v.itemsize, v.shape[1], n_head_kv, n_kv, slot, max(per, 1),
                       address_of(sinks) if sinks is not None else 0], dtype=np.int64)
-    call = rows_call(_attention_rows_at(k.dtype, v.dtype), n_head * n_tok,
-                     (address_of(q), address_of(k), address_of(v), address_of(mask), address_of(out), address_of(alone),
-                      address_of(n_seen), address_of(cells), address_of(sizes), address_of(scratch)),
-                     (float(f32(scale)), float(f32(softcap))))
+    at, args = _attention_rows_at(k.dtype, v.dtype)
+    call = rows_call(at, n_head * n_tok,
+                     args(q_at=address_of(q), k_at=address_of(k), v_at=address_of(v), mask_at=address_of(mask),
+                          out_at=address_of(out), alone_at=address_of(alone), n_seen_at=address_of(n_seen),
+                          seen_at=address_of(cells), sizes_at=address_of(sizes), scratch_at=address_of(scratch),
+                          scale=float(f32(scale)), softcap=float(f32(softcap))))
     return call, sizes
 
 
 @functools.cache
-def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
+def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> tuple[int, type]:
     """The address of attention's rows as a row kernel (rows.py) for caches of these element
-    types: compiled once, not copied into a parallel loop's kernel."""
+    types, and its argument record: compiled once, not copied into a parallel loop's kernel."""
     kt, vt = k_dtype.type, v_dtype.type
 
     def attention_rows(start, end, q_at, k_at, v_at, mask_at, out_at, alone_at, n_seen_at, seen_at, sizes_at,
@@ -756,7 +779,7 @@ def _attention_rows_at(k_dtype: np.dtype, v_dtype: np.dtype) -> int:
                            seen[t], q16, s, lanes, acc, sink)
 
     attention_rows.__qualname__ = f"attention_rows_{k_dtype.name}_{v_dtype.name}"  # one cache entry each
-    return row_kernel(attention_rows)
+    return row_kernel(attention_rows), row_args(attention_rows)
 
 
 @_jit
@@ -891,3 +914,54 @@ def _top_k_row(x, k, out, hv, hi):
         i = end
     for i in range(k):
         out[i] = hi[i]
+
+
+# -- what warmup.py compiles of these kernels (pyggml/cpu/parts.py) -----------------------------
+@part("norms", 1.7, LAYERS)
+def _compile_norms() -> None:
+    """The row kernels of norms, RoPE and the cache writes (their calls made, not run: the
+    table that runs them is a part of its own), and RoPE's angles."""
+    x = sample_x(2)
+    rms_norm_call(x, 1e-6, np.empty_like(x))
+    row = x[:1]
+    add_rms_norm_mul_call(row, row, True, np.empty_like(row), 1e-6, x[0].copy(), np.empty_like(row),
+                          np.empty_like(row))
+    cos, sin = rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
+    q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
+    rope_call(q, np.empty_like(q), cos, sin, 16, True)
+    set_rows_f16_call(x, np.arange(2, dtype=np.int64), np.zeros((4, x.shape[1]), dtype=np.uint16))  # KV cache writes
+    elementwise_call(ADD, x, x, np.empty_like(x))  # residual adds, weights, scales
+
+
+@part("attention", 3.0, LAYERS)
+def _compile_attention() -> None:
+    """Attention's rows over an F16 cache (a call made, not run)."""
+    q = np.ones((1, 2, 64), dtype=f32)
+    cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
+    mask = np.zeros((2, 2), dtype=f32)
+    alone, n_seen, seen = row_cells(mask)
+    attention_call(q, cells, cells, 1, mask, alone, n_seen, seen, attention_scratch(2, 2, 64, 64), f32(0.125),
+                   f32(0.0), np.empty((2, 1, 64), dtype=f32))
+
+
+@part("top_k", 0.8, LAYERS)
+def _compile_top_k() -> None:  # the sampler's (and TOP_K's)
+    x = sample_x(2)
+    top_k_rows(x, 2, np.empty((2, 2), dtype=np.int64))
+
+
+@part("swiglu", 1.1, GATES)
+def _compile_swiglu() -> None:  # a feed-forward's gate (the plain SiLU of UNARY: when used)
+    x = sample_x(2)
+    swiglu_call(x, x, np.empty_like(x))
+
+
+@part("geglu", 0.4, GATES)
+def _compile_geglu() -> None:
+    x = sample_x(2)
+    geglu_call(x, x, np.empty_like(x))
+
+
+@part("softmax", 0.7)
+def _compile_softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own)
+    softmax_call(sample_x(2))

@@ -18,7 +18,8 @@ from numba.extending import overload
 from ..quants.layouts import KVALUES_MXFP4
 from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
-from .rows import RowCall, address_of, c_rows, row_kernel, rows_call, run_calls
+from .parts import K, kind_part, part, sample_weights, sample_x
+from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, run_calls
 from .mxfp4 import e8m0_half
 from .simd import KERNEL, pointer
 
@@ -324,9 +325,10 @@ def decode_rows_call(kind: int, w: np.ndarray, out: np.ndarray, f16: np.ndarray,
             and (w.shape[0] == out.shape[0] if ids is None else c_rows(np.int64, ids) and ids.shape == out.shape[:1])
             and f16.size == 65536):
         raise ValueError("decode_rows: w and out must be C-contiguous, a row of out for each row of w (or id)")
-    return rows_call(_decoder_kernels(int(kind))[1], out.shape[0],
-                     (address_of(w), w.shape[1], address_of(out), out.shape[1], address_of(f16),
-                      0 if ids is None else address_of(ids), w.shape[0]))
+    _, at, args = _decoder_kernels(int(kind))
+    return rows_call(at, out.shape[0], args(w_at=address_of(w), row_bytes=w.shape[1], out_at=address_of(out),
+                                            k=out.shape[1], f16_at=address_of(f16),
+                                            ids_at=0 if ids is None else address_of(ids), n_w_rows=w.shape[0]))
 
 
 def decode_rows(kind: int, w: np.ndarray, out: np.ndarray, f16: np.ndarray) -> None:
@@ -337,8 +339,8 @@ def decode_rows(kind: int, w: np.ndarray, out: np.ndarray, f16: np.ndarray) -> N
 
 @functools.cache
 def _decoder_kernels(kind: int):
-    """fused_matmul's kernel and the address of decode_rows' (rows.py) for one decoder (``kind``
-    a constant of both)."""
+    """fused_matmul's kernel, and the address of decode_rows' (rows.py) with its argument record,
+    for one decoder (``kind`` a constant of both)."""
     def fused(w, x, out, f16):
         m_rows, k = w.shape[0], x.shape[1]
         n_chunks = min(m_rows, 64)
@@ -356,7 +358,7 @@ def _decoder_kernels(kind: int):
             src = carray(pointer(ids_at, np.int64), (end,))[m] if ids_at != 0 else m
             decode_row(kind, w[src], out[m], f16)
     name = Dec(kind).name
-    return kernel_of_kind(fused, name, parallel=True, fastmath=True, **KERNEL), row_kernel(rows, name)
+    return kernel_of_kind(fused, name, parallel=True, fastmath=True, **KERNEL), row_kernel(rows, name), row_args(rows)
 
 
 @njit(fastmath=True, **KERNEL)
@@ -385,3 +387,19 @@ def f16_values(bits, f16, out):
         for c in range(n2):
             for d in range(n3):
                 out[a, b, c, d] = f16[bits[a, b, c, d]]
+
+
+# -- what warmup.py compiles of these kernels (pyggml/cpu/parts.py) -----------------------------
+@part("f16", 0.4)
+def _compile_f16() -> None:  # F16 tensors read as floats (ops.base.reader): not the KV cache, which attention reads itself
+    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=np.float32))
+
+
+@kind_part("decoder", Dec, lambda d: 0.5)
+def _compile_decoder(dec: Dec) -> None:  # the row lookups of an embedding, and decoded products
+    decode_rows_call(dec, sample_weights(Type[dec.name], 2), np.empty((2, K), dtype=np.float32), F16_TABLE)  # (made, not run)
+
+
+@kind_part("fused", Dec, lambda d: 1.2)
+def _compile_fused(dec: Dec) -> None:  # few columns decoded and dotted
+    fused_matmul(dec, sample_weights(Type[dec.name], 2), sample_x(2), np.empty((2, 2), dtype=np.float32), F16_TABLE)

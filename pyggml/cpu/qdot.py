@@ -32,8 +32,11 @@ from numba import carray, njit, prange, types
 
 from ..batch_rules import BATCH_RULES
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
-from .kinds import Fmt, kernel_of_kind
-from .rows import RowCall, address_of, c_rows, product_call, row_kernel, run_calls, serial_call
+from ..types import Type
+from .activations import activation_arrays
+from .kinds import VEC_DOT, Fmt, kernel_of_kind
+from .parts import K, kind_part, part, sample_weights
+from .rows import RowCall, address_of, c_rows, product_call, row_args, row_kernel, run_calls, serial_call
 from .simd import KERNEL, address, call_address, pointer
 
 
@@ -139,6 +142,9 @@ def _activation_bytes_rows(start, end, yq_at, k, yb_at, width, offset, i5, i6, i
         _activation_bytes_row(yq, n, offset, yb)
 
 
+ActivationBytesArgs = row_args(_activation_bytes_rows)
+
+
 @functools.cache
 def activation_bytes_at() -> int:
     return row_kernel(_activation_bytes_rows)
@@ -169,7 +175,8 @@ def product_calls(kind: int, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: 
         rows = product_call(address_of(_SLOTS[kind:kind + 1]), m_rows, n_chunks, per, ints, by_slot=True)
     else:
         rows = product_call(_batch_rows_at(kind), m_rows, n_chunks, per, ints)
-    return [serial_call(activation_bytes_at(), n_cols, (address_of(yq), k, address_of(yb), yb.shape[1], sums)), rows]
+    return [serial_call(activation_bytes_at(), n_cols, ActivationBytesArgs(yq_at=address_of(yq), k=k, yb_at=address_of(yb),
+                                                                          width=yb.shape[1], offset=sums)), rows]
 
 
 def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
@@ -346,3 +353,30 @@ def _group_runs(starts):
     for g in range(starts.size - 1):
         whole[g, 1] = starts[g + 1] - starts[g]
     return whole
+
+
+# -- what warmup.py compiles of these kernels (pyggml/cpu/parts.py) -----------------------------
+@kind_part("product", Fmt, lambda f: 0.5 if f <= Fmt.Q8_0 else 0.9)  # a K-quant block is larger IR
+def _compile_product(fmt: Fmt) -> None:
+    """A format's rows that take a column at a time (a C function): a decoding step's, and every
+    product's until its tiled rows are compiled.  The parallel loops around them are parts of
+    their own."""
+    column_rows(fmt)
+
+
+@kind_part("tiles", Fmt, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7)
+def _compile_tiles(fmt: Fmt) -> None:
+    """A format's tiled rows (about twice the column rows' compile): a first answer does not
+    wait for them (warmup.Compiling.wait_for_first_answer)."""
+    product_kernel(fmt)
+
+
+@part("experts", 1.8)
+def _compile_experts() -> None:
+    """quant_product_id, stacked experts' loop, with two columns of zeros as Q8_0's products take
+    them (not quantized: the quantizer is the activations' part)."""
+    yq, yd, ys = activation_arrays(2, K, int(VEC_DOT[Type.Q8_0]))
+    for a in (yq, yd, ys):
+        a.fill(0.0)
+    quant_product_id(sample_weights(Type.Q8_0, 0, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
+                     np.array([0, 2], dtype=np.int64), np.empty((2, 0), dtype=np.float32), 0, 0)

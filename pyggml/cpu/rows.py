@@ -10,8 +10,10 @@ in the calling thread for a single row (less than waking the threads).
 
 Every row kernel has the one signature ROW_KERNEL: ``(start, end, i0 .. i9, f0, f1)`` - the
 rows start..end, ten integers (addresses of C-contiguous arrays, sizes, flags; zeros where a
-kernel takes fewer) and two floats as doubles (a float32 passes exactly); a product's rows
-(qdot.py) take sixteen integers, start and end among them.  A kernel views its arrays with
+kernel takes fewer) and two floats as doubles (a float32 passes exactly).  A kernel names them
+by its parameters, and its argument record (:func:`row_args`) is made from those names, so
+that a call says what it passes by name.  A product's rows (qdot.py) take sixteen integers,
+start and end among them.  A kernel views its arrays with
 numba.carray, sized by ``end``: the rows it touches are there.  The kernel's address is this
 process's (a compiled function is cached on disk, an address is not).
 
@@ -26,6 +28,8 @@ the arrays.
 """
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -34,6 +38,7 @@ import numpy as np
 from numba import carray, cfunc, njit, prange, types
 
 from .kinds import kernel_of_kind
+from .parts import LAYERS, part
 from .simd import KERNEL, call_address, pointer
 
 INTS = 10
@@ -83,17 +88,46 @@ def chunking(n_rows: int) -> tuple[int, int]:
     return n_chunks, (n_rows + n_chunks - 1) // n_chunks if n_rows else 0
 
 
-def rows_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
-    """The call of the row kernel at ``at`` over n_rows rows, cut as chunking() says.  ``ints``:
-    up to INTS integers (the rest are zeros)."""
+_UNUSED = re.compile(r"[if]\d+")  # a kernel's name for a slot of ROW_KERNEL it does not read
+
+
+def row_args(kernel: Callable[..., None]) -> type:
+    """The argument record of a row kernel: a NamedTuple of the kernel's own parameters after
+    ``start`` and ``end`` (its names: ``i3``/``f1`` are slots it does not read, left out), each
+    0 unless given.  So a kernel's arguments are declared once, by its signature, and a call
+    names what it passes: ``NormArgs(summed_at=x_at, normed_at=out_at, n=n, eps=eps)``.  A
+    kernel views the arrays it is given only where its flags say it reads them, so an address
+    left 0 is never read."""
+    params = list(inspect.signature(kernel).parameters)[2:]
+    if len(params) != INTS + 2:
+        raise TypeError(f"{kernel.__name__}: a row kernel takes start, end, {INTS} integers and 2 floats")
+    named = [(p, float if i >= INTS else int) for i, p in enumerate(params) if not _UNUSED.fullmatch(p)]
+    where = [next((j for j, (n, _) in enumerate(named) if n == p), -1) for p in params]
+    base = NamedTuple(f"{kernel.__name__.strip('_')}_args", named)
+    base.__new__.__defaults__ = tuple(t() for _, t in named)
+
+    class Args(base):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def packed(self) -> tuple[tuple, tuple]:
+            """(PRODUCT_INTS integers, two floats): ROW_KERNEL's arguments after start and end."""
+            values = [self[j] if j >= 0 else 0 for j in where]
+            return _ints(values[:INTS], INTS), (float(values[INTS]), float(values[INTS + 1]))
+    Args.__name__ = Args.__qualname__ = base.__name__
+    return Args
+
+
+def rows_call(at: int, n_rows: int, args: tuple) -> RowCall:
+    """The call of the row kernel at ``at`` over n_rows rows, cut as chunking() says, with its
+    argument record ``args`` (row_args)."""
     n_chunks, per = chunking(n_rows)
-    return RowCall(ROWS, at, n_rows, n_chunks, per, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
+    return RowCall(ROWS, at, n_rows, n_chunks, per, *args.packed())
 
 
-def serial_call(at: int, n_rows: int, ints: Sequence[int], floats: Sequence[float] = (0.0, 0.0)) -> RowCall:
+def serial_call(at: int, n_rows: int, args: tuple) -> RowCall:
     """The row kernel at ``at`` over all n_rows in one call in the calling thread (for a few
     rows: less than waking the others)."""
-    return RowCall(ROWS, at, n_rows, 1, n_rows, _ints(ints, INTS), (float(floats[0]), float(floats[1])))
+    return RowCall(ROWS, at, n_rows, 1, n_rows, *args.packed())
 
 
 def product_call(at: int, n_rows: int, n_chunks: int, per: int, ints: Sequence[int], by_slot: bool = False) -> RowCall:
@@ -170,3 +204,9 @@ def run_table(heads, ints, floats):
             continue
         for c in prange(n_chunks):
             _call(heads, ints, floats, e, c * per, min(n_rows, (c + 1) * per))
+
+
+@part("table", 1.2, LAYERS)
+def _compile_table() -> None:
+    """run_table, which runs every row kernel's calls: a table of none."""
+    run_calls([])

@@ -1,8 +1,9 @@
 """Compile the numba kernels a model needs before its first answer, in a few processes at once.
 
 The kernels are compiled once per machine and loaded from numba's on-disk cache after that
-(kernel_cache.py).  Each kernel is a *part* here, named so that another process can compile
-it: the layers' kernels (``norms``, ``attention``, ``activations``, ...) and, for each weight
+(kernel_cache.py).  Each kernel is a *part* (registered beside the kernel: parts.py), named so
+that another process can compile it: the layers' kernels (``norms``, ``attention``,
+``activations``, ...) and, for each weight
 format a model has, its product's rows (``product:Q4_1`` a column at a time, ``tiles:Q4_1``
 tiled), its decoder (``decoder:Q8_0``, the
 row lookups of an embedding) and so on - a product compiles the code of its own format only
@@ -29,151 +30,13 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import numpy as np
-
 from ..types import Type
-from . import kernel_cache, nn
-from .activations import activation_arrays, quantize_call
-from .fusion import scatter_call
-from .kinds import DECODER, EXACT, VEC_DOT, Act, Dec, Fmt
-from .qdecode import F16_TABLE, decode_rows_call, f16_values, fused_matmul
-from . import qdot
-from .qdot import activation_bytes_at, column_rows, product_kernel, quant_product_id
-from .rows import run_calls
-from .qmatmul import frozen, product_format
-
-f32 = np.float32
-K = 256  # a row length every format's block divides
-
-
-def _weights(fmt_or_type: Type, rows: int, experts: int = 0) -> np.ndarray:
-    """Zero weight rows as they reach the kernels: uint8, read-only (qmatmul.frozen)."""
-    shape = (experts, rows, fmt_or_type.row_size(K)) if experts else (rows, fmt_or_type.row_size(K))
-    return frozen(np.zeros(shape, dtype=np.uint8))
-
-
-def _x(n: int) -> np.ndarray:
-    return np.linspace(-1, 1, n * K, dtype=f32).reshape(n, K)
-
-
-def _zero_activations(qtype: Type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Two columns of activations as a product of qtype takes them - zeros, not quantized: a
-    product's part compiles the product only (the quantizer is the activations' part)."""
-    arrays = activation_arrays(2, K, int(VEC_DOT[qtype]))
-    for a in arrays:
-        a.fill(0.0)
-    return arrays
-
-
-def _product(fmt: Fmt) -> None:
-    """A format's rows that take a column at a time (a C function): a decoding step's, and every
-    product's until its tiled rows are compiled.  The parallel loops around them are parts of
-    their own."""
-    column_rows(fmt)
-
-
-def _tiles(fmt: Fmt) -> None:
-    """A format's tiled rows (about twice the column rows' compile): a first answer does not
-    wait for them (Compiling.wait_for_first_answer)."""
-    product_kernel(fmt)
-
-
-def _products() -> None:
-    """What every format's rows need around them in a plan: the activations' bytes, the fused
-    products' results scattered (run_table calls every format's rows by address: the table part)."""
-    out = np.zeros((1, 2), dtype=f32)
-    scatter_call(out, np.array([out.ctypes.data], dtype=np.int64), np.array([0, 1], dtype=np.int64))
-    activation_bytes_at()
-
-
-def _experts() -> None:  # quant_product_id, stacked experts' loop (as _products)
-    yq, yd, ys = _zero_activations(Type.Q8_0)
-    quant_product_id(_weights(Type.Q8_0, 0, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
-                     np.array([0, 2], dtype=np.int64), np.empty((2, 0), dtype=f32), 0, 0)
-
-
-def _decoder(dec: Dec) -> None:
-    qtype = Type[dec.name]
-    decode_rows_call(dec, _weights(qtype, 2), np.empty((2, K), dtype=f32), F16_TABLE)  # (made, not run: _activations)
-
-
-def _fused(dec: Dec) -> None:
-    qtype = Type[dec.name]
-    fused_matmul(dec, _weights(qtype, 2), _x(2), np.empty((2, 2), dtype=f32), F16_TABLE)
-
-
-def _activations() -> None:
-    """The quantizer's rows (a call made, not run: rows.run_table, which runs every call, is the
-    table part - a part that ran a call would compile it again in its own process)."""
-    x = _x(2)
-    quantize_call(x, int(Act.Q8_0), *activation_arrays(2, K, int(Act.Q8_0)))
-
-
-def _norms() -> None:
-    """The row kernels of norms, RoPE and the cache writes (their calls made, not run: the
-    table that runs them is a part of its own), and RoPE's angles."""
-    x = _x(2)
-    nn.rms_norm_call(x, 1e-6, np.empty_like(x))
-    row = x[:1]
-    nn.add_rms_norm_mul_call(row, row, True, np.empty_like(row), 1e-6, x[0].copy(), np.empty_like(row),
-                             np.empty_like(row))
-    cos, sin = nn.rope_cache(np.arange(2), 16, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0, 4096, np.ones(1, dtype=f32), False)
-    q = x.reshape(1, 2, 8, 32)[:, :, :1, :16].copy()
-    nn.rope_call(q, np.empty_like(q), cos, sin, 16, True)
-    nn.set_rows_f16_call(x, np.arange(2, dtype=np.int64), np.zeros((4, x.shape[1]), dtype=np.uint16))  # KV cache writes
-    nn.elementwise_call(nn.ADD, x, x, np.empty_like(x))  # residual adds, weights, scales
-
-
-def _f16() -> None:  # F16 tensors read as floats (kernels.reader): not the KV cache, which attention reads itself
-    f16_values(np.zeros((1, 1, 1, 4), dtype=np.uint16), F16_TABLE, np.empty((1, 1, 1, 4), dtype=f32))
-
-
-def _attention() -> None:
-    """Attention's rows over an F16 cache (a call made, not run)."""
-    q = np.ones((1, 2, 64), dtype=f32)
-    cells = np.zeros((2, 64), dtype=np.uint16)  # an F16 cache's cells, as FLASH_ATTN_EXT reads them
-    mask = np.zeros((2, 2), dtype=f32)
-    alone, n_seen, seen = nn.row_cells(mask)
-    nn.attention_call(q, cells, cells, 1, mask, alone, n_seen, seen, nn.attention_scratch(2, 2, 64, 64), f32(0.125),
-                      f32(0.0), np.empty((2, 1, 64), dtype=f32))
-
-
-def _table() -> None:
-    """rows.run_table, which runs every row kernel's calls: a table of none."""
-    run_calls([])
-
-
-def _swiglu() -> None:  # a feed-forward's gate (the plain SiLU of UNARY: when used)
-    x = _x(2)
-    nn.swiglu_call(x, x, np.empty_like(x))
-
-
-def _geglu() -> None:
-    x = _x(2)
-    nn.geglu_call(x, x, np.empty_like(x))
-
-
-def _top_k() -> None:  # the sampler's (and TOP_K's)
-    x = _x(2)
-    nn.top_k_rows(x, 2, np.empty((2, 2), dtype=np.int64))
-
-
-def _softmax() -> None:  # SOFT_MAX: the experts' routers (attention has its own)
-    nn.softmax_call(_x(2))
-
-
-# what every model runs, and roughly how many seconds each part takes to compile on the 2-core
-# machine the project is developed on (the processes take the costliest first: the closer these
-# are, the closer the two processes finish together)
-LAYERS = {"norms": (_norms, 1.7), "attention": (_attention, 3.0), "activations": (_activations, 0.9),
-          "top_k": (_top_k, 0.8), "table": (_table, 1.2)}
-GATES = {"swiglu": (_swiglu, 1.1), "geglu": (_geglu, 0.4),  # a model's feed-forwards use one (FFN_ACT)
-         "swiglu_oai": (lambda: None, 0.0)}                      # (gpt-oss's: numpy, nothing to compile)
-OTHERS = {"softmax": (_softmax, 0.7), "f16": (_f16, 0.4), "products": (_products, 0.6), "experts": (_experts, 1.8)}
-BY_KIND: dict[str, tuple[type, Callable, Callable[[int], float]]] = {
-    "product": (Fmt, _product, lambda f: 0.5 if f <= Fmt.Q8_0 else 0.9),  # a K-quant block is larger IR
-    "tiles": (Fmt, _tiles, lambda f: 0.8 if f <= Fmt.Q8_0 else 1.7),
-    "decoder": (Dec, _decoder, lambda d: 0.5), "fused": (Dec, _fused, lambda d: 1.2)}
+from . import kernel_cache, qdot
+# the modules whose kernels register their parts (parts.py), imported for that
+from . import activations, fusion, nn, ops, qdecode, rows  # noqa: F401
+from .kinds import DECODER, EXACT, VEC_DOT, Dec, Fmt
+from .parts import GATES, KINDS, LAYERS, OTHERS
+from .qmatmul import product_format
 
 
 def part(name: str) -> tuple[Callable[[], None], float]:
@@ -181,9 +44,9 @@ def part(name: str) -> tuple[Callable[[], None], float]:
     if name in LAYERS or name in GATES or name in OTHERS:
         return {**LAYERS, **GATES, **OTHERS}[name]
     what, _, kind = name.partition(":")
-    if what not in BY_KIND or kind not in BY_KIND[what][0].__members__:
+    if what not in KINDS or kind not in KINDS[what][0].__members__:
         raise ValueError(f"no kernel part {name!r}")
-    enum, fn, cost = BY_KIND[what]
+    enum, fn, cost = KINDS[what]
     member = enum[kind]
     return (lambda: fn(member)), cost(member)
 

@@ -189,3 +189,24 @@ def test_calls_a_row_kernel_would_misread_are_refused():
 def test_an_index_out_of_the_cache_is_refused():
     with pytest.raises(IndexError):
         nn.set_rows_f16(_rows(2, 64), np.array([0, 8], dtype=np.int64), np.zeros((8, 64), dtype=np.uint16))
+
+
+def test_each_row_kernels_argument_record_is_its_signature():
+    """A row kernel's arguments are declared once, by its parameters (rows.row_args): the record
+    names them in order, leaves out the slots it does not read, and packs each value into its
+    own slot of ROW_KERNEL's ten integers and two floats."""
+    import inspect
+    import re
+    from pyggml.cpu import activations, fusion, nn, qdot
+    pairs = [(nn.SoftmaxArgs, nn._softmax_rows), (nn.NormArgs, nn._norm_rows), (nn.ElementwiseArgs, nn._elementwise_rows),
+             (nn.GluArgs, nn._silu_rows), (nn.GluArgs, nn._gelu_rows), (nn.RopeArgs, nn._rope_rows),
+             (nn.SetRowsArgs, nn._set_rows_f16_rows), (activations.QuantizeArgs, activations._quantize_rows),
+             (fusion.ScatterArgs, fusion._scatter_rows), (qdot.ActivationBytesArgs, qdot._activation_bytes_rows)]
+    for record, kernel in pairs:
+        params = list(inspect.signature(kernel).parameters)[2:]
+        assert record._fields == tuple(p for p in params if not re.fullmatch(r"[if]\d+", p)), kernel.__name__
+    ints, floats = nn.NormArgs(summed_at=5, normed_at=9, n=7, eps=0.5).packed()
+    assert ints == (0, 0, 5, 0, 9, 0, 7, 0, 0, 0) + (0,) * 6 and floats == (0.5, 0.0)
+    assert nn.ElementwiseArgs(op=nn.SCALE, scale=2.0, bias=-1.0).packed()[1] == (2.0, -1.0)
+    with pytest.raises(TypeError):
+        nn.NormArgs(i9=1)  # a slot the kernel does not read has no name

@@ -10,6 +10,7 @@ from ...opdefs import (ClampParams, ConcatParams, GluOp, GluParams, ScaleParams,
 from ...tensor import Tensor
 from .. import nn
 from ..buffer import tensor_view
+from ..parts import GATES, part
 from ..plan import TableStep
 from ..rows import RowCall
 
@@ -181,3 +182,8 @@ def bind_clamp(node: Tensor, shared: dict) -> Step:
     p = ClampParams.of(node)
     x, out, lo, hi = reader(node.src[0]), tensor_view(node), f32(p.min), f32(p.max)
     return lambda: np.clip(x(), lo, hi, out=out)
+
+
+@part("swiglu_oai", 0.0, GATES)
+def _compile_swiglu_oai() -> None:
+    """gpt-oss's gate (_swiglu_oai) is numpy's: nothing to compile."""
