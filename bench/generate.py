@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_FILE = Path("~/.cache/pyggml/bench/qwen3moe-1b-q4_0.gguf").expanduser()
@@ -299,7 +300,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the measured runs, a timed pass of pyggml's: time per op kind and outside the kernels")
     ap.add_argument("--child", choices=["pyggml", "llama.cpp"], help=argparse.SUPPRESS)
+    perfdoc.add_argument(ap)
     a = ap.parse_args()
+    perfdoc.start(a)
     if a.child:
         if a.child == "pyggml":
             print(json.dumps(run_pyggml(a.models, a.threads, a.n, a.prompt_tokens, a.profile)))

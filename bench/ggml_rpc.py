@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg  # noqa: E402
 from tests.rpc.rpc_helpers import ServerProcess, free_port  # noqa: E402
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 CORES = os.cpu_count() or 1
 
@@ -80,7 +81,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    perfdoc.add_argument(ap)
     a = ap.parse_args()
+    perfdoc.start(a)
     from pyggml.models import hub
     model = str(hub.fetch("smollm2"))
     ours = ServerProcess("--protocol", "ggml", "-t", "1", prefix=pinned(1))

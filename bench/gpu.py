@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg  # noqa: E402
 from pyggml.quants.layouts import LAYOUTS  # noqa: E402
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 SIZES = {  # n_embd, n_layer, n_ff, n_head, n_head_kv, n_vocab
     "tiny": (256, 2, 512, 4, 2, 1024),
@@ -251,7 +252,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temporary directory)")
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
 
     bandwidth = None
     if args.device.upper().startswith("CUDA") and not args.no_kernels:

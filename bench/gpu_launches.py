@@ -23,13 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyggml as pg  # noqa: E402
 from bench.gpu import REPLAY_MODES, replay_mode  # noqa: E402
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--host-time", action="store_true", help="also time the host side of a decode step")
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
     import cupy
     if not hasattr(cupy, "launches"):
         sys.exit("gpu_launches: needs the emulator's CuPy stand-in: PYTHONPATH=tests/cuda/fake")

@@ -12,6 +12,7 @@ import numpy as np
 
 import pyggml as pg
 from pyggml import Type, ops
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 TYPES = [Type.F32, Type.F16, Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q5_1, Type.Q8_0, Type.Q2_K, Type.Q3_K,
          Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.IQ4_NL, Type.IQ4_XS]
@@ -57,7 +58,9 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES))
     ap.add_argument("--threads", type=int, default=None)
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
     backend = pg.cpu_device().init_backend()
     if args.threads:
         backend.set_n_threads(args.threads)

@@ -48,6 +48,7 @@ import numpy as np
 import pyggml as pg
 from pyggml.rpc import backend as rpc_backend
 from tests.rpc.rpc_helpers import NamespaceUnavailable, ServerProcess, network_namespace
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -225,7 +226,9 @@ def main() -> None:
                                         "after each of these many seconds of load (and started again)")
     ap.add_argument("--place-by-speed", action="store_true",
                     help="two servers, -t 1 and -t 2 (equal --mem): generation placed by memory, then by speed")
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
     env = dict(kv.split("=", 1) for kv in args.server_env)
     if args.failover_load:
         failover_load_main(args, env)

@@ -39,6 +39,7 @@ import numpy as np
 import pyggml as pg
 from pyggml.models import hub
 from tests.rpc.rpc_helpers import ServerProcess
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 DENSE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyggml" / "bench" / "dense-llama-1b-q4_0.gguf"
 DENSE_SHAPE = dict(n_embd=2048, n_layer=16, n_ff=8192, n_head=32, n_head_kv=8)  # Llama 3.2 1B
@@ -186,7 +187,9 @@ def main() -> None:
                                                           "print medians (this machine's speed drifts)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream asks for (its prompt is read "
                                                                   "too: few tokens measure mostly prompts)")
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
     path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
     rounds: dict[str, list[dict]] = {}

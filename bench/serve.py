@@ -35,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyggml.models import hub  # noqa: E402
+import perfdoc  # noqa: E402  (bench/perfdoc.py, beside this script)
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain in detail how bread is made.",
            "Describe a journey across the ocean.", "Tell me about the history of clocks.",
@@ -187,7 +188,9 @@ def main() -> None:
     ap.add_argument("--levels", default="1,2,4,8", help="concurrent streams to measure")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
     ap.add_argument("--profile", action="store_true", help="print where pyggml's steps spent their time")
+    perfdoc.add_argument(ap)
     args = ap.parse_args()
+    perfdoc.start(args)
     levels = [int(x) for x in args.levels.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     for alias in args.model or ["smollm2", "gemma3-270m"]:

@@ -6,6 +6,7 @@ rehearsed on the CUDA emulator (tests/cuda/; small shapes, figures meaningless).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -116,3 +117,22 @@ def test_scale_bench_runs_and_its_layouts_agree():
     assert r.stdout.count("bit-identical") == 3, r.stdout
     assert "2 concurrent streams through pyggml-server" in r.stdout, r.stdout
     assert "medians of 2 rounds" in r.stdout and "largest over smallest round" in r.stdout, r.stdout
+
+
+def test_write_docs_puts_a_dated_section_under_its_command_and_replaces_it(tmp_path):
+    """--write-docs: what the run printed goes into the page under the command (without the
+    flag), dated; the same command again replaces its section, another command adds one."""
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance figures\n\nBy hand.\n")
+    env = {**os.environ, "PYGGML_PERF_DOC": str(page)}
+    for types in ("Q4_0", "Q4_0", "Q8_0"):
+        r = run(sys.executable, "bench/matmul.py", "--types", types, "--min-time", "0.01", "--write-docs", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"written into {page}" in r.stderr
+    text = page.read_text()
+    assert text.startswith("# Performance figures\n\nBy hand.\n")  # what was there stays
+    assert text.count("<!-- bench: python bench/matmul.py --types Q4_0 --min-time 0.01 -->") == 1
+    assert text.count("<!-- bench: python bench/matmul.py --types Q8_0 --min-time 0.01 -->") == 1
+    assert text.count("## Written by the benchmarks") == 1
+    section = text.split("--types Q4_0 --min-time 0.01 -->", 1)[1].split("<!-- end bench -->", 1)[0]
+    assert f"{datetime.date.today().isoformat()}, at " in section and "Q4_0" in section and "GB/s" in section
