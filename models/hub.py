@@ -99,6 +99,6 @@ def resolve(path_or_alias: str | os.PathLike | None) -> Path:
         return fetch(name)
     path = Path(name).expanduser()
     if not path.exists():
-        from .gguf import GGUFError
+        from pyggml.gguf import GGUFError
         raise GGUFError(path, f"no such file, nor a known model alias ({', '.join(KNOWN_MODELS)})")
     return path

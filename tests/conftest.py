@@ -128,13 +128,3 @@ def rpc_pair(tmp_path_factory):
     yield servers
     for s in servers:
         s.stop()
-
-
-@pytest.fixture(scope="session")
-def zmq_rpc_pair():
-    """Two servers on the ZeroMQ transport (``zmq://`` endpoints)."""
-    from tests.rpc.rpc_helpers import ServerProcess
-    servers = [ServerProcess("--transport", "zmq") for _ in range(2)]
-    yield servers
-    for s in servers:
-        s.stop()
