@@ -51,9 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from .completion import Shape, TextStream, Usage
+from .completion import Shape, Usage
 from .context import Batch, ContextFullError
 from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
+from .runner import Generation, Runner, Took, shape_bucket
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 
 log = logging.getLogger("pyggml.engine")
@@ -144,14 +145,8 @@ class Slot:
         self.tokens: list[int] = []       # what the cache holds for this sequence, in order
         self.req: Request | None = None
         self.last_used = 0.0
-        # per request
-        self.sampler: Sampler | None = None
-        self.stream: TextStream | None = None
-        self.history: list[int] = []
+        self.gen: Generation | None = None  # the request's (runner.py)
         self.pending: int | None = None   # sampled, to be decoded in the next step
-        self.n_gen = 0
-        self.limit = 0
-        self.logprobs: list[dict[str, Any]] = []
 
     @property
     def prefilling(self) -> bool:
@@ -215,6 +210,7 @@ class Engine:
                              f"not {self.n_ctx} cells")
         self.n_batch = n_batch
         self.max_queue = max_queue
+        self.runner = Runner(model.n_vocab, self.n_ctx)
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.queue: deque[Request] = deque()
         self.stats = Stats()
@@ -649,19 +645,16 @@ class Engine:
         slot.tokens = slot.tokens[:cached]
         slot.req = req
         o = req.options
-        slot.sampler = Sampler(o.sampling, o.seed)
-        slot.stream = TextStream(self.model.tokenizer, o.stop, special=self.model.harmony)
-        slot.history = list(req.ids)
+        slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,
+                              o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx,
+                              o.logprobs, special=self.model.harmony)
         slot.pending = None
-        slot.n_gen = 0
-        slot.limit = o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx
-        slot.logprobs = []
         req.usage.cached_tokens = cached
         self.stats.cached_tokens += cached
 
     def _release(self, slot: Slot) -> None:
         slot.req = None
-        slot.sampler = slot.stream = None
+        slot.gen = None
         slot.pending = None
         slot.last_used = time.monotonic()
 
@@ -718,7 +711,8 @@ class Engine:
                       np.array([i == len(c) - 1 and (s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids))
                                 for s, c in parts for i in range(len(c))], dtype=bool))
         out_slots = [s for (s, c) in parts if s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids)]
-        n_top, hist = self._top_request(out_slots)
+        gens = [s.gen for s in out_slots]
+        n_top, hist = self.runner.top_request(gens)
         prompt_pieces = [c for s, c in parts if s.pending is None]
         t0 = time.perf_counter()
         timings = self.ctx.timings
@@ -736,7 +730,8 @@ class Engine:
         if not prompt_pieces:
             st.graph_builds_decoding += timings.graph_builds - builds
         st.graph_seconds += timings.graph_seconds - graph_seconds
-        self._hand_out(parts, logits, n_top, hist)
+        drawn = self.runner.sample(logits, gens, n_top, hist) if gens else []
+        self._hand_out(parts, drawn)
         t2 = time.perf_counter()
         st.sample_seconds += t2 - t1
         st.count_step(t2 - t_start)
@@ -746,8 +741,8 @@ class Engine:
                       timings.graph_builds - builds, 1e3 * (timings.graph_seconds - graph_seconds), 1e3 * (t2 - t1),
                       len(generating), [len(c) for c in prompt_pieces])
 
-    def _hand_out(self, parts: list[tuple[Slot, list[int]]], logits, n_top: int, hist: np.ndarray | None) -> None:
-        """A step's results: each sequence's chunk counted in, and its token sampled and taken."""
+    def _hand_out(self, parts: list[tuple[Slot, list[int]]], drawn: list[tuple[int, np.ndarray | None]]) -> None:
+        """A step's results: each sequence's chunk counted in, and its drawn token taken."""
         row = 0
         for s, chunk in parts:
             s.tokens.extend(chunk)
@@ -755,72 +750,27 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if len(s.tokens) < len(s.req.ids):
                     continue  # more of the prompt to read
-            if n_top:
-                ids, values, hist_values = logits.row(row)
-                token = s.sampler.sample_top(ids, values, hist[row], hist_values, s.history)
-                self._take(s, token, None)
-            else:
-                self._take(s, s.sampler.sample(logits[row], s.history), logits[row])
+            token, logits = drawn[row]
             row += 1
+            took = s.gen.take(token, logits)
+            if took.counted:
+                s.req.usage.completion_tokens += 1
+                self.stats.generated_tokens += 1
+            self._deliver(s, took)
+            if took.finish is None:
+                s.pending = token
 
-    def _top_request(self, out_slots: list[Slot]) -> tuple[int, np.ndarray | None]:
-        """What the step's output rows need of the vocabulary: the top n_top logits of each
-        row and the logits of each row's recent tokens (for the penalties), or - when a row
-        samples from the whole row or wants logprobs - whole rows (n_top 0)."""
-        vocab = self.model.n_vocab
-        needs = [s.sampler.n_top(vocab) if s.req.options.logprobs is None else 0 for s in out_slots]
-        if not needs or min(needs) == 0:
-            return 0, None
-        # both are rounded up to a few sizes, which the graph's shape holds: requests with other
-        # sampling settings then share graphs (a larger top is cut by the sampler, padding ids
-        # of the watched ones change no draw)
-        n_hist = shape_bucket(max(s.sampler.n_watched(self.n_ctx) for s in out_slots))
-        hist = np.stack([s.sampler.watched(s.history, n_hist) for s in out_slots])
-        return min(vocab, shape_bucket(max(needs))), hist
-
-    def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:
+    def _deliver(self, s: Slot, took: Took) -> None:
+        """What a token gave, as the request's events; the slot freed at the end."""
         req = s.req
-        if self.model.tokenizer.is_eog(token):
-            self._finish(s, "stop")
-            return
-        s.n_gen += 1
-        req.usage.completion_tokens += 1
-        self.stats.generated_tokens += 1
-        s.history.append(token)
-        if req.options.logprobs is not None:
-            s.logprobs.append(self._logprob_entry(logits, token, req.options.logprobs))
-        piece = s.stream.push(token)
-        if piece:
-            req.sink(Event("piece", piece, s.logprobs))
-            s.logprobs = []
-        if s.stream.stopped:
-            self._finish(s, "stop")
-        elif s.n_gen >= s.limit:
-            self._finish(s, "length")
-        else:
-            s.pending = token
-
-    def _logprob_entry(self, logits: np.ndarray, token: int, k: int) -> dict[str, Any]:
-        z = logits.astype(np.float64)
-        lse = float(np.log(np.exp(z - z.max()).sum()) + z.max())
-        top = np.argpartition(-z, k - 1)[:k] if 0 < k < z.size else np.arange(0)
-        top = top[np.argsort(-z[top], kind="stable")]
-        text = self.model.tokenizer.detokenize
-        return {"id": token, "token": text([token]), "logprob": float(z[token] - lse),
-                "top": [(int(t), text([int(t)]), float(z[t] - lse)) for t in top]}
+        if took.text or took.logprobs:
+            req.sink(Event("piece", took.text, took.logprobs))
+        if took.finish is not None:
+            req.sink(Event("done", finish=took.finish, usage=req.usage))
+            self._release(s)
 
     def _finish(self, s: Slot, reason: str) -> None:
-        req = s.req
-        tail = s.stream.flush()  # text held back for a stop string that never came
-        if tail or s.logprobs:
-            req.sink(Event("piece", tail, s.logprobs))
-        req.sink(Event("done", finish=reason, usage=req.usage))
-        self._release(s)
-
-
-def shape_bucket(n: int) -> int:
-    """0, or n rounded up to a power of two of at least 8."""
-    return 0 if n <= 0 else max(8, 1 << (n - 1).bit_length())
+        self._deliver(s, s.gen.end(reason))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -18,11 +18,12 @@ from pyggml.backend import Preparation
 from . import hub
 
 from .chat import ChatTemplate
-from .completion import Shape, TextStream, Usage, stop_list
+from .completion import Shape, Usage, stop_list
 from .harmony import is_harmony
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
 from .placement import spans
+from .runner import Generation, Runner, Took
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 from .tokenizer import Tokenizer
 
@@ -462,6 +463,17 @@ class Model:
                  seed: int | None = None, logit_bias: dict[int, float] | None = None) -> Iterator[int]:
         """Yield sampled token ids after ``ids``; stops at an end-of-generation token, after
         ``max_tokens``, or when the context is full (``finish_reason`` says which)."""
+        for token, _ in self._run(ids, max_tokens, (), temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, logit_bias=logit_bias):
+            if token is not None:
+                yield token
+
+    def _run(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str], temperature: float = 0.8,
+             top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+             seed: int | None = None, logit_bias: dict[int, float] | None = None) -> Iterator[tuple[int | None, Took]]:
+        """The runner (runner.py) with one sequence, the context's sequence 0: each token drawn
+        with what it gave, until the generation ends (the last may be no token: the end, with
+        the text held back until then)."""
         self._check_free()
         ids = list(ids)
         if not ids:
@@ -470,34 +482,30 @@ class Model:
             raise ContextFullError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty,
                                 logit_bias=checked_logit_bias(logit_bias, self.n_vocab))
-        sampler = Sampler(params, seed if seed is not None else self.seed)
+        gen = Generation(0, ids, Sampler(params, seed if seed is not None else self.seed), self.tokenizer, stop,
+                         max(max_tokens, 0), special=self.harmony)
+        runner = Runner(self.n_vocab, self.n_ctx)
         self.finish_reason = None
-        history = ids
-        # with top-k (or greedy), only the top of the row and the recent tokens' logits come back
-        n_top = sampler.n_top(self.n_vocab)
-        n_hist = sampler.n_watched(self.n_ctx) if n_top else 0
 
-        def step(run: Callable[..., Any]) -> int:
-            if not n_top:
-                return sampler.sample(self._guarded(run)[-1], history)
-            hist = sampler.watched(history, n_hist)[None, :]
-            top = self._guarded(lambda: run(n_top=n_top, hist=hist))
-            return sampler.sample_top(top.ids[0], top.values[0], hist[0], top.hist_values[0], history)
-
-        token = step(lambda **kw: self.context.eval_prefix(ids, **kw))
-        for n in range(max_tokens):
-            if self.tokenizer.is_eog(token):
-                self.finish_reason = "stop"
-                return
-            history.append(token)
-            yield token
-            if n + 1 == max_tokens:
-                break
-            if self.context.n_past >= self.n_ctx:
+        def decode(run: Callable[..., Any]) -> Callable[[int, np.ndarray | None], Any]:
+            return lambda n_top, hist: self._guarded(lambda: run(n_top=n_top, hist=hist))
+        step = decode(lambda **kw: self.context.eval_prefix(ids, **kw))  # the cached prefix reused
+        while True:
+            if max_tokens <= 0:
+                runner.draw(step, [gen])
                 self.finish_reason = "length"
                 return
-            token = step(lambda last=token, **kw: self.context.decode([last], **kw))
-        self.finish_reason = "length"
+            (token, logits), = runner.draw(step, [gen])
+            took = gen.take(token, logits)
+            if took.finish is None and self.context.n_past >= self.n_ctx:
+                yield token, took
+                took = gen.end("length")  # no cell left for the next token
+                token = None
+            yield (token if took.counted else None), took
+            if took.finish is not None:
+                self.finish_reason = took.finish
+                return
+            step = decode(lambda last=token, **kw: self.context.decode([last], **kw))
 
     def _check_free(self) -> None:
         if self.engine is not None:
@@ -506,21 +514,13 @@ class Model:
     # -- OpenAI-shaped completions ------------------------------------------------------------------
     def _stream(self, ids: list[int], max_tokens: int | None, stop: str | Sequence[str] | None,
                 usage: Usage, **sampling: Any) -> Iterator[str]:
-        stream = TextStream(self.tokenizer, stop_list(stop), special=self.harmony)
         limit = max_tokens if max_tokens is not None and max_tokens > 0 else self.n_ctx
         usage.prompt_tokens = len(ids)
         usage.cached_tokens = self.context.reused_prefix(ids)
-        for token in self.generate(ids, max_tokens=limit, **sampling):
-            usage.completion_tokens += 1
-            piece = stream.push(token)
-            if piece:
-                yield piece
-            if stream.stopped:
-                self.finish_reason = "stop"
-                return
-        tail = stream.flush()
-        if tail:
-            yield tail
+        for _, took in self._run(ids, limit, stop_list(stop), **sampling):
+            usage.completion_tokens += took.counted
+            if took.text:
+                yield took.text
 
     def _completion(self, kind: str, ids: list[int], stream: bool, max_tokens: int | None, stop, **sampling):
         shape = Shape(kind, self.path.name, reasoning=self.harmony)
