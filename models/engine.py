@@ -52,9 +52,10 @@ from typing import Any
 import numpy as np
 
 from .completion import Shape, Usage
-from .context import Batch, ContextFullError
+from .context import ContextFullError
 from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
 from .runner import Generation, Runner, Took, shape_bucket
+from .scheduler import Scheduler, Slot
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 
 log = logging.getLogger("pyggml.engine")
@@ -139,23 +140,6 @@ class Request:
         self.engine._wake()
 
 
-class Slot:
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        self.tokens: list[int] = []       # what the cache holds for this sequence, in order
-        self.req: Request | None = None
-        self.last_used = 0.0
-        self.gen: Generation | None = None  # the request's (runner.py)
-        self.pending: int | None = None   # sampled, to be decoded in the next step
-
-    @property
-    def prefilling(self) -> bool:
-        return self.req is not None and self.pending is None
-
-    def prompt_left(self) -> int:
-        return len(self.req.ids) - len(self.tokens) if self.req is not None and self.pending is None else 0
-
-
 @dataclass
 class Stats:
     requests: int = 0
@@ -212,6 +196,7 @@ class Engine:
         self.max_queue = max_queue
         self.runner = Runner(model.n_vocab, self.n_ctx)
         self.slots = [Slot(i) for i in range(n_parallel)]
+        self._use_context(self.ctx)
         self.queue: deque[Request] = deque()
         self.stats = Stats()
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # joined, left, lost, placed anew
@@ -258,9 +243,9 @@ class Engine:
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt has no tokens")
-        if len(ids) > self.n_ctx:
+        if not self.scheduler.fits(len(ids)):
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} "
-                             f"(-c/--ctx-size) can hold")
+                             f"(-c/--ctx-size) can hold with a token of the answer")
         self.ctx.check_tokens(np.asarray(ids, dtype=np.int64))
 
     def start(self, ids: list[int], options: Options, sink: Callable[[Event], None]) -> Request:
@@ -498,7 +483,7 @@ class Engine:
             self.recovering = None
             return
         self.recovering = None
-        self.ctx = self.model.context
+        self._use_context(self.model.context)
         if back:
             self.stats.reattached += len(back)
             self._recovered(time.perf_counter() - t0)
@@ -568,7 +553,7 @@ class Engine:
             self._on_step_failure(again)
             return True
         self.recovering = None
-        self.ctx = self.model.context
+        self._use_context(self.model.context)
         self._recovered(time.perf_counter() - t0)
         return True
 
@@ -608,64 +593,23 @@ class Engine:
         while queued and self.queue:
             self.queue.popleft().sink(Event("error", error=message))
 
-    # cells come in pages (BatchRules.kv_page); the bookkeeping below counts pages
-    def _pages_needed(self, s: Slot, owned: dict) -> int:
-        """Pages an admitted request still needs: the rest of its prompt and one token more."""
-        start = len(s.tokens)
-        end = len(s.req.ids) + 1 if s.pending is None else start + 1
-        return self.ctx.kv.pages_for(s.seq, start, end, owned)
+    def _use_context(self, ctx) -> None:
+        """The model's context (a new one after it was placed anew), and the scheduler over its cache."""
+        self.ctx = ctx
+        self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm)
 
     def _admit(self) -> None:
         """Move queued requests into idle slots, in arrival order (called holding the lock)."""
-        kv = self.ctx.kv
-        while self.queue:
-            req = self.queue[0]
-            if req.cancelled:
-                self.queue.popleft()
-                continue
-            idle = [s for s in self.slots if s.req is None]
-            if not idle:
-                return
-            slot = max(idle, key=lambda s: (_common(s.tokens, req.ids), -s.last_used))
-            cached = self.rules.reusable_prefix(_common(slot.tokens, req.ids), len(req.ids), self.ctx.n_ubatch)
-            owned = kv._owned()
-            page = kv.page
-            kept = -(-cached // page)  # the slot's pages that the shared prefix keeps
-            need = len(req.ids) // page - cached // page + 1 - (1 if cached % page else 0)
-            room = (kv.free_pages + kv.seq_pages(slot.seq) - kept
-                    + sum(kv.seq_pages(s.seq) for s in idle if s is not slot)
-                    - sum(self._pages_needed(s, owned) for s in self.slots if s.req is not None))
-            if need > room:
-                return  # waits until running requests give cells back
-            self.queue.popleft()
-            self._assign(slot, req, cached)
-
-    def _assign(self, slot: Slot, req: Request, cached: int) -> None:
-        self.ctx.seq_rm(slot.seq, cached)
-        slot.tokens = slot.tokens[:cached]
-        slot.req = req
-        o = req.options
-        slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,
-                              o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx,
-                              o.logprobs, special=self.model.harmony)
-        slot.pending = None
-        req.usage.cached_tokens = cached
-        self.stats.cached_tokens += cached
+        for slot, req, cached in self.scheduler.admit(self.queue):
+            o = req.options
+            slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,
+                                  o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx,
+                                  o.logprobs, special=self.model.harmony)
+            req.usage.cached_tokens = cached
+            self.stats.cached_tokens += cached
 
     def _release(self, slot: Slot) -> None:
-        slot.req = None
-        slot.gen = None
-        slot.pending = None
-        slot.last_used = time.monotonic()
-
-    def _make_room(self, pages: int) -> None:
-        """Free idle slots' cells, least recently used first, until ``pages`` pages are free."""
-        kv = self.ctx.kv
-        for s in sorted((s for s in self.slots if s.req is None and s.tokens), key=lambda s: s.last_used):
-            if kv.free_pages >= pages:
-                return
-            self.ctx.seq_rm(s.seq, 0)
-            s.tokens = []
+        self.scheduler.release(slot)
 
     def step(self, t_start: float | None = None) -> None:
         """Decode one batch and hand each sequence its next token (``t_start``: when the
@@ -674,43 +618,14 @@ class Engine:
         for s in self.slots:
             if s.req is not None and s.req.cancelled:
                 self._release(s)
-        generating = [s for s in self.slots if s.req is not None and s.pending is not None]
-        prefilling = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.req.t_submit)
-        if not generating and not prefilling:
+        plan = self.scheduler.plan()
+        for s in plan.out_of_cells:
+            self._finish(s, "length")
+        if not plan.parts:
             return
-        kv = self.ctx.kv
-        owned = kv._owned()
-        self._make_room(sum(self._pages_needed(s, owned) for s in generating + prefilling))
-        owned = kv._owned()
-        free = kv.free_pages
-        gen_pages = [kv.pages_for(s.seq, len(s.tokens), len(s.tokens) + 1, owned) for s in generating]
-        while sum(gen_pages) > free:  # no cell left for its next token
-            gen_pages.pop()
-            self._finish(generating.pop(), "length")
-        free -= sum(gen_pages)
-        budget = self.n_batch - len(generating)
-        parts: list[tuple[Slot, list[int]]] = [(s, [s.pending]) for s in generating]
-        for s in prefilling:
-            done, left = len(s.tokens), len(s.req.ids) - len(s.tokens)
-            # positions that fit: the rest of the page holding `done`, if the slot owns it, and free pages
-            page = self.ctx.kv.page
-            room = free * page + ((page - done % page) if done % page else 0)
-            n = self.rules.prompt_cut(done, len(s.req.ids), min(budget, room), self.ctx.n_ubatch)
-            if n == 0 and len(parts) == len(generating):  # a budget under 16: progress before bits
-                n = min(budget, left, room)
-            if n <= 0:
-                continue
-            free -= kv.pages_for(s.seq, done, done + n, owned)
-            budget -= n
-            parts.append((s, s.req.ids[done:done + n]))
-        if not parts:
-            return
-        batch = Batch(np.array([t for _, c in parts for t in c], dtype=np.int32),
-                      np.array([len(s.tokens) + i for s, c in parts for i in range(len(c))], dtype=np.int32),
-                      np.array([s.seq for s, c in parts for _ in c], dtype=np.int32),
-                      np.array([i == len(c) - 1 and (s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids))
-                                for s, c in parts for i in range(len(c))], dtype=bool))
-        out_slots = [s for (s, c) in parts if s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids)]
+        parts = plan.parts
+        batch, out_slots = plan.batch()
+        generating = [s for s, _ in parts if s.pending is not None]
         gens = [s.gen for s in out_slots]
         n_top, hist = self.runner.top_request(gens)
         prompt_pieces = [c for s, c in parts if s.pending is None]
@@ -771,15 +686,6 @@ class Engine:
 
     def _finish(self, s: Slot, reason: str) -> None:
         self._deliver(s, s.gen.end(reason))
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Replies:

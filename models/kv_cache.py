@@ -83,7 +83,7 @@ class KVCache:
         self.cell_seq = np.full(n_ctx, FREE, dtype=np.int32)
         self.cell_pos = np.zeros(n_ctx, dtype=np.int32)
         # what the tags say, kept while only occupy() changes them (a decoding step asks for
-        # both, and working them out scans every cell): _owned()'s pages, and one past the
+        # both, and working them out scans every cell): owned()'s pages, and one past the
         # last cell in use; None: worked out again at the next question
         self._owner: dict[tuple[int, int], int] | None = None
         self._end: int | None = None
@@ -102,7 +102,7 @@ class KVCache:
         pad = self.n_pages * self.page - self.n_ctx
         return (np.concatenate([cells, np.full(pad, fill, cells.dtype)]) if pad else cells).reshape(-1, self.page)
 
-    def _owned(self) -> dict[tuple[int, int], int]:
+    def owned(self) -> dict[tuple[int, int], int]:
         """(sequence, block) -> page, for every page holding a cell (read it, do not change it).
         A page only ever holds one sequence's block, so its first used cell says whose it is."""
         if self._owner is None:
@@ -123,16 +123,16 @@ class KVCache:
 
     def pages_for(self, seq: int, p0: int, p1: int, owned: dict | None = None) -> int:
         """Pages sequence ``seq`` must take to hold positions p0 .. p1 - 1."""
-        owned = self._owned() if owned is None else owned
+        owned = self.owned() if owned is None else owned
         return sum((seq, blk) not in owned for blk in range(p0 // self.page, (p1 - 1) // self.page + 1)) if p1 > p0 else 0
 
     def seq_pages(self, seq: int) -> int:
-        return sum(s == seq for s, _ in self._owned())
+        return sum(s == seq for s, _ in self.owned())
 
     def find_cells(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         """A cell for each (sequence, position), taking free pages lowest first; None when the
         pages run out or a position's offset lies past the cache's end (nothing is taken)."""
-        owned = self._owned()
+        owned = self.owned()
         taken = set(owned.values())
         free = (g for g in range(self.n_pages) if g not in taken)
         new: dict[tuple[int, int], int] = {}
@@ -161,7 +161,7 @@ class KVCache:
                                                                    np.broadcast_to(seq, len(cells)).tolist(),
                                                                    np.broadcast_to(pos, len(cells)).tolist())}
             if any(self._owner.get(key) != page for key, page in pages.items()):
-                self._owner = {**self._owner, **pages}  # a new dict: what _owned() gave out stays as it was
+                self._owner = {**self._owner, **pages}  # a new dict: what owned() gave out stays as it was
         if self._end is not None:
             self._end = max(self._end, int(np.max(cells)) + 1)
 

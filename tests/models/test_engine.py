@@ -197,6 +197,8 @@ def test_full_cache_ends_with_length_and_frees_cells(small):
         assert r["usage"]["completion_tokens"] == 4
         with pytest.raises(ValueError, match="more than the context"):
             engine.submit(list(range(1, 300)), stream=False)
+        with pytest.raises(ValueError, match="more than the context"):  # (it waited at the queue's head for ever)
+            engine.submit(list(range(1, engine.n_ctx + 1)), stream=False)
 
 
 def test_abandoned_stream_frees_its_slot_and_full_queue_refuses(small):

@@ -21,9 +21,9 @@ def small_cache(n_ctx: int) -> KVCache:
 
 
 def fresh(kv: KVCache) -> tuple[dict, int]:
-    """_owned() and n_kv() worked out from the tags alone."""
+    """owned() and n_kv() worked out from the tags alone."""
     kv._owner = kv._end = None
-    return dict(kv._owned()), kv.n_kv()
+    return dict(kv.owned()), kv.n_kv()
 
 
 # an operation: append tokens to a sequence, drop a sequence's tail, or clear everything
@@ -55,7 +55,7 @@ def test_what_the_cache_keeps_about_its_cells_is_what_the_tags_say(steps):
         else:
             kv.clear()
             length = {s: 0 for s in range(4)}
-        kept = dict(kv._owned()), kv.n_kv()
+        kept = dict(kv.owned()), kv.n_kv()
         assert kept == fresh(kv)
         used = kv.cell_seq != FREE
         assert sorted(length.values()) == sorted(int((kv.cell_seq == s).sum()) for s in range(4))

@@ -1,0 +1,173 @@
+"""What the Engine decodes at each step: continuous batching's scheduling, with no model in it.
+
+- **Admission.**  Queued requests go into idle slots in arrival order; slot i is KV-cache
+  sequence i.  A request goes to the idle slot whose last conversation shares the longest
+  prefix with its prompt (then the least recently used), and skips the part of that prefix
+  the batch rules let it reuse.  It is admitted only when its prompt and one token more fit
+  beside what the admitted requests still need, so prompts never wait on each other for cells.
+- **Cells.**  The cache hands out cells in pages (BatchRules.kv_page); the counting below is
+  in pages.  An idle slot keeps its cells until they are needed, then gives them up, least
+  recently used first.
+- **A step.**  One token of every generating sequence, then pieces of the prompts being read,
+  oldest request first, within ``n_batch`` tokens.  Each piece is cut by
+  BatchRules.prompt_cut, so that every token meets the kernels of a whole read.  A generating
+  sequence that finds no free cell for its next token ends ("length").
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pyggml.batch_rules import BatchRules
+
+from .context import Batch
+from .kv_cache import KVCache
+
+
+class Slot:
+    """One of the engine's sequences: what the cache holds for it, and the request it serves."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.tokens: list[int] = []       # what the cache holds for this sequence, in order
+        self.req: Any = None              # the Request served (engine.py), None when idle
+        self.last_used = 0.0
+        self.gen: Any = None              # the request's Generation (runner.py)
+        self.pending: int | None = None   # sampled, to be decoded in the next step
+
+    @property
+    def prefilling(self) -> bool:
+        return self.req is not None and self.pending is None
+
+    def prompt_left(self) -> int:
+        return len(self.req.ids) - len(self.tokens) if self.req is not None and self.pending is None else 0
+
+
+@dataclass
+class StepPlan:
+    parts: list[tuple[Slot, list[int]]]  # each slot's tokens this step: the generating ones first
+    out_of_cells: list[Slot]             # generating sequences left without a cell: they end ("length")
+
+    def batch(self) -> tuple[Batch, list[Slot]]:
+        """The step's batch, and the slots with an output row, in the batch's order: every
+        generating sequence, and each prompt whose last token is in this step."""
+        parts = self.parts
+        ends = [s.pending is not None or len(s.tokens) + len(c) == len(s.req.ids) for s, c in parts]
+        batch = Batch(np.array([t for _, c in parts for t in c], dtype=np.int32),
+                      np.array([len(s.tokens) + i for s, c in parts for i in range(len(c))], dtype=np.int32),
+                      np.array([s.seq for s, c in parts for _ in c], dtype=np.int32),
+                      np.array([i == len(c) - 1 and end for (s, c), end in zip(parts, ends) for i in range(len(c))],
+                               dtype=bool))
+        return batch, [s for (s, _), end in zip(parts, ends) if end]
+
+
+class Scheduler:
+    def __init__(self, slots: Sequence[Slot], kv: KVCache, rules: BatchRules, n_batch: int, n_ubatch: int,
+                 seq_rm: Callable[[int, int], None]) -> None:
+        """``seq_rm(seq, p0)`` frees a sequence's cells from position p0 on (Context.seq_rm:
+        the cache's history records it)."""
+        self.slots, self.kv, self.rules = list(slots), kv, rules
+        self.n_batch, self.n_ubatch = n_batch, n_ubatch
+        self.seq_rm = seq_rm
+
+    def fits(self, n_prompt: int) -> bool:
+        """Whether a prompt of ``n_prompt`` tokens and a token after it fit in the cache at all:
+        one that does not would wait at the head of the queue for ever."""
+        return 0 < n_prompt < self.kv.n_ctx
+
+    def pages_needed(self, s: Slot, owned: dict) -> int:
+        """Pages an admitted request still needs: the rest of its prompt and one token more."""
+        start = len(s.tokens)
+        end = len(s.req.ids) + 1 if s.pending is None else start + 1
+        return self.kv.pages_for(s.seq, start, end, owned)
+
+    def admit(self, queue: deque) -> list[tuple[Slot, Any, int]]:
+        """Take queued requests into idle slots, in arrival order, while they fit: (slot,
+        request, cached tokens) each, the slot's cells past the cached prefix freed.  A
+        cancelled request at the head of the queue is dropped."""
+        kv, page = self.kv, self.kv.page
+        taken = []
+        while queue:
+            req = queue[0]
+            if req.cancelled:
+                queue.popleft()
+                continue
+            idle = [s for s in self.slots if s.req is None]
+            if not idle:
+                break
+            slot = max(idle, key=lambda s: (common_prefix(s.tokens, req.ids), -s.last_used))
+            cached = self.rules.reusable_prefix(common_prefix(slot.tokens, req.ids), len(req.ids), self.n_ubatch)
+            owned = kv.owned()
+            kept = -(-cached // page)  # the slot's pages that the shared prefix keeps
+            need = len(req.ids) // page - cached // page + 1 - (1 if cached % page else 0)
+            room = (kv.free_pages + kv.seq_pages(slot.seq) - kept
+                    + sum(kv.seq_pages(s.seq) for s in idle if s is not slot)
+                    - sum(self.pages_needed(s, owned) for s in self.slots if s.req is not None))
+            if need > room:
+                break  # waits until running requests give cells back
+            queue.popleft()
+            self.seq_rm(slot.seq, cached)
+            slot.tokens = slot.tokens[:cached]
+            slot.req, slot.pending = req, None
+            taken.append((slot, req, cached))
+        return taken
+
+    def release(self, slot: Slot) -> None:
+        """The slot's request ended: it keeps its cells for a prompt that shares them."""
+        slot.req = slot.gen = slot.pending = None
+        slot.last_used = time.monotonic()
+
+    def make_room(self, pages: int) -> None:
+        """Free idle slots' cells, least recently used first, until ``pages`` pages are free."""
+        for s in sorted((s for s in self.slots if s.req is None and s.tokens), key=lambda s: s.last_used):
+            if self.kv.free_pages >= pages:
+                return
+            self.seq_rm(s.seq, 0)
+            s.tokens = []
+
+    def plan(self) -> StepPlan:
+        """What the next step decodes (nothing when no slot has work)."""
+        generating = [s for s in self.slots if s.req is not None and s.pending is not None]
+        prefilling = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.req.t_submit)
+        if not generating and not prefilling:
+            return StepPlan([], [])
+        kv, page = self.kv, self.kv.page
+        owned = kv.owned()
+        self.make_room(sum(self.pages_needed(s, owned) for s in generating + prefilling))
+        owned = kv.owned()
+        free = kv.free_pages
+        gen_pages = [kv.pages_for(s.seq, len(s.tokens), len(s.tokens) + 1, owned) for s in generating]
+        out_of_cells = []
+        while sum(gen_pages) > free:  # no cell left for its next token
+            gen_pages.pop()
+            out_of_cells.append(generating.pop())
+        free -= sum(gen_pages)
+        budget = self.n_batch - len(generating)
+        parts: list[tuple[Slot, list[int]]] = [(s, [s.pending]) for s in generating]
+        for s in prefilling:
+            done, left = len(s.tokens), len(s.req.ids) - len(s.tokens)
+            # positions that fit: the rest of the page holding `done`, if the slot owns it, and free pages
+            room = free * page + ((page - done % page) if done % page else 0)
+            n = self.rules.prompt_cut(done, len(s.req.ids), min(budget, room), self.n_ubatch)
+            if n == 0 and len(parts) == len(generating):  # a budget under 16: progress before bits
+                n = min(budget, left, room)
+            if n <= 0:
+                continue
+            free -= kv.pages_for(s.seq, done, done + n, owned)
+            budget -= n
+            parts.append((s, s.req.ids[done:done + n]))
+        return StepPlan(parts, out_of_cells)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
