@@ -420,10 +420,10 @@ class Engine:
                     self._on_step_failure(e)
 
     def _blamed(self, e: Exception) -> Exception:
-        """An RPC error naming the server to blame (Model._culprit asks every server once: a
+        """An RPC error naming the server to blame (Recovery.blame asks every server once: a
         leaving one says so), anything else as it is."""
         from pyggml.rpc import RPCError
-        return self.model._culprit(e) if isinstance(e, RPCError) else e
+        return self.model.recovery.blame(e) if isinstance(e, RPCError) else e
 
     def _found(self, found) -> None:
         """(the discovery's thread) A server announced itself: connect, and hand its devices to
@@ -459,7 +459,7 @@ class Engine:
                     return
                 if self._returned or not self.model.lost_endpoints:
                     continue
-            back = self.model.probe_lost()
+            back = self.model.recovery.probe_lost()
             if back:
                 with self._cond:
                     self._returned += back
@@ -472,7 +472,7 @@ class Engine:
         self.recovering = f"taking {names} {'back' if returning else 'in'}"
         t0 = time.perf_counter()
         try:
-            back = self.model.attach(devices)
+            back = self.model.recovery.attach(devices)
         except RPCError as e:  # lost while placing anew: a loss like any other
             self.recovering = None
             if not self._fail_over(e):
@@ -547,7 +547,7 @@ class Engine:
             (f"; placing the model anew, expected within {last + 1:.0f} s" if last else "")
         t0 = time.perf_counter()
         try:
-            self.model._recover(e)
+            self.model.recovery.recover(e)
         except Exception as again:  # noqa: BLE001 - no room left: fail what runs, wait for servers
             self.recovering = None
             self._on_step_failure(again)
@@ -564,7 +564,7 @@ class Engine:
         self.stats.errors += 1
         if isinstance(e, RPCError) and not self.model.failover:
             try:  # the lost server joins lost_endpoints, which the prober tries again
-                self.model._drop_dead(e)
+                self.model.recovery.drop_dead(e)
             except Exception as again:  # noqa: BLE001 - closing what is gone
                 log.debug("forgetting the lost server: %s", again)
         with self._cond:

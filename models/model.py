@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from .harmony import is_harmony
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
 from .placement import spans
+from .failover import Recovery
 from .runner import Generation, Runner, Took
 from .sampling import Sampler, SamplingParams, checked_logit_bias
 from .tokenizer import Tokenizer
@@ -71,7 +71,6 @@ def connect_rpc(rpc: str | Sequence[str] | None, key: str | os.PathLike | ssl.SS
     return connect(rpc, key=key, connect_timeout=connect_timeout)
 
 
-MAX_RECOVERY_ROUNDS = 8  # placements tried in one recovery, each after a further loss
 
 
 @dataclass
@@ -131,6 +130,7 @@ class Model:
         self.discovers = isinstance(rpc, str) and rpc.strip().lower().startswith("auto")
         self.lost_endpoints: list[str] = []
         self.recoveries: list[tuple[float, str, float]] = []  # (when, why, seconds) of each re-placement
+        self.recovery = Recovery(self)  # failover.py: losses, departures, servers back or new
         self._placed = False
         self._unplaced_history: History | None = None
         if rpc_spare:
@@ -180,7 +180,7 @@ class Model:
                 backend.set_n_threads(self.n_threads)
 
     # -- failover -----------------------------------------------------------------------------------
-    def _history(self) -> History:
+    def history(self) -> History:
         """What rebuilds the cache as it is (the batches that wrote its live cells): the
         context's, or - while the model is not placed (a recovery not done) - what it had."""
         if self._placed:
@@ -191,7 +191,7 @@ class Model:
     def forget_history(self) -> None:
         """The cache's contents are of no use any more (their requests ended): a recovery
         rebuilds an empty cache."""
-        h = self._history()
+        h = self.history()
         self._unplaced_history = History([], [], h.n_ctx, h.n_ubatch, h.timings)
         if self._placed:
             self.context.clear_cache()
@@ -200,7 +200,7 @@ class Model:
         """Free the weights, the cache and the compute buffers (once; the history is kept)."""
         if not self._placed:
             return
-        self._unplaced_history = self._history()
+        self._unplaced_history = self.history()
         self._placed = False
         old = self.context
         for free in [old.free, *(buf.free for buf in old.kv.buffers), self.model.free]:
@@ -209,7 +209,12 @@ class Model:
             except Exception as e:  # noqa: BLE001 - a lost server's buffers are gone with it
                 log.debug("freeing after a loss: %s", e)
 
-    def _rebuild(self, history: History) -> None:
+    @property
+    def placed(self) -> bool:
+        """Whether the weights are loaded (not while a recovery places them anew)."""
+        return self._placed
+
+    def place_anew(self, history: History) -> None:
         """Place the model anew over the RPC devices now connected (and the local ones), load
         it, and rebuild the cache from ``history`` (taken before the first try: a try that
         failed while it replayed leaves a cache that holds only part of it)."""
@@ -223,152 +228,16 @@ class Model:
                         "logits that follow may differ in their last bits")
             if history.tokens:
                 self.context.decode(history.tokens)
-
-    def probe_lost(self, timeout: float = 2.0) -> list:
-        """The devices of lost servers that answer again (new connections; the model is not
-        touched, so another thread may call this while the model serves)."""
-        back = []
-        for endpoint in list(self.lost_endpoints):
-            try:
-                back += connect_rpc(endpoint, self.rpc_key, connect_timeout=timeout)
-            except (RuntimeError, ValueError, OSError) as e:
-                log.debug("%s is still unreachable: %s", endpoint, e)
-        return back
+        self._unplaced_history = None
 
     def attach(self, devices: list) -> list[str]:
         """Take servers' devices (a lost server back, a new one) into the placement: the model
         is placed anew over every device and goes on where it was.  Returns their endpoints."""
-        have = {d.conn.endpoint for d in self.rpc_devices}
-        for d in devices:  # (one server reached twice, by two probes: one connection is enough)
-            if d.conn.endpoint in have:
-                d.conn.close("already attached")
-        devices = [d for d in devices if d.conn.endpoint not in have]
-        endpoints = list(dict.fromkeys(d.conn.endpoint for d in devices))
-        if not devices:
-            return []
-        self.lost_endpoints = [e for e in self.lost_endpoints if e not in endpoints]
-        self.rpc_devices += devices
-        self._recover_with(lambda: None, reason=f"{', '.join(endpoints)} attached")
-        return endpoints
+        return self.recovery.attach(devices)
 
     def reconnect(self) -> list[str]:
         """Attach again the servers lost to failover that answer now.  Returns their endpoints."""
-        return self.attach(self.probe_lost())
-
-    def _guarded(self, step: Callable[[], Any]) -> Any:
-        """Run a decoding step; with ``failover``, a lost RPC server is replaced and the step
-        runs again on the new placement; a server leaving is let go so, failover or not."""
-        from pyggml.rpc import RPCError, ServerLeaving
-        while True:
-            try:
-                return step()
-            except RPCError as e:
-                e = self._culprit(e)
-                if not (self.failover or isinstance(e, ServerLeaving)):
-                    raise e from None
-                self._recover(e)
-
-    def _let_go(self, endpoint: str) -> None:
-        """Close and forget the devices of the server at ``endpoint`` (not a lost one)."""
-        gone = [d for d in self.rpc_devices if d.conn.endpoint == endpoint]
-        for d in gone:
-            d.conn.close("the server left")
-        self.rpc_devices = [d for d in self.rpc_devices if d not in gone]
-
-    def _culprit(self, error):
-        """The error, naming the server that failed: a server that waited for another's tensor
-        reports that one gone, and still answers itself; a server that is leaving (it says so
-        when asked) is named first."""
-        from pyggml.rpc import RPCError, ServerLeaving
-        if isinstance(error, ServerLeaving):
-            return error
-        conns = {d.conn.endpoint: d.conn for d in self.rpc_devices}
-
-        def leaving():  # (answers() hears a leaving server say so)
-            ep = next((ep for ep, c in conns.items() if c.leaving), None)
-            return ServerLeaving(ep, f"leaving (when {error.endpoint} reported: {str(error).split(': ', 1)[-1]})") \
-                if ep else None
-        named = conns.get(error.endpoint)
-        if named is None or not named.answers():
-            return error
-        dead = [ep for ep, c in conns.items() if ep != error.endpoint and not c.answers()]
-        if not dead and (gone := leaving()) is not None:
-            return gone
-        return RPCError(dead[0], f"lost (reported by {error.endpoint}): {str(error).split(': ', 1)[-1]}") \
-            if dead else error
-
-    def _drop_dead(self, error: Exception) -> list:
-        """Close and forget the RPC devices whose servers no longer answer; their endpoints
-        join ``lost_endpoints``.  Returns them."""
-        conns = {id(d.conn): d.conn for d in self.rpc_devices}.values()
-        dead = {c.endpoint for c in conns if not c.answers()}
-        lost = [d for d in self.rpc_devices if d.conn.endpoint in dead]
-        for d in lost:
-            d.conn.close(f"lost: {error}")
-        self.rpc_devices = [d for d in self.rpc_devices if d not in lost]
-        self.lost_endpoints += [e for e in dict.fromkeys(d.conn.endpoint for d in lost) if e not in self.lost_endpoints]
-        return lost
-
-    def _recover(self, error: Exception) -> None:
-        """Move the lost server's layers onto the devices left (a spare first, and any lost
-        server that answers again), load them, and rebuild the cache from the batches that
-        wrote its live cells: the same rows give the same bits, so greedy and seeded
-        generation go on exactly as if nothing happened.  A server that said it is leaving
-        (ServerLeaving) is let go the same way, without becoming a lost one to try again."""
-        from pyggml.rpc import ServerLeaving
-        if isinstance(error, ServerLeaving):
-            self._let_go(error.endpoint)
-            self._recover_with(self._take_spare, reason=f"{error.endpoint} is leaving", first=error)
-            return
-        if not self._drop_dead(error) and self._placed:
-            raise error  # every server answers: this error is not a loss
-        self._recover_with(self._take_spare, reason=str(error).split(": ", 1)[-1], first=error)
-
-    def _take_spare(self) -> None:
-        while self.spare_endpoints:
-            endpoint = self.spare_endpoints.pop(0)
-            try:
-                self.rpc_devices = connect_rpc(endpoint, self.rpc_key) + self.rpc_devices
-                return
-            except (RuntimeError, ValueError, OSError) as e:
-                log.warning("spare %s cannot be used: %s", endpoint, e)
-
-    def _recover_with(self, gather: Callable[[], None], reason: str, first: Exception | None = None) -> None:
-        """Place anew until it holds: each round takes what ``gather`` adds and the lost servers
-        that answer again; a server lost meanwhile is one more loss (dropped, and another round);
-        only a plan that no longer fits on what is alive ends it, with that as the error."""
-        from pyggml.rpc import RPCError
-        t0 = time.perf_counter()
-        error = first
-        history = self._history()
-        for _ in range(MAX_RECOVERY_ROUNDS):
-            gather()
-            have = {d.conn.endpoint for d in self.rpc_devices}
-            self.rpc_devices += [d for d in self.probe_lost(timeout=1.0) if d.conn.endpoint not in have]
-            self.lost_endpoints = [e for e in self.lost_endpoints
-                                   if e not in {d.conn.endpoint for d in self.rpc_devices}]
-            try:
-                self._rebuild(history)
-            except RPCError as e:  # lost meanwhile: just another loss
-                error = self._culprit(e)
-                log.warning("%s lost while recovering (%s)", error.endpoint, str(error).split(": ", 1)[-1])
-                self._drop_dead(error)
-                continue
-            except (ValueError, RuntimeError, MemoryError) as e:
-                endpoint = error.endpoint if isinstance(error, RPCError) else "RPC"
-                raise RPCError(endpoint, f"{reason}; failover found no room on the devices left "
-                                         f"({', '.join(d.get_name() for d in self.rpc_devices) or 'none'}): {e}") \
-                    from None
-            self._unplaced_history = None
-            lost = ", ".join(sorted(self.lost_endpoints))
-            log.warning("%s (%s); recovered in %.1f s; the model is now on\n%s",
-                        f"lost {lost}" if first is not None and lost else "placed anew",
-                        reason, time.perf_counter() - t0, "\n".join(self.placement_lines()))
-            self.recoveries.append((time.time(), reason, time.perf_counter() - t0))
-            del self.recoveries[:-64]
-            return
-        endpoint = error.endpoint if isinstance(error, RPCError) else "RPC"
-        raise RPCError(endpoint, f"{reason}; servers kept being lost while recovering")
+        return self.recovery.attach(self.recovery.probe_lost())
 
     def _shares(self) -> list[tuple[Any, list[int], str | None]]:
         """Per device: the device, its layers, and what it holds in words (None: nothing)."""
@@ -456,7 +325,7 @@ class Model:
         def score() -> np.ndarray:
             self.context.clear()
             return self.context.decode(list(ids), all_logits=True)
-        return self._guarded(score)
+        return self.recovery.guarded(score)
 
     def generate(self, ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
@@ -488,7 +357,7 @@ class Model:
         self.finish_reason = None
 
         def decode(run: Callable[..., Any]) -> Callable[[int, np.ndarray | None], Any]:
-            return lambda n_top, hist: self._guarded(lambda: run(n_top=n_top, hist=hist))
+            return lambda n_top, hist: self.recovery.guarded(lambda: run(n_top=n_top, hist=hist))
         step = decode(lambda **kw: self.context.eval_prefix(ids, **kw))  # the cached prefix reused
         while True:
             if max_tokens <= 0:

@@ -149,7 +149,7 @@ def test_a_second_loss_while_recovering_is_one_more_loss(start_server, monkeypat
     want = uninterrupted("smollm2", 24)
     servers = [start_server(), start_server(), start_server()]
     rebuilds = []
-    real = pg.Model._rebuild
+    real = pg.Model.place_anew
 
     def rebuild_losing_another(self, history):
         rebuilds.append(1)
@@ -157,7 +157,7 @@ def test_a_second_loss_while_recovering_is_one_more_loss(start_server, monkeypat
             servers[2].kill()  # while the first recovery places the model anew
             servers[2].proc.wait()
         return real(self, history)
-    monkeypatch.setattr(pg.Model, "_rebuild", rebuild_losing_another)
+    monkeypatch.setattr(pg.Model, "place_anew", rebuild_losing_another)
     with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True,
                   ngl="0:prolog,8;1:8;2:all") as m:
         got = []
