@@ -23,12 +23,12 @@ def _print_timings(model) -> None:
                f"generation:  {t.gen_tokens} tokens in {t.gen_seconds * 1000:.0f} ms ({tg:.1f} tokens/s)", err=True)
 
 
-def _stream(chunks, piece_of) -> str:
-    """Print each chunk's text to stdout as it comes; Ctrl-C stops it (what came is kept)."""
+def _stream(pieces, piece_of) -> str:
+    """Print each piece's text to stdout as it comes; Ctrl-C stops it (what came is kept)."""
     parts: list[str] = []
     try:
-        for chunk in chunks:
-            piece = piece_of(chunk)
+        for p in pieces:
+            piece = piece_of(p)
             if piece:
                 parts.append(piece)
                 click.echo(piece, nl=False)
@@ -48,20 +48,19 @@ def _answer(model, messages: list[dict], sampling: dict, show_reasoning: bool = 
     answer: list[str] = []
     dim = sys.stdout.isatty()
 
-    def piece_of(chunk) -> str | None:
-        delta = chunk["choices"][0]["delta"]
-        thought = delta.get("reasoning_content") if show_reasoning else None
-        if delta.get("content"):
-            answer.append(delta["content"])
+    def piece_of(piece: tuple[str, str]) -> str | None:
+        thought, text = piece
+        thought = thought if show_reasoning else ""
+        answer.append(text)
         shown = (click.style(thought, dim=True) if dim else thought) if thought else ""
-        return shown + (delta.get("content") or "") or None
-    _stream(model.create_chat_completion(messages, stream=True, **sampling), piece_of)
+        return shown + text or None
+    _stream(model.answer(messages, **sampling), piece_of)
     return "".join(answer)
 
 
 def _continue(model, text: str, sampling: dict) -> None:
     """Stream the continuation of ``text`` (a base model's completion)."""
-    _stream(model.create_completion(text, stream=True, **sampling), lambda chunk: chunk["choices"][0]["text"])
+    _stream(model.complete_text(text, **sampling), lambda piece: piece)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,15 +1,11 @@
-"""OpenAI-shaped completions, shared by ``Model`` (one sequence) and ``Engine`` (many):
-the text stream that holds back half characters and stop strings, and the reply and
-chunk objects of ``/v1/completions`` and ``/v1/chat/completions``."""
+"""The text of a generation, shared by ``Model`` (one sequence) and ``Engine`` (many): the
+stream that holds back half characters and stop strings, and a request's token counts.
+OpenAI's objects are made of them in server/openai.py."""
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from .harmony import HarmonyStream, split
 from .tokenizer import Tokenizer
 
 
@@ -84,71 +80,7 @@ def stop_list(stop: str | Sequence[str] | None) -> list[str]:
 
 @dataclass
 class Usage:
+    """A request's token counts (server/openai.py writes them in OpenAI's shape)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-@dataclass
-class Shape:
-    """The objects of one reply: ``kind`` is "chat" (chat.completion) or "text"
-    (text_completion); one id for the whole reply, as OpenAI's streams have.  ``reasoning``
-    (a harmony model, gpt-oss): a chat answer's analysis channel comes as ``reasoning_content``,
-    its final channel as ``content``, as llama-server returns them."""
-    kind: str
-    model: str
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    reasoning: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        self.reasoning = self.reasoning and self.kind == "chat"
-        self._channels = HarmonyStream() if self.reasoning else None
-
-    def _obj(self, chunk: bool) -> str:
-        if self.kind == "chat":
-            return "chat.completion.chunk" if chunk else "chat.completion"
-        return "text_completion"
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        return {"id": self.id, "object": self._obj(chunk), "created": self.created, "model": self.model}
-
-    def reply(self, text: str, finish: str | None, usage: Usage, logprobs: Any = None) -> dict[str, Any]:
-        if self.kind == "chat":
-            message = {"role": "assistant", "content": text}
-            if self.reasoning:
-                reasoning, message["content"] = split(text)
-                message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head(False), "choices": [choice], "usage": usage.as_dict()}
-
-    def role_chunk(self) -> dict[str, Any] | None:
-        """The first chunk of a chat stream (None for completions, which have no roles)."""
-        if self.kind != "chat":
-            return None
-        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]}
-
-    def chunk(self, text: str | None, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        if self.kind == "chat":
-            delta = {} if text is None else {"content": text}
-            if self._channels is not None:  # the channels' new text (at the end, what was held back)
-                reasoning, answer = self._channels.push(text) if text is not None else self._channels.flush()
-                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", answer)) if v}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head(True), "choices": [choice]}
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
-        return {**self._head(True), "choices": [], "usage": usage.as_dict()}

@@ -15,9 +15,9 @@ first.  A request is admitted only when its prompt fits beside the prompts alrea
 read, so prompts never wait on each other for cells; a generating sequence that finds no
 free cell ends with ``finish_reason`` "length".
 
-The engine has no HTTP in it: ``submit`` returns OpenAI-shaped chunks (or the whole reply)
-and may be called from any thread; ``start`` is the lower level that delivers events to a
-callback (what the HTTP server uses).  When a device is lost (an RPC server died) the
+The engine has no HTTP and no OpenAI in it: ``start`` queues a request (from any thread) and
+delivers its events - text pieces, the end, an error - to a callback; server/openai.py makes
+OpenAI's objects of them (``submit``: the engine's requests as OpenAI's chunks or replies).  When a device is lost (an RPC server died) the
 requests in flight end with an error naming it, and the engine refuses new ones, saying why;
 unless the model has ``failover``: then its layers move, the cache is rebuilt from the
 batches that wrote its live cells (time that grows with what is live, not with how long the
@@ -41,22 +41,21 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .completion import Shape, Usage
+from .completion import Usage
 from .context import ContextFullError
 from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
 from .runner import Generation, Runner, Took, shape_bucket
 from .scheduler import Scheduler, Slot
-from .sampling import Sampler, SamplingParams, checked_logit_bias
+from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger("pyggml.engine")
 
@@ -261,53 +260,6 @@ class Engine:
             self.stats.requests += 1
             self._cond.notify_all()
         return req
-
-    def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
-               stream: bool = True, max_tokens: int | None = None, temperature: float = 0.8, top_k: int = 40,
-               top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-               frequency_penalty: float = 0.0, presence_penalty: float = 0.0, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               include_usage: bool = False, logit_bias: dict[int, float] | None = None):
-        """Complete ``prompt`` or answer ``messages``: an iterator of OpenAI-shaped chunks
-        (``stream``) or the whole reply as a dict.  Safe to call from several threads;
-        closing the iterator early cancels the request."""
-        kind = "chat" if messages is not None else "text"
-        ids = self.prompt_ids(prompt, messages)
-        options = Options(max_tokens, SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty,
-                                                     frequency_penalty=frequency_penalty,
-                                                     presence_penalty=presence_penalty,
-                                                     logit_bias=checked_logit_bias(logit_bias, self.model.n_vocab)),
-                          seed, [stop] if isinstance(stop, str) else list(stop or []), logprobs)
-        events: queue.Queue[Event] = queue.Queue()
-        req = self.start(ids, options, events.put)
-        shape = Shape(kind, self.model.name, reasoning=self.model.harmony)
-        replies = Replies(shape, kind, self.model.tokenizer, include_usage)
-        if not stream:
-            try:
-                while True:
-                    ev = events.get()
-                    if ev.kind == "error":
-                        raise EngineStopped(ev.error)
-                    replies.add(ev)
-                    if ev.kind == "done":
-                        return replies.reply()
-            finally:
-                req.cancel()
-        return self._chunks(req, events, replies)
-
-    @staticmethod
-    def _chunks(req: Request, events: queue.Queue, replies: Replies) -> Iterator[dict[str, Any]]:
-        try:
-            yield from replies.first()
-            while True:
-                ev = events.get()
-                if ev.kind == "error":
-                    raise EngineStopped(ev.error)
-                yield from replies.chunks(ev)
-                if ev.kind == "done":
-                    return
-        finally:
-            req.cancel()  # a no-op once it is done; frees the slot of an abandoned stream
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -686,53 +638,3 @@ class Engine:
 
     def _finish(self, s: Slot, reason: str) -> None:
         self._deliver(s, s.gen.end(reason))
-
-
-class Replies:
-    """Engine events -> OpenAI chunks (streamed) or one reply (not streamed)."""
-
-    def __init__(self, shape: Shape, kind: str, tokenizer, include_usage: bool = False) -> None:
-        self.shape, self.kind, self.include_usage = shape, kind, include_usage
-        self.parts: list[str] = []
-        self.logprobs: list[dict[str, Any]] = []
-        self.finish: str | None = None
-        self.usage: Usage | None = None
-        self.offset = 0
-
-    def _lp(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-        if not entries:
-            return None
-        if self.kind == "chat":
-            return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
-                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                                  for _, t, lp in e["top"]]} for e in entries]}
-        offsets = []
-        for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(e["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries], "text_offset": offsets}
-
-    def first(self) -> list[dict[str, Any]]:
-        role = self.shape.role_chunk()
-        return [role] if role is not None else []
-
-    def chunks(self, ev: Event) -> list[dict[str, Any]]:
-        if ev.kind == "piece":
-            return [self.shape.chunk(ev.text, None, self._lp(ev.logprobs))]
-        out = [self.shape.chunk(None, ev.finish)]
-        if self.include_usage:
-            out.append(self.shape.usage_chunk(ev.usage))
-        return out
-
-    def add(self, ev: Event) -> None:
-        if ev.kind == "piece":
-            self.parts.append(ev.text)
-            self.logprobs.extend(ev.logprobs)
-        elif ev.kind == "done":
-            self.finish, self.usage = ev.finish, ev.usage
-
-    def reply(self) -> dict[str, Any]:
-        has_lp = bool(self.logprobs)
-        lp = self._lp(self.logprobs) if has_lp else None
-        return self.shape.reply("".join(self.parts), self.finish, self.usage, lp)

@@ -17,8 +17,8 @@ from pyggml.backend import Preparation
 from . import hub
 
 from .chat import ChatTemplate
-from .completion import Shape, Usage, stop_list
-from .harmony import is_harmony
+from .completion import Usage, stop_list
+from .harmony import HarmonyStream, is_harmony
 from .context import Context, ContextFullError
 from .loader import LoadedModel, default_devices, load_model
 from .placement import spans
@@ -391,7 +391,32 @@ class Model:
             if took.text:
                 yield took.text
 
+    def complete_text(self, prompt: str | Sequence[int], max_tokens: int | None = None,
+                      stop: str | Sequence[str] | None = None, **sampling: Any) -> Iterator[str]:
+        """The continuation of ``prompt`` (text, or token ids), as pieces of text as they are
+        generated (what pyggml-chat prints); ``sampling``: generate's settings."""
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt)
+        self.usage = Usage()
+        yield from self._stream(ids, max_tokens, stop, self.usage, **sampling)
+
+    def answer(self, messages: Sequence[dict[str, Any]], max_tokens: int | None = None,
+               stop: str | Sequence[str] | None = None, **sampling: Any) -> Iterator[tuple[str, str]]:
+        """The answer to a conversation, as pieces of (reasoning, answer) text as they are
+        generated: the reasoning is a harmony model's analysis channel (gpt-oss), "" for others."""
+        channels = HarmonyStream() if self.harmony else None
+        self.usage = Usage()
+        for piece in self._stream(self.apply_chat_template(messages), max_tokens, stop, self.usage, **sampling):
+            if channels is None:
+                yield "", piece
+                continue
+            reasoning, answer = channels.push(piece)
+            if reasoning or answer:
+                yield reasoning, answer
+        if channels is not None and any(rest := channels.flush()):
+            yield rest
+
     def _completion(self, kind: str, ids: list[int], stream: bool, max_tokens: int | None, stop, **sampling):
+        from pyggml.server.openai import Shape, usage_object
         shape = Shape(kind, self.path.name, reasoning=self.harmony)
         usage = Usage()
         self.usage = usage
@@ -406,7 +431,7 @@ class Model:
                 yield first
             for piece in pieces:
                 yield shape.chunk(piece)
-            yield {**shape.chunk(None, self.finish_reason), "usage": usage.as_dict()}
+            yield {**shape.chunk(None, self.finish_reason), "usage": usage_object(usage)}
         return chunks()
 
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,

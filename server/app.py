@@ -26,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pyggml.models.completion import Shape
-from pyggml.models.engine import GC_PAUSES, STEP_BUCKETS, Engine, EngineStopped, Event, QueueFullError, Replies
+from pyggml.models.engine import GC_PAUSES, STEP_BUCKETS, Engine, EngineStopped, Event, QueueFullError
 
+from .openai import Replies, Shape
 from .requests import BadRequest, Completion, parse_completion
 
 log = logging.getLogger("pyggml.server")

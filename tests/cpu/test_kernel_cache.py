@@ -225,6 +225,7 @@ from numba.core.registry import CPUDispatcher
 import pyggml
 from pyggml.cpu.warmup import parts_for_file, warm_up
 from pyggml.models.loader import open_gguf
+from pyggml.server.openai import submit
 
 def overloads():
     # issubclass of the type: isinstance would ask a dead weak proxy (numba's cfuncs leave some) and raise
@@ -240,7 +241,7 @@ if sys.argv[2] == "model":
     list(m.generate(ids[:5], max_tokens=2, temperature=0.8, top_k=40, seed=1))  # sampled
     m.logits(ids[:9])                                             # every position's logits
     engine = pyggml.models.Engine(m, n_parallel=2)                # two sequences in one batch (runs)
-    streams = [engine.submit(t, max_tokens=3, temperature=0) for t in ("Hello", "One two three")]
+    streams = [submit(engine, t, max_tokens=3, temperature=0) for t in ("Hello", "One two three")]
     for s in streams:
         list(s)
     engine.close()

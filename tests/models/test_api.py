@@ -72,6 +72,19 @@ def test_chat_completion(m):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == msg["content"]
 
 
+def test_the_text_api_gives_the_completions_text(m):
+    """What pyggml-chat prints (Model.answer, Model.complete_text: text, not OpenAI's objects)
+    is the text of the OpenAI-shaped replies."""
+    messages = [{"role": "user", "content": "Name the capital of France."}]
+    pieces = list(m.answer(messages, max_tokens=30, temperature=0))
+    assert all(reasoning == "" for reasoning, _ in pieces)  # not a reasoning model
+    assert "".join(a for _, a in pieces) == m.create_chat_completion(messages, max_tokens=30,
+                                                                      temperature=0)["choices"][0]["message"]["content"]
+    text = "".join(m.complete_text("1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"]))
+    assert text == m.create_completion("1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"])["choices"][0]["text"]
+    assert m.usage.completion_tokens > 0
+
+
 def test_gemma_chat_uses_the_builtin_turn_format():
     g = shared_model("gemma3-270m")
     ids = g.apply_chat_template([{"role": "user", "content": "Hi"}])

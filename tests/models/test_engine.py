@@ -17,6 +17,7 @@ from pyggml.cpu.kinds import Fmt
 from pyggml.batch_rules import BATCH_RULES
 from pyggml.models.context import Batch
 from pyggml.models.engine import QueueFullError
+from pyggml.server.openai import submit
 
 from tests.conftest import shared_model
 
@@ -102,7 +103,7 @@ def answers_from_threads(engine: Engine, prompts: list[str], max_tokens: int) ->
     out: dict[str, str] = {}
 
     def ask(p):
-        out[p] = "".join(c["choices"][0]["text"] for c in engine.submit(p, max_tokens=max_tokens, temperature=0))
+        out[p] = "".join(c["choices"][0]["text"] for c in submit(engine, p, max_tokens=max_tokens, temperature=0))
     threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
@@ -117,7 +118,7 @@ def test_engine_from_threads_equals_the_model_alone(small):
         with pytest.raises(RuntimeError, match="belongs to the Engine"):
             small.create_completion("x", max_tokens=1)
         assert answers_from_threads(engine, PROMPTS, 12) == want
-        r = engine.submit(PROMPTS[0], stream=False, max_tokens=12, temperature=0)
+        r = submit(engine, PROMPTS[0], stream=False, max_tokens=12, temperature=0)
         assert r["choices"][0]["text"] == want[PROMPTS[0]]
         # the slot still holds this prompt, but a rest of one token would take the attention's
         # single-token path, not a fresh read's: nothing of 5 tokens is reused (reusable_prefix)
@@ -136,7 +137,7 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
         assert len(shapes) == 1 + 2 * 3 and all(engine.ctx.has_graph(s) for s in shapes)
 
         def ask(prompt: str, n: int, **sampling) -> None:
-            list(engine.submit(prompt, max_tokens=n, **sampling))
+            list(submit(engine, prompt, max_tokens=n, **sampling))
         # three streams that end one after another (3, 2, then 1 generating), one of them sampled
         threads = [threading.Thread(target=ask, args=(p, n), kwargs=kw) for p, n, kw in
                    [(PROMPTS[0], 4, {"temperature": 0}), (PROMPTS[1], 9, {"temperature": 0}),
@@ -169,7 +170,7 @@ def test_k_quant_answers_in_a_busy_engine_are_the_models_alone():
         assert len(m.tokenize(LONG)) > 64 and len(m.tokenize(prompts[3])) > 32
         with Engine(m, n_parallel=4, n_batch=32) as engine:
             assert answers_from_threads(engine, prompts, 16) == {p: want[p] for p in prompts}
-            r = engine.submit(follow_up, stream=False, max_tokens=16, temperature=0)
+            r = submit(engine, follow_up, stream=False, max_tokens=16, temperature=0)
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
             assert r["choices"][0]["text"] == want[follow_up]
 
@@ -181,7 +182,7 @@ def test_full_cache_ends_with_length_and_frees_cells(small):
         results = []
 
         def ask(p):
-            results.append(engine.submit(p, stream=False, max_tokens=400, temperature=0))
+            results.append(submit(engine, p, stream=False, max_tokens=400, temperature=0))
         threads = [threading.Thread(target=ask, args=(p,)) for p in ("1, 2, 3, 4, 5, 6,", "10, 20, 30, 40,")]
         for t in threads:
             t.start()
@@ -193,28 +194,28 @@ def test_full_cache_ends_with_length_and_frees_cells(small):
         assert sum(r["usage"]["total_tokens"] for r in results) <= 256 + 2
         assert any(r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] < 400
                    for r in results)
-        r = engine.submit(PROMPTS[2], stream=False, max_tokens=4, temperature=0)
+        r = submit(engine, PROMPTS[2], stream=False, max_tokens=4, temperature=0)
         assert r["usage"]["completion_tokens"] == 4
         with pytest.raises(ValueError, match="more than the context"):
-            engine.submit(list(range(1, 300)), stream=False)
+            submit(engine, list(range(1, 300)), stream=False)
         with pytest.raises(ValueError, match="more than the context"):  # (it waited at the queue's head for ever)
-            engine.submit(list(range(1, engine.n_ctx + 1)), stream=False)
+            submit(engine, list(range(1, engine.n_ctx + 1)), stream=False)
 
 
 def test_abandoned_stream_frees_its_slot_and_full_queue_refuses(small):
     with Engine(small, n_parallel=1, n_batch=64, max_queue=1) as engine:
-        stream = engine.submit(PROMPTS[0], max_tokens=200, temperature=0)
+        stream = submit(engine, PROMPTS[0], max_tokens=200, temperature=0)
         next(stream)
         done = []
         waiting = threading.Thread(target=lambda: done.append(
-            engine.submit(PROMPTS[1], stream=False, max_tokens=3, temperature=0)))
+            submit(engine, PROMPTS[1], stream=False, max_tokens=3, temperature=0)))
         waiting.start()
         for _ in range(200):
             if engine.queued:
                 break
             threading.Event().wait(0.01)
         with pytest.raises(QueueFullError):
-            engine.submit(PROMPTS[2], max_tokens=2)
+            submit(engine, PROMPTS[2], max_tokens=2)
         stream.close()
         waiting.join(60)
         assert done and done[0]["usage"]["completion_tokens"] == 3

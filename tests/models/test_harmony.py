@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyggml.models.completion import Shape
+from pyggml.server.openai import Shape
 from pyggml.models.harmony import HarmonyStream, is_harmony, split
 
 REPLY = ("<|channel|>analysis<|message|>The user asks for 2+2. That is 4.<|end|>"

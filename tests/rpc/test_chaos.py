@@ -130,6 +130,7 @@ def test_a_model_that_no_longer_fits_waits_for_its_servers_and_serves_again(star
     import pyggml as pg
     from pyggml.models import model as model_module
     from pyggml.models.engine import Engine, EngineStopped
+    from pyggml.server.openai import submit
     from pyggml.models.placement import PlacementError
     real = model_module.load_model
 
@@ -144,7 +145,7 @@ def test_a_model_that_no_longer_fits_waits_for_its_servers_and_serves_again(star
     engine = Engine(m, n_parallel=2, n_batch=64)
     try:
         def answer(prompt: str) -> str:
-            return engine.submit(prompt, stream=False, max_tokens=MAX_TOKENS, temperature=0)["choices"][0]["text"]
+            return submit(engine, prompt, stream=False, max_tokens=MAX_TOKENS, temperature=0)["choices"][0]["text"]
         assert answer(PROMPTS[0]) == solo[PROMPTS[0]]
         port = server.port
         server.kill()

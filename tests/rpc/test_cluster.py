@@ -24,6 +24,7 @@ from pyggml.rpc import load_key
 from pyggml.models import Engine
 from pyggml.rpc.discovery import browse, connect_auto, parse, parse_auto, txt_record
 from pyggml.rpc.protocol import PROTOCOL_VERSION
+from pyggml.server.openai import submit
 
 from tests.conftest import shared_model
 from tests.rpc.rpc_helpers import HostedServers, NamespaceUnavailable, ServerProcess, bridged_namespaces
@@ -164,7 +165,7 @@ def test_servers_leave_a_serving_engine_mid_stream_and_while_idle(remote):
     with pg.Model("smollm2", n_ctx=512, rpc=[a.endpoint, b.endpoint], progress=False) as m, \
             Engine(m, n_parallel=2, n_batch=64) as engine:
         text = []
-        for i, chunk in enumerate(engine.submit(prompt, max_tokens=20, temperature=0)):
+        for i, chunk in enumerate(submit(engine, prompt, max_tokens=20, temperature=0)):
             text.append(chunk["choices"][0]["text"])
             if i == 5:
                 a.proc.send_signal(signal.SIGTERM)
@@ -174,7 +175,7 @@ def test_servers_leave_a_serving_engine_mid_stream_and_while_idle(remote):
         b.proc.send_signal(signal.SIGTERM)  # idle now
         assert b.proc.wait(30) == 0 and time.monotonic() - t0 < 15
         assert engine.stats.departures == 2 and not m.rpc_devices
-        r = engine.submit(prompt, stream=False, max_tokens=20, temperature=0)
+        r = submit(engine, prompt, stream=False, max_tokens=20, temperature=0)
         assert r["choices"][0]["text"] == want
 
 
@@ -204,7 +205,7 @@ def test_a_server_that_appears_joins_a_serving_engine(remote):
         text = []
         began = time.time()
         joiner.start()  # it announces itself once started (seconds): by then the stream runs
-        for chunk in engine.submit(prompt, max_tokens=450, temperature=0):
+        for chunk in submit(engine, prompt, max_tokens=450, temperature=0):
             text.append(chunk["choices"][0]["text"])
         ended = time.time()
         joiner.join(120)
