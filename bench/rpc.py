@@ -194,6 +194,16 @@ def llama_cpp_rows(bin_dir: Path, model: Path, n: int, threads: int = 2, hosts: 
     return rows
 
 
+def timed_load(args, endpoint: str) -> tuple[float, int]:
+    """Seconds to load the model onto the server at ``endpoint``, and the bytes sent to it."""
+    t0 = time.perf_counter()
+    model = pg.Model(args.model, n_ctx=args.ctx, rpc=endpoint, ngl="all", progress=False)
+    seconds = time.perf_counter() - t0
+    sent = model.rpc_devices[0].conn.bytes_sent
+    model.close()
+    return seconds, sent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -445,21 +455,13 @@ def placements_main(args, env: dict, hosts: Hosts) -> None:
                     model.close()
             local_tps = rows[0][1]
 
-            t0 = time.perf_counter()
-            again = pg.Model(args.model, n_ctx=args.ctx, rpc=solo.endpoint, ngl="all", progress=False)
-            cached_load = time.perf_counter() - t0
-            cached_upload = again.rpc_devices[0].conn.bytes_sent
-            again.close()
+            cached_load, cached_upload = timed_load(args, solo.endpoint)
         finally:
             for s in servers:
                 s.stop()
         holder = hosts.server("--gguf", str(pg.hub.resolve(args.model)), env=env)  # hashes it once (remembered)
         try:
-            t0 = time.perf_counter()
-            disk = pg.Model(args.model, n_ctx=args.ctx, rpc=holder.endpoint, ngl="all", progress=False)
-            disk_load = time.perf_counter() - t0
-            disk_upload = disk.rpc_devices[0].conn.bytes_sent
-            disk.close()
+            disk_load, disk_upload = timed_load(args, holder.endpoint)
         finally:
             holder.stop()
         pair = [hosts.server(env=env), hosts.server(env=env)]  # failover: kill -9 of one mid-generation

@@ -31,18 +31,24 @@ def uninterrupted(alias: str, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("alias, transport", [("smollm2", "tcp"), ("gemma3-270m", "tcp"), ("smollm2", "zmq")])
+def generate_killing(m, server, at: int, max_tokens: int, caplog) -> list[int]:
+    """``m``'s greedy tokens after PROMPT, ``server`` killed (kill -9) once token ``at`` is out;
+    the warnings kept in ``caplog``."""
+    got = []
+    with caplog.at_level(logging.WARNING, logger="pyggml.models"):
+        for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=max_tokens, temperature=0)):
+            got.append(token)
+            if i == at:
+                server.kill()
+    return got
+
+
 def test_greedy_generation_survives_a_killed_server(alias, transport, start_server, caplog):
     want = uninterrupted(alias, 32)
     servers = [start_server("--transport", transport), start_server("--transport", transport)]
     with pg.Model(alias, n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True) as m:
         assert set(m.model.placement.layers) == {0, 1}
-        got = []
-        with caplog.at_level(logging.WARNING, logger="pyggml.models"):
-            for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=32, temperature=0)):
-                got.append(token)
-                if i == 8:
-                    servers[1].kill()
-        assert got == want
+        assert generate_killing(m, servers[1], 8, 32, caplog) == want
         assert set(m.model.placement.layers) == {0}  # everything on the server left
         said = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
         assert len(said) == 1 and servers[1].endpoint in said[0] and "recovered in" in said[0]
@@ -160,13 +166,7 @@ def test_a_second_loss_while_recovering_is_one_more_loss(start_server, monkeypat
     monkeypatch.setattr(pg.Model, "place_anew", rebuild_losing_another)
     with pg.Model("smollm2", n_ctx=512, rpc=[s.endpoint for s in servers], progress=False, failover=True,
                   ngl="0:prolog,8;1:8;2:all") as m:
-        got = []
-        with caplog.at_level(logging.WARNING, logger="pyggml.models"):
-            for i, token in enumerate(m.generate(m.tokenize(PROMPT), max_tokens=24, temperature=0)):
-                got.append(token)
-                if i == 5:
-                    servers[1].kill()
-        assert got == want
+        assert generate_killing(m, servers[1], 5, 24, caplog) == want
         assert len(rebuilds) >= 2 and sorted(m.lost_endpoints) == sorted([servers[1].endpoint, servers[2].endpoint])
         assert any("lost while recovering" in r.getMessage() for r in caplog.records)
         assert {m.model.devices[d].get_name() for d in m.model.placement.used()} <= {f"RPC[{servers[0].endpoint}]",
