@@ -30,7 +30,6 @@ def uninterrupted(alias: str, n: int) -> list[int]:
     return list(m.generate(m.tokenize(PROMPT), max_tokens=n, temperature=0))
 
 
-@pytest.mark.parametrize("alias, transport", [("smollm2", "tcp"), ("gemma3-270m", "tcp"), ("smollm2", "zmq")])
 def generate_killing(m, server, at: int, max_tokens: int, caplog) -> list[int]:
     """``m``'s greedy tokens after PROMPT, ``server`` killed (kill -9) once token ``at`` is out;
     the warnings kept in ``caplog``."""
@@ -43,6 +42,7 @@ def generate_killing(m, server, at: int, max_tokens: int, caplog) -> list[int]:
     return got
 
 
+@pytest.mark.parametrize("alias, transport", [("smollm2", "tcp"), ("gemma3-270m", "tcp"), ("smollm2", "zmq")])
 def test_greedy_generation_survives_a_killed_server(alias, transport, start_server, caplog):
     want = uninterrupted(alias, 32)
     servers = [start_server("--transport", transport), start_server("--transport", transport)]

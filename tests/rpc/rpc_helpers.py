@@ -302,3 +302,14 @@ class LlamaRpcServer:
         self.proc.wait(10)
 
     stop = kill
+
+
+def assert_keyed_model_is_exact(endpoint: str, client_key) -> None:
+    """SmolLM2 over the keyed server at ``endpoint`` (TLS or CurveZMQ) gives the local logits."""
+    import numpy as np
+
+    import pyggml as pg
+    from tests.conftest import shared_model
+    with pg.Model("smollm2", n_ctx=64, rpc=endpoint, rpc_key=str(client_key), ngl="all", progress=False) as m:
+        ids = m.tokenize("Secret")
+        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))

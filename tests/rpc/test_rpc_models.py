@@ -19,7 +19,7 @@ from pyggml.rpc import RPCError, connect, load_key
 from pyggml.rpc import protocol as P
 
 from tests.conftest import reference, shared_model
-from tests.rpc.rpc_helpers import RawClient
+from tests.rpc.rpc_helpers import assert_keyed_model_is_exact, RawClient
 
 # (placement, servers used): everything on one server; embedding and head on one server and
 # every layer on another; the embedding and the first layers remote, the rest on the local CPU
@@ -222,10 +222,7 @@ def test_tls_accepts_the_right_key_and_rejects_others(start_server, tls_keys, tm
     server_key, client_key = tls_keys
     server = start_server("--key", str(server_key))
     assert "TLS on" in server.banner[0]
-    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, rpc_key=str(client_key), ngl="all",
-                  progress=False) as m:
-        ids = m.tokenize("Secret")
-        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+    assert_keyed_model_is_exact(server.endpoint, client_key)
     with pytest.raises(RPCError, match="closed the connection|TLS"):
         connect(server.endpoint, connect_timeout=3)  # no key: a plain client
     other = tmp_path / "other.key"

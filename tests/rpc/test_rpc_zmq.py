@@ -9,15 +9,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import zmq
 
-import pyggml as pg
 from pyggml.rpc import RPCError, connect, keys, load_key
 from pyggml.rpc import protocol as P
 
-from tests.conftest import shared_model
+from tests.rpc.rpc_helpers import assert_keyed_model_is_exact
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +28,7 @@ def test_curve_admits_its_client_key_and_refuses_a_wrong_key_and_a_plain_client(
     server_key, client_key = key_pair
     server = start_server("--transport", "zmq", "--key", str(server_key))
     assert "CurveZMQ on" in server.banner[0]
-    with pg.Model("smollm2", n_ctx=64, rpc=server.endpoint, rpc_key=str(client_key), ngl="all",
-                  progress=False) as m:
-        ids = m.tokenize("Secret")
-        assert np.array_equal(m.logits(ids), shared_model("smollm2").logits(ids))
+    assert_keyed_model_is_exact(server.endpoint, client_key)
     with pytest.raises(RPCError, match="refused this client"):
         connect(server.endpoint, connect_timeout=3)  # no key: plain ZeroMQ
     _, other_client = keys.generate(tmp_path / "other")

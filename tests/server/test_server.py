@@ -58,12 +58,16 @@ class HTTPServer:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = HTTPServer("-m", "smollm2", "-c", "2048", "-np", "4", "--max-queue", "16",
-                   log_path=tmp_path_factory.mktemp("http") / "server.log")
+def served(tmp_path_factory, log_name: str, *args: str):
+    """A module's pyggml-server with ``args``, its log in a folder of its own (a fixture's body)."""
+    s = HTTPServer(*args, log_path=tmp_path_factory.mktemp("http") / log_name)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from served(tmp_path_factory, "server.log", "-m", "smollm2", "-c", "2048", "-np", "4", "--max-queue", "16")
 
 
 @pytest.fixture(scope="module")

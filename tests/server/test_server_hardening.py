@@ -11,15 +11,13 @@ import time
 import httpx
 import pytest
 
-from tests.server.test_server import HTTPServer
+from tests.server.test_server import served
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = HTTPServer("-m", "smollm2", "-c", "512", "-np", "2", "--header-timeout", "1",
-                   log_path=tmp_path_factory.mktemp("http") / "hardening.log")
-    yield s
-    s.stop()
+    yield from served(tmp_path_factory, "hardening.log", "-m", "smollm2", "-c", "512", "-np", "2",
+                      "--header-timeout", "1")
 
 
 def refused(r: httpx.Response, status: int, says: str) -> None:
