@@ -54,3 +54,19 @@ extern "C" __global__ void clamp_f32(const float *x, float *out, float lo, float
     const float v = x[i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3];
     out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = v < lo ? lo : v > hi ? hi : v;
 }
+
+// ADD_ID (gpt-oss's per-expert biases): out[t, u, :] = a[t, u, :] + b[ids[t, u], :] for token t and
+// used slot u; an id outside [0, n_expert) is reported and its row not written
+extern "C" __global__ void add_id_f32(const float *a, const float *b, const int *ids, float *out, int *error,
+                                      i64 ne0, i64 n_used, i64 n_tokens, i64 n_expert, i64 as1, i64 as2, i64 bs1,
+                                      i64 is0, i64 is1, i64 os1, i64 os2) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= ne0 * n_used * n_tokens) return;
+    const i64 i = t % ne0, u = t / ne0 % n_used, tok = t / (ne0 * n_used);
+    const int e = ids[u * is0 + tok * is1];
+    if (e < 0 || e >= n_expert) {
+        *error = ERROR_ADD_ID_INDEX;
+        return;
+    }
+    out[i + u * os1 + tok * os2] = a[i + u * as1 + tok * as2] + b[i + e * bs1];
+}

@@ -93,12 +93,13 @@ static __device__ __forceinline__ void store(u16 *y, float v) { *y = float_to_ha
 HD float to_f32(float v) { return v; }
 HD float to_f32(u16 h) { return half_to_float(h); }
 
-// What a kernel writes into the graph's error flag (pyggml/cuda/ops.py check_errors names it):
+// What a kernel writes into the graph's error flag (pyggml/cuda/kernels.py check_errors names it):
 // indices come from the graph's data (over RPC, from the network), so one out of range is
 // reported, and the row it names is neither read nor written.
 #define ERROR_SET_ROWS_INDEX 1
 #define ERROR_GET_ROWS_INDEX 2
 #define ERROR_MUL_MAT_ID_INDEX 3
+#define ERROR_ADD_ID_INDEX 4
 
 // a sum or maximum over a thread block (blockDim.x a multiple of 32); every thread gets it
 static __device__ __forceinline__ float block_reduce(float x, bool is_max) {
@@ -167,6 +168,20 @@ static __device__ __forceinline__ void block_softmax_finish(float *row, int n, f
         sum += e;
     }
     const float inv = 1.0f / block_reduce_sum(sum);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] *= inv;
+}
+
+// block_softmax_finish with an attention sink: ``sink`` counts in the maximum and the sum (its
+// own exp), and has no output of its own
+static __device__ __forceinline__ void block_softmax_finish_sink(float *row, int n, float local_max, float sink) {
+    const float mx = fmaxf(block_reduce_max(local_max), sink);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const float e = expf(row[j] - mx);
+        row[j] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / (block_reduce_sum(sum) + expf(sink - mx));
     for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] *= inv;
 }
 

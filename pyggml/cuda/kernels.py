@@ -12,7 +12,7 @@ since on a GPU the launches, not the arithmetic, are what such small ops cost - 
 of nothing but our kernels' launches can be recorded and replayed as a CUDA graph
 (replay.py).  Ops that do more (CuPy expressions for unary ops, copies, concat, argmax;
 cuBLAS; copies of odd layouts) call ``eager()``.  All have the CPU backend's semantics
-(``pyggml/cpu/kernels.py``).
+(``pyggml/cpu/ops/``).
 """
 from __future__ import annotations
 
@@ -55,13 +55,11 @@ def supports(node: Tensor) -> bool:
             return UnaryParams.of(node).op in UNARY
         except ValueError:
             return False
-    if node.op == Op.GLU:  # (gpt-oss's SWIGLU_OAI: the CPU's for now)
+    if node.op == Op.GLU:
         try:
-            return GluParams.of(node).op in (GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU)
+            return GluParams.of(node).op in (GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.SWIGLU_OAI)
         except ValueError:
             return False
-    if node.op == Op.SOFT_MAX and len(node.src) > 2 and node.src[2] is not None:  # sinks: the CPU's for now
-        return False
     if node.op == Op.FLASH_ATTN_EXT and len(node.src) > 4 and node.src[4] is not None:
         return False
     return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
@@ -127,6 +125,24 @@ def k_scale(node: Tensor) -> None:
     _into_f32(node, lambda out: function("binary.cu", "scale_f32")(
         _grid(out.size), (256,), x=x, out=out, s=p.scale, b=p.bias, **sizes("ne", out), **strides("xs", x),
         **strides("os", out)))
+
+
+def k_add_id(node: Tensor) -> None:
+    """ADD_ID (gpt-oss's per-expert biases): each (token, used slot) row plus its expert's bias row,
+    the expert ids read on the GPU (kernels/binary.cu)."""
+    a = _dense_rows(values(node.src[0]))[0]     # [n_tokens, n_used, n]
+    b = _dense_rows(values(node.src[1]))[0, 0]  # [n_expert, n]
+    ids = tensor_view(node.src[2])[0, 0]        # [n_tokens, n_used]
+    n_tokens, n_used, n = a.shape
+
+    def launch(y4) -> None:
+        y = y4[0]
+        function("binary.cu", "add_id_f32")(
+            _grid(y.size), (256,), a=a, b=b, ids=ids, out=y, error=_index_errors(), ne0=n, n_used=n_used,
+            n_tokens=n_tokens, n_expert=b.shape[0], as1=a.strides[1] // 4, as2=a.strides[0] // 4,
+            bs1=b.strides[0] // 4, is0=ids.strides[1] // 4, is1=ids.strides[0] // 4, os1=y.strides[1] // 4,
+            os2=y.strides[0] // 4)
+    _into_f32(node, launch)
 
 
 def k_clamp(node: Tensor) -> None:
@@ -324,13 +340,14 @@ def fusions(graph) -> dict[int, Tensor]:
 
 def k_soft_max(node: Tensor) -> None:
     a, mask = node.src[0], node.src[1]
+    sinks = _flat(values(node.src[2])) if len(node.src) > 2 and node.src[2] is not None else None
     x = _dense_rows(values(a))
     ne3, ne2, ne1, ne0 = x.shape
     m = _dense_rows(values(mask)) if mask is not None else None
     mask_args = ({**_rows("ms", m), "m2": m.shape[1], "m3": m.shape[0]} if m is not None else
                  dict.fromkeys(("ms1", "ms2", "ms3", "m2", "m3"), 0))
     _into_f32(node, lambda y: function("softmax.cu", "soft_max_f32")(
-        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, mask=m, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
+        (ne1 * ne2 * ne3,), (_threads(ne0),), x=x, mask=m, sinks=sinks, y=y, ne0=ne0, ne1=ne1, ne2=ne2, **_rows("xs", x),
         **mask_args, **_rows("ys", y), scale=SoftMaxParams.of(node).scale))
 
 
@@ -369,9 +386,15 @@ def k_glu(node: Tensor) -> None:
     if p.swapped:
         a, b = b, a
     ne3, ne2, ne1, ne0 = a.shape
+    shape = dict(ne0=ne0, ne1=ne1, ne2=ne2, nrows=ne1 * ne2 * ne3)
+    if p.op == GluOp.SWIGLU_OAI:
+        _into_f32(node, lambda y: function("glu.cu", "swiglu_oai_f32")(
+            _grid(y.size), (256,), a=a, b=b, y=y, **shape, **_rows("as", a), **_rows("bs", b), **_rows("ys", y),
+            alpha=np.float32(p.alpha), limit=np.float32(p.limit)))
+        return
     _into_f32(node, lambda y: function("glu.cu", "glu_f32")(
-        _grid(y.size), (256,), a=a, b=b, y=y, ne0=ne0, ne1=ne1, ne2=ne2, nrows=ne1 * ne2 * ne3, **_rows("as", a),
-        **_rows("bs", b), **_rows("ys", y), op=int(p.op)))
+        _grid(y.size), (256,), a=a, b=b, y=y, **shape, **_rows("as", a), **_rows("bs", b), **_rows("ys", y),
+        op=int(p.op)))
 
 
 ATTN_MAX_D = 512  # kernels/attention.cu
@@ -425,7 +448,8 @@ _ERROR_FLAGS: dict[int, object] = {}
 
 INDEX_ERRORS = {1: "SET_ROWS: index out of range (those rows were not written)",  # kernels/common.cuh
                 2: "GET_ROWS: index out of range (those rows were not read)",
-                3: "MUL_MAT_ID: expert id out of range (those products were not computed)"}
+                3: "MUL_MAT_ID: expert id out of range (those products were not computed)",
+                4: "ADD_ID: id out of range (those rows were not written)"}
 
 
 def check_errors() -> None:
@@ -701,6 +725,7 @@ def k_argmax(node: Tensor) -> None:
 
 OP_TABLE: dict[Op, Kernel] = {
     Op.ADD: k_binary,
+    Op.ADD_ID: k_add_id,
     Op.SUB: k_binary,
     Op.MUL: k_binary,
     Op.DIV: k_binary,

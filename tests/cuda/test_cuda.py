@@ -318,6 +318,37 @@ def test_a_graph_computed_again_replays_its_launches(graphs, monkeypatch):
         assert gpu.device_ops == [8, 8] + ([1] * 3 if graphs == "1" else [8] * 3)
 
 
+def test_gpt_oss_small_ops_on_the_gpu_and_an_add_id_out_of_range():
+    """gpt-oss's per-expert biases (ADD_ID, ids read on the GPU), its clamped SwiGLU and the
+    softmax with attention sinks run on the GPU with the CPU's results; an ADD_ID id outside the
+    experts is reported and the next graph is clean."""
+    def build_add_id(leaf):
+        return ops.add_id(leaf("a", T.F32, (64, 2, 3)), leaf("b", T.F32, (64, 5)), leaf("ids", T.I32, (2, 3)))
+    ids = np.array([[0, 4], [2, 1], [3, 3]], dtype=np.int32)
+    data = {"a": f32(3, 2, 64), "b": f32(5, 64), "ids": ids}
+    gpu = prepare(GPUS[0], build_add_id)
+    assert np.array_equal(gpu(data), run_on(pg.cpu_device(), build_add_id, data)) and on_the_gpu(gpu)
+    with pytest.raises(IndexError, match="ADD_ID: id out of range"):
+        run_on(GPUS[0], build_add_id, {**data, "ids": np.where(ids == 4, 5, ids).astype(np.int32)})
+    compare(build_add_id, data, 1e-30)  # exact; the flag was cleared
+
+    def build_oai(leaf):
+        return ops.swiglu_oai(leaf("g", T.F32, (64, 4)), leaf("u", T.F32, (64, 4)), 1.702, 7.0)
+    gpu = prepare(GPUS[0], build_oai)
+    oai = {"g": f32(4, 64) * 6, "u": f32(4, 64) * 6}  # past the limit too
+    gpu(oai)
+    assert on_the_gpu(gpu)
+    compare(build_oai, oai, 1e-12)
+
+    def build_sinks(leaf):
+        return ops.soft_max_ext(leaf("x", T.F32, (32, 5, 4)), None, 0.5, sinks=leaf("s", T.F32, (4,)))
+    gpu = prepare(GPUS[0], build_sinks)
+    sinks = {"x": f32(4, 5, 32), "s": np.array([0.5, -2.0, 4.0, -np.inf], np.float32)}
+    gpu(sinks)
+    assert on_the_gpu(gpu)
+    compare(build_sinks, sinks, 1e-12)
+
+
 def test_an_index_out_of_range_is_reported_from_a_captured_graph_too():
     run = prepare(GPUS[0], a_decode_step)
     for i in range(3):
