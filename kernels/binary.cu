@@ -34,25 +34,18 @@ extern "C" __global__ void binary_f32(const float *x, const float *y, float *out
     out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = v;
 }
 
-// SCALE: out = x * s + b (ggml_scale_bias; b = 0 for ggml_scale)
-extern "C" __global__ void scale_f32(const float *x, float *out, float s, float b, i64 ne0, i64 ne1, i64 ne2, i64 ne3,
-                                     i64 xs0, i64 xs1, i64 xs2, i64 xs3, i64 os0, i64 os1, i64 os2, i64 os3) {
-    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= ne0 * ne1 * ne2 * ne3) return;
-    i64 i0, i1, i2, i3;
-    unravel(t, ne0, ne1, ne2, i0, i1, i2, i3);
-    out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = x[i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3] * s + b;
-}
-
-// CLAMP: out = x below lo is lo, above hi is hi; NaN stays NaN (as the CPU backend's np.clip)
-extern "C" __global__ void clamp_f32(const float *x, float *out, float lo, float hi, i64 ne0, i64 ne1, i64 ne2, i64 ne3,
-                                     i64 xs0, i64 xs1, i64 xs2, i64 xs3, i64 os0, i64 os1, i64 os2, i64 os3) {
+// SCALE (op 0): out = x * p + q (ggml_scale_bias; q = 0 for ggml_scale)
+// CLAMP (op 1): out = x below p is p, above q is q; NaN stays NaN (as the CPU backend's np.clip)
+#define MAP_SCALE 0
+#define MAP_CLAMP 1
+extern "C" __global__ void map_f32(const float *x, float *out, int op, float p, float q, i64 ne0, i64 ne1, i64 ne2,
+                                   i64 ne3, i64 xs0, i64 xs1, i64 xs2, i64 xs3, i64 os0, i64 os1, i64 os2, i64 os3) {
     const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ne0 * ne1 * ne2 * ne3) return;
     i64 i0, i1, i2, i3;
     unravel(t, ne0, ne1, ne2, i0, i1, i2, i3);
     const float v = x[i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3];
-    out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = v < lo ? lo : v > hi ? hi : v;
+    out[i0 * os0 + i1 * os1 + i2 * os2 + i3 * os3] = op == MAP_SCALE ? v * p + q : v < p ? p : v > q ? q : v;
 }
 
 // ADD_ID (gpt-oss's per-expert biases): out[t, u, :] = a[t, u, :] + b[ids[t, u], :] for token t and

@@ -119,12 +119,17 @@ def k_binary(node: Tensor) -> None:
         **strides("xs", x), **sizes("ye", y), **strides("ys", y), **strides("os", out)))
 
 
-def k_scale(node: Tensor) -> None:
+def _map(node: Tensor, op: int, p: float, q: float) -> None:
+    """SCALE (op 0: x * p + q) and CLAMP (op 1: x within [p, q]): kernels/binary.cu map_f32."""
     x = values(node.src[0])
+    _into_f32(node, lambda out: function("binary.cu", "map_f32")(
+        _grid(out.size), (256,), x=x, out=out, op=op, p=np.float32(p), q=np.float32(q), **sizes("ne", out),
+        **strides("xs", x), **strides("os", out)))
+
+
+def k_scale(node: Tensor) -> None:
     p = ScaleParams.of(node)
-    _into_f32(node, lambda out: function("binary.cu", "scale_f32")(
-        _grid(out.size), (256,), x=x, out=out, s=p.scale, b=p.bias, **sizes("ne", out), **strides("xs", x),
-        **strides("os", out)))
+    _map(node, 0, p.scale, p.bias)
 
 
 def k_add_id(node: Tensor) -> None:
@@ -146,11 +151,8 @@ def k_add_id(node: Tensor) -> None:
 
 
 def k_clamp(node: Tensor) -> None:
-    x = values(node.src[0])
     p = ClampParams.of(node)
-    _into_f32(node, lambda out: function("binary.cu", "clamp_f32")(
-        _grid(out.size), (256,), x=x, out=out, lo=np.float32(p.min), hi=np.float32(p.max), **sizes("ne", out),
-        **strides("xs", x), **strides("os", out)))
+    _map(node, 1, p.min, p.max)
 
 
 def _gelu_tanh(x):

@@ -112,6 +112,17 @@ def bridged_namespaces(n: int):
         _ip("link", "del", bridge)
 
 
+def namespaces_or_skip(make):
+    """A fixture's body: yield what the context manager ``make()`` gives (network namespaces),
+    or skip, saying why, where they cannot be made."""
+    import pytest
+    try:
+        with make() as made:
+            yield made
+    except NamespaceUnavailable as e:
+        pytest.skip(str(e))
+
+
 class HostedServers:
     """Servers started on other hosts (network namespaces), each ``start(namespace, address,
     *args)``; ``stop()`` stops them all (a fixture's teardown)."""

@@ -27,18 +27,14 @@ from pyggml.rpc.protocol import PROTOCOL_VERSION
 from pyggml.server.openai import submit
 
 from tests.conftest import shared_model
-from tests.rpc.rpc_helpers import HostedServers, NamespaceUnavailable, ServerProcess, bridged_namespaces
+from tests.rpc.rpc_helpers import HostedServers, ServerProcess, bridged_namespaces, namespaces_or_skip
 
 
 @pytest.fixture(scope="module")
 def lan():
     """[(namespace, address)] of two hosts on a bridge with this one; skipped where namespaces
     cannot be made."""
-    try:
-        with bridged_namespaces(2) as hosts:
-            yield hosts
-    except NamespaceUnavailable as e:
-        pytest.skip(str(e))
+    yield from namespaces_or_skip(lambda: bridged_namespaces(2))
 
 
 @pytest.fixture

@@ -10,17 +10,13 @@ import pyggml as pg
 from pyggml.models import hub
 
 from tests.conftest import shared_model
-from tests.rpc.rpc_helpers import HostedServers, NamespaceUnavailable, network_namespace
+from tests.rpc.rpc_helpers import HostedServers, namespaces_or_skip, network_namespace
 
 
 @pytest.fixture(scope="module")
 def netns():
     """(namespace name, the servers' address); skipped where namespaces cannot be made."""
-    try:
-        with network_namespace() as ns:
-            yield ns
-    except NamespaceUnavailable as e:
-        pytest.skip(str(e))
+    yield from namespaces_or_skip(network_namespace)
 
 
 @pytest.fixture
