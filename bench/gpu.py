@@ -38,7 +38,7 @@ SIZES = {  # n_embd, n_layer, n_ff, n_head, n_head_kv, n_vocab
     "8b": (4096, 32, 14336, 32, 8, 128256),
 }
 KERNEL_SHAPES = "4096x4096,14336x4096,4096x14336"  # rows M x columns K
-KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 
 
 def random_blocks(qtype: pg.Type, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -47,6 +47,8 @@ def random_blocks(qtype: pg.Type, rows: int, cols: int, rng: np.random.Generator
     for field in ("d", "m", "dmin"):
         if field in blocks.dtype.names:
             blocks[field] = np.float16(0.002)
+    if "e" in blocks.dtype.names:  # MXFP4's E8M0 scale: 2^-9
+        blocks["e"] = 119
     return raw.reshape(rows, -1)
 
 

@@ -5,9 +5,9 @@
 # lz4) comes from .gpu-deps/, made beforehand by bench/gpu_deps.sh and carried along.
 # pyggml itself is installed from this tree (--no-deps, no build isolation: offline).
 # Budget: under 8 minutes on an H200, inside the device tool's 10-minute limit per command: the
-# tests are cut at 3 minutes, the bench at 290 s (the 8B model is skipped with QUICK=1).
+# tests are cut at 3 minutes, the backend-ops table at 2, the bench at 290 s (the 8B model is skipped with QUICK=1).
 # Knobs for a rehearsal on the CUDA emulator (tests/test_bench.py does one): SIZES (models,
-# default 1b,8b), TEST_SELECT (pytest -k), BENCH_ARGS (more bench/gpu.py options).
+# default 1b,8b), TEST_SELECT and OPS_SELECT (pytest -k), BENCH_ARGS (more bench/gpu.py options).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYGGML_PYTHON:-python3}"
@@ -44,6 +44,12 @@ select="${TEST_SELECT-$select}"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py ${select:+-k "$select"} \
   2>&1 | tee "$out/tests.txt" | tail -25
 tests_rc=${PIPESTATUS[0]}
+# every op and weight type of the backend-ops table on the GPU, against float64 references
+ops_select="${OPS_SELECT-CUDA}"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_backend_ops.py -k "$ops_select" \
+  2>&1 | tee "$out/ops.txt" | tail -8
+ops_rc=${PIPESTATUS[0]}
+[ "$tests_rc" -eq 0 ] && tests_rc=$ops_rc
 
 echo "== bench/gpu.py"
 sizes="1b,8b"
@@ -55,6 +61,7 @@ bench_rc=${PIPESTATUS[0]}
 
 echo "== summary"
 grep -E "passed|failed|error" "$out/tests.txt" | tail -1
+grep -E "passed|failed|error" "$out/ops.txt" | tail -1 | sed 's/^/backend ops: /'
 grep -E "copy bandwidth" "$out/bench.txt"
 awk '$1 ~ /^Q/ && NF == 6 {split($6, p, "%"); s[$1] += p[1]; n[$1]++} END {for (t in s) printf "  %-5s mean %.0f%% of copy bandwidth\n", t, s[t] / n[t]}' "$out/bench.txt" | sort
 grep -E "^llama|^  fastest generation|^  decode profile|^    [A-Z_]+ " "$out/bench.txt"

@@ -6,7 +6,8 @@
 // per key: scale, softcap, mask), their maximum m and e_j = exp(score_j - m), l = sum e_j, and
 // o[d] = sum_j e_j v_j[d] (threads over d, so each V row is read coalesced).
 // attn_combine: one block per row: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s, with
-// M the largest m_s (a row whose keys are all masked gives 0).
+// M the largest m_s (a row whose keys are all masked gives 0).  With ``sinks`` (gpt-oss), head
+// h's sink is one more score in M and in the sum, with no value: out = sum_s ... / (... + exp(sink - M)).
 // Rows are (token t, head h, sequence i3); head h reads KV head h / group (grouped-query).
 #include "common.cuh"
 
@@ -52,15 +53,16 @@ extern "C" __global__ void attn_split(const float *q, const u16 *k, const u16 *v
     }
 }
 
-// out[i3, t, h, :] from the row's n_split parts; out strides: oh, ot, o3
-extern "C" __global__ void attn_combine(const float *part, float *out, int Dv, int n_split, int n_tokens, int n_head,
-                                        i64 oh, i64 ot, i64 o3) {
+// out[i3, t, h, :] from the row's n_split parts; out strides: oh, ot, o3; sinks: n_head floats or null
+extern "C" __global__ void attn_combine(const float *part, const float *sinks, float *out, int Dv, int n_split,
+                                        int n_tokens, int n_head, i64 oh, i64 ot, i64 o3) {
     const i64 r = blockIdx.x;
     const int t = (int)(r % n_tokens), h = (int)(r / n_tokens % n_head), i3 = (int)(r / ((i64)n_tokens * n_head));
     const float *pr = part + r * n_split * (2 + Dv);
-    float M = NEG_INFINITY;
+    const float sink = sinks ? sinks[h] : NEG_INFINITY;
+    float M = sink;
     for (int s = 0; s < n_split; ++s) M = fmaxf(M, pr[s * (2 + Dv)]);
-    float L = 0.0f;
+    float L = sink != NEG_INFINITY ? expf(sink - M) : 0.0f;
     for (int s = 0; s < n_split; ++s) {
         const float ms = pr[s * (2 + Dv)];
         if (ms != NEG_INFINITY) L += expf(ms - M) * pr[s * (2 + Dv) + 1];

@@ -364,7 +364,39 @@ HD void load_part_q6_k(PART_ARGS) {
     b = 0.0f;
 }
 
+// MXFP4 (gpt-oss): {u8 e; u8 qs[16]}, 17 bytes, so only byte loads are safe.  Element i < 16
+// is nibble qs[i] & 15, element i + 16 is qs[i] >> 4; a nibble is an E2M1 value, doubled to an
+// integer (ggml's kvalues_mxfp4: 0 1 2 3 4 6 8 12, the high bit its sign), and the scale is
+// the E8M0 exponent halved to match, 2^(e - 128) (ggml_e8m0_to_fp32_half)
+HD u32 load_u32_bytes(const u8 *p) { return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24); }
+
+HD int e2m1_doubled(u32 n) {
+    const int v = (int)((0x0C08060403020100ull >> (8 * (n & 7))) & 0xff);
+    return n & 8 ? -v : v;
+}
+
+HD int e2m1_bytes(u32 v, int shift) {  // the four nibbles (v >> shift + 8j) & 15 as values
+    return pack_i8x4(e2m1_doubled(v >> shift), e2m1_doubled(v >> (shift + 8)), e2m1_doubled(v >> (shift + 16)),
+                     e2m1_doubled(v >> (shift + 24)));
+}
+
+HD float e8m0_half(u8 e) {
+    union { u32 u; float f; } v;
+    v.u = e < 2 ? 0x00200000u << e : (u32)(e - 1) << 23;
+    return v.f;
+}
+
+HD void load_part_mxfp4(PART_ARGS) {
+    const u8 *blk = row + g * 17;
+    const u32 v = load_u32_bytes(blk + 1 + 4 * p);
+    lo = e2m1_bytes(v, 0);
+    hi = e2m1_bytes(v, 4);
+    a_lo = a_hi = e8m0_half(blk[0]);
+    b = 0.0f;
+}
+
 // the weight types, for kernels instantiated once per type: X(name, loader)
 #define FOR_EACH_WEIGHT_TYPE(X)                                                                   \
     X(q4_0, load_part_q4_0) X(q4_1, load_part_q4_1) X(q5_0, load_part_q5_0) X(q5_1, load_part_q5_1)  \
-    X(q8_0, load_part_q8_0) X(q4_k, load_part_q4_k) X(q5_k, load_part_q5_k) X(q6_k, load_part_q6_k)
+    X(q8_0, load_part_q8_0) X(q4_k, load_part_q4_k) X(q5_k, load_part_q5_k) X(q6_k, load_part_q6_k)  \
+    X(mxfp4, load_part_mxfp4)

@@ -39,12 +39,13 @@ def test_gpu_check_script_parses():
 def test_gpu_check_rehearsed_on_the_emulated_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYGGML_NO_CUDA"}
     env.update(PYGGML_PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(tmp_path), SIZES="tiny",
-               TEST_SELECT="not real_model", BENCH_ARGS="--kernel-shapes 64x512 --iters 2 --copy-mib 8 --prompt 40 --gen 4",
+               TEST_SELECT="not real_model", OPS_SELECT="CUDA and (MUL_MAT-Q4_0 or sinks)", BENCH_ARGS="--kernel-shapes 64x512 --iters 2 --copy-mib 8 --prompt 40 --gen 4",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "cuda" / "fake"), env.get("PYTHONPATH")])))
     r = run("bash", "bench/gpu_check.sh", timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     summary = r.stdout[r.stdout.index("== summary"):]
     assert "passed" in summary and "failed" not in summary, summary
+    assert "backend ops: " in summary, summary
     assert "device copy bandwidth" in summary and "(pyggml CUDA emulator)" in summary
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         assert f"{name} " in summary and "of copy bandwidth" in summary, summary

@@ -37,7 +37,7 @@ MMVQ_MAX_BATCH = 32  # up to this many tokens the matrix-vector kernel beats deq
 MMVQ_ID_MAX_PAIRS = 64  # (token, expert) pairs up to which MUL_MAT_ID runs one matrix-vector launch
 GEMM_TILE_ROWS = 4096  # weight rows dequantized at a time for a prompt's GEMM (bounds the F16 copy)
 QUANT_KERNELS = {Type.Q4_0: "q4_0", Type.Q4_1: "q4_1", Type.Q5_0: "q5_0", Type.Q5_1: "q5_1", Type.Q8_0: "q8_0",
-                 Type.Q4_K: "q4_k", Type.Q5_K: "q5_k", Type.Q6_K: "q6_k"}
+                 Type.Q4_K: "q4_k", Type.Q5_K: "q5_k", Type.Q6_K: "q6_k", Type.MXFP4: "mxfp4"}
 PLAIN = (Type.F32, Type.F16)
 
 
@@ -60,8 +60,6 @@ def supports(node: Tensor) -> bool:
             return GluParams.of(node).op in (GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.SWIGLU_OAI)
         except ValueError:
             return False
-    if node.op == Op.FLASH_ATTN_EXT and len(node.src) > 4 and node.src[4] is not None:
-        return False
     return not (node.op == Op.FLASH_ATTN_EXT and node.src and node.src[0].ne[0] > ATTN_MAX_D)
 
 
@@ -210,6 +208,11 @@ def _flat(a):
     return a.reshape(-1)
 
 
+def _optional_vector(node: Tensor, i: int):
+    """Source i (attention sinks) as a contiguous F32 vector, or None where the op has none."""
+    return _flat(values(node.src[i])) if len(node.src) > i and node.src[i] is not None else None
+
+
 def _threads(n: int) -> int:
     """Threads of a block that loops over n elements of a row: whole warps, at most 256."""
     return min(256, 32 * max(1, -(-n // 32)))
@@ -342,7 +345,7 @@ def fusions(graph) -> dict[int, Tensor]:
 
 def k_soft_max(node: Tensor) -> None:
     a, mask = node.src[0], node.src[1]
-    sinks = _flat(values(node.src[2])) if len(node.src) > 2 and node.src[2] is not None else None
+    sinks = _optional_vector(node, 2)
     x = _dense_rows(values(a))
     ne3, ne2, ne1, ne0 = x.shape
     m = _dense_rows(values(mask)) if mask is not None else None
@@ -406,6 +409,7 @@ ATTN_SPLIT = 128  # keys per block of attn_split (kernels/attention.cu)
 def k_flash_attn_ext(node: Tensor) -> None:
     cp = cupy_module()
     q, k, v, mask = node.src[:4]
+    sinks = _optional_vector(node, 4)
     p = FlashAttnParams.of(node)
     scale, softcap = p.scale, p.logit_softcap
     if q.ne[0] > ATTN_MAX_D:
@@ -430,7 +434,7 @@ def k_flash_attn_ext(node: Tensor) -> None:
 
     def combine(out):  # out: [ne3, n_tokens, n_head, dv]
         oh, ot, o3 = _strides(out)[1:]
-        function("attention.cu", "attn_combine")((rows,), (_threads(dv),), part=part, out=out, Dv=dv,
+        function("attention.cu", "attn_combine")((rows,), (_threads(dv),), part=part, sinks=sinks, out=out, Dv=dv,
                                                  n_split=n_split, n_tokens=n_tokens, n_head=n_head, oh=oh, ot=ot,
                                                  o3=o3)
     _into_f32(node, combine)

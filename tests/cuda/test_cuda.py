@@ -176,6 +176,18 @@ def test_fused_kernels_on_their_other_paths(case):
                     "ff": rng.uniform(1.0, 8.0, 16).astype(np.float32)})
 
 
+def test_flash_attention_with_sinks_split_over_the_keys():
+    """gpt-oss's sinks join the scores of every chunk when the chunks are combined: a sink above
+    every score (the outputs shrink), one below, none (-inf); 200 cells are two chunks."""
+    n_kv, d, heads, tokens = 200, 64, 4, 2
+    compare(lambda leaf: ops.flash_attn_ext(leaf("q", T.F32, (d, tokens, heads)), leaf("k", T.F16, (d, n_kv, 2)),
+                                            leaf("v", T.F16, (d, n_kv, 2)), None, d ** -0.5,
+                                            sinks=leaf("s", T.F32, (heads,))),
+            {"q": f32(heads, tokens, d), "k": f32(2, n_kv, d).astype(np.float16),
+             "v": f32(2, n_kv, d).astype(np.float16), "s": np.array([8.0, -3.0, -np.inf, 0.5], np.float32)},
+            limit=1e-5)
+
+
 def test_flash_attention_with_softcap_and_one_token():
     n_kv, d, heads, kv_heads = 40, 256, 4, 1
     compare(lambda leaf: ops.flash_attn_ext(leaf("q", T.F32, (d, 1, heads)), leaf("k", T.F16, (d, n_kv, kv_heads)),
@@ -207,7 +219,7 @@ def test_get_rows_in_batches_and_an_index_out_of_range(qtype):
     compare(build, {"t": table, "i": np.zeros((2, 3, 4), np.int32)})  # the flag was cleared
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.F16])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4, T.F16])
 @pytest.mark.parametrize("n_tokens", [3, 40])
 def test_mul_mat_id_on_both_paths_and_an_expert_out_of_range(qtype, n_tokens):
     """A decode step's few (token, slot) pairs run one matrix-vector launch that reads the ids on
@@ -473,15 +485,16 @@ def prompt_and_steps(path, ngl) -> tuple[np.ndarray, np.ndarray, pg.Scheduler]:
     return batch, steps, ctx.sched
 
 
-@pytest.mark.parametrize("experts", ["Q4_K", "F32"])
-def test_a_mixture_of_experts_whole_on_the_gpu(experts, tmp_path):
+@pytest.mark.parametrize("arch, experts", [("qwen3moe", "Q4_K"), ("qwen3moe", "F32"), ("gpt-oss", "MXFP4")])
+def test_a_mixture_of_experts_whole_on_the_gpu(arch, experts, tmp_path):
     """A tiny qwen3moe (tests/models/test_moe.py's kind: router, top-k, renormalized weights, experts)
+    or gpt-oss (MXFP4 experts with their biases, attention sinks, clamped SwiGLU, sliding windows)
     with every node on the GPU - no split falls back to the CPU - near the CPU's logits for the
     prompt and for decode steps, which run from a captured CUDA graph (every MoE op a launch)."""
     from tests.models.synthetic import Shape, expert_types, random_weights, write_model
     s = Shape(n_embd=256, n_ff_exp=256, n_vocab=256)
-    weights = random_weights("qwen3moe", s, seed=12)
-    path = write_model(tmp_path / "qwen3moe.gguf", "qwen3moe", s, weights,
+    weights = random_weights(arch, s, seed=12, moe=True)
+    path = write_model(tmp_path / f"{arch}.gguf", arch, s, weights,
                        expert_types(weights, None if experts == "F32" else experts, "Q6_K"))
     (cpu_batch, cpu_steps, _), (gpu_batch, gpu_steps, sched) = (prompt_and_steps(path, ngl) for ngl in (None, "all"))
     assert [sched.backends[sp.backend_id].get_device().get_type() for sp in sched.splits] == [pg.DeviceType.GPU], \

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import pyggml as pg
+from pyggml.cuda.kernels import QUANT_KERNELS as CUDA_QUANT_KERNELS
 from pyggml.cuda.kernels import mmvq_shape
 from pyggml.quants.layouts import LAYOUTS
 
@@ -29,9 +30,8 @@ NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
 needs_emulator = pytest.mark.skipif(not emulator.available, reason="no C++ compiler for the CUDA emulator")
 
-WEIGHT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-QUANT_KERNELS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0", "Q4_K": "q4_k",
-                 "Q5_K": "q5_k", "Q6_K": "q6_k"}
+QUANT_KERNELS = {qtype.name: kernel for qtype, kernel in CUDA_QUANT_KERNELS.items()}
+WEIGHT_TYPES = list(QUANT_KERNELS)
 Q8_1 = np.dtype([("d", "<f2"), ("s", "<f2"), ("q", "i1", 32)])
 
 
@@ -53,6 +53,8 @@ def random_weights(qtype: pg.Type, rows: int, cols: int, seed: int = 0) -> np.nd
     for field in ("d", "m", "dmin"):
         if field in blocks.dtype.names:
             blocks[field] = rng.uniform(-0.05, 0.05, size=blocks.shape).astype(np.float16)
+    if "e" in blocks.dtype.names:  # MXFP4's E8M0 exponents: scales of 2^-10 .. 2^-4
+        blocks["e"] = rng.integers(118, 125, size=blocks.shape)
     return raw.reshape(rows, -1)
 
 
