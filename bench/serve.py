@@ -139,7 +139,9 @@ def profile_line(before: dict[str, float], after: dict[str, float]) -> str:
     gc_n = sum(d(f"pyggml_gc_collections_total{{generation={g}}}") for g in range(3))
     return (f"  profile: {steps:.0f} steps, per step {ms['schedule']:.1f} ms batching, {ms['decode']:.1f} ms decoding "
             f"({d('pyggml_graph_builds_total'):.0f} new graphs, {d('pyggml_graph_builds_decoding_total'):.0f} of them "
-            f"in steps with no prompt: {ms['graph']:.1f} ms a step), "
+            f"in steps with no prompt, {d('pyggml_graph_builds_streaming_total'):.0f} in steps of generating streams: "
+            f"{ms['graph']:.1f} ms a step; {d('pyggml_graph_parts_beside_total'):.0f} graph parts prepared "
+            f"between steps), "
             f"{ms['sample']:.1f} ms sampling and text; steps by time: {hist}"
             f"{f', over the last bound {over:.0f}' if over else ''}; slowest so far "
             f"{1e3 * after.get('pyggml_slowest_step_seconds', 0):.0f} ms; gc {gc_ms:.0f} ms in {gc_n:.0f} collections")
@@ -188,6 +190,7 @@ def main() -> None:
     ap.add_argument("--levels", default="1,2,4,8", help="concurrent streams to measure")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
     ap.add_argument("--profile", action="store_true", help="print where pyggml's steps spent their time")
+    ap.add_argument("--prompt-chunk", type=int, default=None, help="pyggml-server's --prompt-chunk (default: its own)")
     perfdoc.add_argument(ap)
     args = ap.parse_args()
     perfdoc.start(args)
@@ -200,6 +203,7 @@ def main() -> None:
         port = free_port()
         ours = Server([sys.executable, "-m", "pyggml.cli.server", "-m", str(path), "--port", str(port),
                        "-c", str(args.ctx), "-np", str(args.parallel), "-t", str(args.threads),
+                       *(["--prompt-chunk", str(args.prompt_chunk)] if args.prompt_chunk is not None else []),
                        *(["--log-level", "debug"] if args.profile else [])],
                       f"http://127.0.0.1:{port}", logs / f"pyggml-{path.stem}.log")
         try:

@@ -27,6 +27,9 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
               help="Slots: requests decoded together; more wait in the queue.")
 @click.option("-b", "--batch-size", "n_batch", type=click.IntRange(min=1), default=128, show_default=True,
               help="Most tokens per step (every generating slot's next token plus chunks of prompts).")
+@click.option("--prompt-chunk", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Prompt tokens a step reads while other slots generate, so that their streams do not stop "
+                   "for a long prompt (0: up to -b). Prompts arriving at an idle server are read in whole steps.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond that the server answers 503.")
 @click.option("--api-key", default=None, metavar="KEY",
@@ -36,8 +39,8 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
               help="A request's headers must arrive within this time (of the connection, or of the previous "
                    "response); else 408 and the connection is closed.")
 @show_devices_option
-def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, max_queue,
-         api_key, alias, header_timeout, show_devices) -> None:
+def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, prompt_chunk,
+         max_queue, api_key, alias, header_timeout, show_devices) -> None:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
     /tokenize and /detokenize.
@@ -92,7 +95,8 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
         from pyggml.models.engine import Engine
         try:
             m = Model(**model_args, on_plan=click.echo if loading["show_placement"] else None)
-            state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue)
+            state.engine = Engine(m, n_parallel=n_parallel, n_batch=n_batch, max_queue=max_queue,
+                                  prompt_budget=prompt_chunk or None)
             # the decoding steps' graphs are built before the first request (a few seconds at
             # most), then left out of the garbage collector's passes with the model
             state.engine.wait_built_ahead(timeout=120)

@@ -355,20 +355,12 @@ class Context:
         reads = []  # per piece with outputs: (rows, top-k or whole rows, their read)
         row = 0  # output rows handed out so far
         for start, end in self._pieces(batch):
-            ub = batch.slice(start, end)
             cells = all_cells[start:end]
+            shape, ub, wanted, runs = self._piece(batch.slice(start, end), self.kv.n_kv(cells), n_top, n_hist)
             self.kv.occupy(cells, ub.seq, ub.pos)
-            wanted = int(ub.output.sum())
-            n_outputs = max(1, wanted)  # a graph has an output: a row nobody asked for is dropped
-            if not wanted:
-                ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
-            top = n_top if wanted else 0
-            # several sequences: each one's products computed as they would be for it alone
-            runs = (runs_of(ub.seq), runs_of(ub.seq[ub.output])) if (ub.seq != ub.seq[0]).any() else None
-            n_runs = (len(runs[0]) - 1, len(runs[1]) - 1) if runs else (0, 0)
             t_graph = time.perf_counter()
             builds = self.timings.graph_builds
-            b = self._graph(len(ub), self.kv.n_kv(), n_outputs, top, n_hist if top else 0, *n_runs)
+            b = self._graph(*shape)
             self.sched.alloc_graph(b.graph)
             if self.timings.graph_builds != builds:
                 self.timings.graph_seconds += time.perf_counter() - t_graph
@@ -392,6 +384,47 @@ class Context:
         if not outs:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _piece(self, ub: Batch, n_kv: int, n_top: int, n_hist: int) -> tuple[tuple[int, ...], Batch, int, tuple | None]:
+        """A piece's graph shape (_graph's key), the batch it is computed as, the output rows
+        asked of it and its runs.  A graph has an output: a piece with none asked for computes
+        its last row, which nobody reads."""
+        wanted = int(ub.output.sum())
+        if not wanted:
+            ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
+        top = n_top if wanted else 0
+        # several sequences: each one's products computed as they would be for it alone
+        runs = (runs_of(ub.seq), runs_of(ub.seq[ub.output])) if (ub.seq != ub.seq[0]).any() else None
+        n_runs = (len(runs[0]) - 1, len(runs[1]) - 1) if runs else (0, 0)
+        return (len(ub), n_kv, max(1, wanted), top, n_hist if top else 0, *n_runs), ub, wanted, runs
+
+    def batch_shapes(self, batch: Batch, n_top: int = 0, hist: np.ndarray | None = None) -> list[tuple[int, ...]]:
+        """The shapes of the graphs decode_batch would compute ``batch`` in, piece by piece,
+        found without touching the cache (none when it has no room for the batch)."""
+        n_top = min(n_top, self.hp.n_vocab)
+        n_hist = hist.shape[1] if n_top and hist is not None else 0
+        all_cells = self.kv.find_cells(batch.seq, batch.pos)
+        if all_cells is None or len(batch) == 0:
+            return []
+        shapes = []
+        for start, end in self._pieces(batch):
+            n_kv = self.kv.n_kv(all_cells[:end])  # the pieces before it occupied their cells too
+            shapes.append(self._piece(batch.slice(start, end), n_kv, n_top, n_hist)[0])
+        return shapes
+
+    def prepare_part(self, shape: tuple[int, ...]) -> bool:
+        """One part of the work that a graph of a new shape needs before a step can compute it
+        at once: build it (the model's builder), then split, allocate and plan it (the
+        scheduler).  True when none is left.  A server decoding streams does one part between
+        two of their steps, so that no step waits for all of it (Engine.step)."""
+        b = self._graphs.get(shape)
+        if b is None:
+            self._graph(*shape)
+            return False
+        if not self.sched.is_placed(b.graph):
+            self.sched.alloc_graph(b.graph)
+            return False
+        return True
 
     def _pieces(self, batch: Batch) -> list[tuple[int, int]]:
         """(start, end) of each graph a batch is computed in: ubatches of n_ubatch tokens, and

@@ -54,7 +54,7 @@ from .completion import Usage
 from .context import ContextFullError
 from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
 from .runner import Generation, Runner, Took, shape_bucket
-from .scheduler import Scheduler, Slot
+from .scheduler import Scheduler, Slot, StepPlan
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger("pyggml.engine")
@@ -65,6 +65,10 @@ MAX_EVENTS = 64
 CLUSTER_REFRESH_S = 2.0
 IDLE_CHECK_S = 2.0  # an idle engine asks its RPC servers this often whether they are leaving
 KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_graphs): prompts' and mixed steps'
+# a step of generating streams that would read prompts with a graph of a new shape decodes the
+# streams alone and prepares one part of that graph (Context.prepare_part); after this many
+# such steps in a row the prompts are read anyway (the shapes kept changing under it)
+MAX_DEFERRED_STEPS = 8
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds: a step's wall time, for Stats
 
@@ -159,8 +163,12 @@ class Stats:
     schedule_seconds: float = 0.0
     graph_builds: int = 0            # in steps: a step waited for them
     graph_builds_decoding: int = 0   # of those, in steps that read no prompt (only the shapes ahead avoid them)
+    graph_builds_streaming: int = 0  # of those, in steps of streams already generating (a stall they see)
     graph_seconds: float = 0.0
     graphs_ahead: int = 0            # built while idle
+    graph_parts_beside: int = 0      # parts of a mixed step's new graph prepared between decoding steps
+    prompts_deferred: int = 0        # steps that left their prompts for later, while their graph was prepared
+    prompts_answered: int = 0        # requests whose first token came from the stored answer to their prompt
     sample_seconds: float = 0.0
     # steps by wall time, from admission to the last token handed out: counts per STEP_BUCKETS
     # bound (the last one unbounded) - a stall is a step in the top buckets
@@ -173,7 +181,8 @@ class Stats:
 
 
 class Engine:
-    def __init__(self, model, n_parallel: int = 4, n_batch: int = 128, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    def __init__(self, model, n_parallel: int = 4, n_batch: int = 128, max_queue: int = DEFAULT_MAX_QUEUE,
+                 prompt_budget: int | None = None) -> None:
         if n_parallel < 1:
             raise ValueError(f"n_parallel must be at least 1, not {n_parallel}")
         if n_batch < n_parallel:
@@ -192,6 +201,7 @@ class Engine:
             raise ValueError(f"an Engine needs a context of whole {self.rules.kv_page}-cell pages, "
                              f"not {self.n_ctx} cells")
         self.n_batch = n_batch
+        self.prompt_budget = prompt_budget
         self.max_queue = max_queue
         self.runner = Runner(model.n_vocab, self.n_ctx)
         self.slots = [Slot(i) for i in range(n_parallel)]
@@ -203,6 +213,7 @@ class Engine:
         self._cluster_at = 0.0
         self._watcher = None
         self.failure: str | None = None
+        self._deferred = 0  # steps in a row that left their prompts for later (_prepare_beside)
         self.recovering: str | None = None  # what is being placed anew now (the steps wait meanwhile)
         self._closed = False
         self._returned: list = []  # devices of lost servers that answer again, for the next step boundary
@@ -548,17 +559,26 @@ class Engine:
     def _use_context(self, ctx) -> None:
         """The model's context (a new one after it was placed anew), and the scheduler over its cache."""
         self.ctx = ctx
-        self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm)
+        self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm,
+                                   self.prompt_budget)
 
     def _admit(self) -> None:
         """Move queued requests into idle slots, in arrival order (called holding the lock)."""
-        for slot, req, cached in self.scheduler.admit(self.queue):
+        for slot, req, cached in self.scheduler.admit(self.queue, self._answered):
             o = req.options
             slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,
                                   o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx,
                                   o.logprobs, special=self.model.harmony)
             req.usage.cached_tokens = cached
             self.stats.cached_tokens += cached
+
+    def _answered(self, slot: Slot, req: Request) -> bool:
+        """Whether ``slot`` holds the answer to ``req``'s very prompt, usable by its sampler."""
+        a = slot.answer
+        if a is None or a.ids != tuple(req.ids):
+            return False
+        o = req.options
+        return self.runner.answers(a, Sampler(o.sampling, o.seed), req.ids, o.logprobs is not None)
 
     def _release(self, slot: Slot) -> None:
         self.scheduler.release(slot)
@@ -570,16 +590,25 @@ class Engine:
         for s in self.slots:
             if s.req is not None and s.req.cancelled:
                 self._release(s)
+        for s in self.slots:
+            if s.req is not None and s.answering:  # its prompt's output is stored: no token read
+                self.stats.prompts_answered += 1
+                self._take(s, *self.runner.draw_answer(s.answer, s.gen))
         plan = self.scheduler.plan()
         for s in plan.out_of_cells:
             self._finish(s, "length")
         if not plan.parts:
             return
-        parts = plan.parts
         batch, out_slots = plan.batch()
-        generating = [s for s, _ in parts if s.pending is not None]
         gens = [s.gen for s in out_slots]
         n_top, hist = self.runner.top_request(gens)
+        if self._prepare_beside(plan, batch, n_top, hist):  # the streams alone, this step
+            plan = StepPlan([(s, c) for s, c in plan.parts if s.pending is not None], [])
+            batch, out_slots = plan.batch()
+            gens = [s.gen for s in out_slots]
+            n_top, hist = self.runner.top_request(gens)
+        parts = plan.parts
+        generating = [s for s, _ in parts if s.pending is not None]
         prompt_pieces = [c for s, c in parts if s.pending is None]
         t0 = time.perf_counter()
         timings = self.ctx.timings
@@ -596,8 +625,13 @@ class Engine:
         st.graph_builds += timings.graph_builds - builds
         if not prompt_pieces:
             st.graph_builds_decoding += timings.graph_builds - builds
+        if generating:
+            st.graph_builds_streaming += timings.graph_builds - builds
         st.graph_seconds += timings.graph_seconds - graph_seconds
         drawn = self.runner.sample(logits, gens, n_top, hist) if gens else []
+        for i, s in enumerate(out_slots):
+            if s.pending is None:  # its prompt's last token: the row is kept for the same prompt again
+                s.answer = self.runner.answer_of(s.req.ids, logits, i, n_top, hist)
         self._hand_out(parts, drawn)
         t2 = time.perf_counter()
         st.sample_seconds += t2 - t1
@@ -608,6 +642,27 @@ class Engine:
                       timings.graph_builds - builds, 1e3 * (timings.graph_seconds - graph_seconds), 1e3 * (t2 - t1),
                       len(generating), [len(c) for c in prompt_pieces])
 
+    def _prepare_beside(self, plan: StepPlan, batch, n_top: int, hist) -> bool:
+        """Whether this step decodes its generating streams alone: it would also read prompts,
+        with a graph not yet built and planned.  Building and planning one takes several times
+        a decoding step; done whole inside the step, every stream would stall for it.  Instead
+        each such step prepares one part of it (Context.prepare_part) beside the streams' own
+        step, and the prompts are read once it is ready - up to MAX_DEFERRED_STEPS in a row."""
+        if all(s.pending is None for s, _ in plan.parts) or all(s.pending is not None for s, _ in plan.parts):
+            self._deferred = 0
+            return False
+        if self._deferred >= MAX_DEFERRED_STEPS:
+            self._deferred = 0
+            return False
+        for shape in self.ctx.batch_shapes(batch, n_top, hist):
+            if not self.ctx.prepare_part(shape):
+                self.stats.graph_parts_beside += 1
+                self.stats.prompts_deferred += 1
+                self._deferred += 1
+                return True
+        self._deferred = 0
+        return False
+
     def _hand_out(self, parts: list[tuple[Slot, list[int]]], drawn: list[tuple[int, np.ndarray | None]]) -> None:
         """A step's results: each sequence's chunk counted in, and its drawn token taken."""
         row = 0
@@ -617,15 +672,18 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if len(s.tokens) < len(s.req.ids):
                     continue  # more of the prompt to read
-            token, logits = drawn[row]
+            self._take(s, *drawn[row])
             row += 1
-            took = s.gen.take(token, logits)
-            if took.counted:
-                s.req.usage.completion_tokens += 1
-                self.stats.generated_tokens += 1
-            self._deliver(s, took)
-            if took.finish is None:
-                s.pending = token
+
+    def _take(self, s: Slot, token: int, logits: np.ndarray | None) -> None:
+        """The token drawn for a sequence: its text delivered, and decoded at the next step."""
+        took = s.gen.take(token, logits)
+        if took.counted:
+            s.req.usage.completion_tokens += 1
+            self.stats.generated_tokens += 1
+        self._deliver(s, took)
+        if took.finish is None:
+            s.pending = token
 
     def _deliver(self, s: Slot, took: Took) -> None:
         """What a token gave, as the request's events; the slot freed at the end."""

@@ -170,12 +170,14 @@ class KVCache:
         self.cell_seq[(self.cell_seq == seq) & (self.cell_pos >= p0)] = FREE
         self._changed()
 
-    def n_kv(self) -> int:
-        """Cells the attention reads: every cell up to the last one in use, padded (KV_PAD)."""
+    def n_kv(self, cells: np.ndarray | None = None) -> int:
+        """Cells the attention reads: every cell up to the last one in use, padded (KV_PAD);
+        with ``cells`` (find_cells'), what it will be once they are occupied too."""
         if self._end is None:
             used = np.flatnonzero(self.cell_seq != FREE)
             self._end = int(used[-1]) + 1 if used.size else 0
-        return min(self.n_ctx, kv_padded(self._end))
+        end = self._end if cells is None or not len(cells) else max(self._end, int(np.max(cells)) + 1)
+        return min(self.n_ctx, kv_padded(end))
 
     def masks(self, seq: np.ndarray, pos: np.ndarray, n_kv: int, swa: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """float32 [n_tokens, n_kv] masks (0 visible, -inf hidden): a token sees the cells of

@@ -105,6 +105,18 @@ class Generation:
                 "top": [(int(t), text([int(t)]), float(z[t] - lse)) for t in top]}
 
 
+@dataclass
+class PromptAnswer:
+    """What the last token of a prompt read whole gave: its output row as the step decoded it -
+    the top logits and the watched tokens' (``top``: ids, logits, watched ids, their logits),
+    or the whole row.  A later request with the same prompt, in the slot whose cache still
+    holds it, draws its first token from this row: the logits a new read would give, bit for
+    bit, with no token read again (llama-server re-reads the last token instead)."""
+    ids: tuple[int, ...]
+    top: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    row: np.ndarray | None = None
+
+
 class Runner:
     """Draws the next token of each of a step's sequences from one decoding of their batch."""
 
@@ -142,3 +154,30 @@ class Runner:
             else:
                 drawn.append((g.sampler.sample(logits[row], g.history), logits[row]))
         return drawn
+
+    def answer_of(self, prompt: Sequence[int], logits: Any, i: int, n_top: int,
+                  hist: np.ndarray | None) -> PromptAnswer:
+        """Output row ``i`` of sample()'s logits, kept for a request with the same prompt."""
+        if n_top:
+            ids, values, hist_values = logits.row(i)
+            watched = hist[i] if hist is not None else np.zeros(0, np.int32)
+            return PromptAnswer(tuple(prompt), top=(ids.copy(), values.copy(), watched.copy(), hist_values.copy()))
+        return PromptAnswer(tuple(prompt), row=np.array(logits[i]))
+
+    def answers(self, answer: PromptAnswer, sampler: Sampler, history: Sequence[int], whole_rows: bool) -> bool:
+        """Whether a sequence's first draw can come from ``answer``: its whole row, or a top at
+        least as large as the sampler's with every token the sampler watches among those kept."""
+        if answer.row is not None:
+            return True
+        if whole_rows:
+            return False
+        ids, _, watched, _ = answer.top
+        n_top = sampler.n_top(self.n_vocab)
+        return 0 < n_top <= len(ids) and bool(np.isin(sampler.watched_ids(history), np.concatenate([ids, watched])).all())
+
+    def draw_answer(self, answer: PromptAnswer, gen: Generation) -> tuple[int, np.ndarray | None]:
+        """A sequence's first token from the stored answer to its prompt (answers() said it can)."""
+        if answer.row is not None:
+            return gen.sampler.sample(answer.row, gen.history), answer.row
+        ids, values, watched, watched_values = answer.top
+        return gen.sampler.sample_top(ids, values, watched, watched_values, gen.history), None

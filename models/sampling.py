@@ -85,16 +85,19 @@ class Sampler:
         p = self.params
         return (min(self.window(), n_ctx) if p.penalizes else 0) + len(p.logit_bias)
 
-    def watched(self, history: Sequence[int], n: int) -> np.ndarray:
-        """The distinct tokens the biases and penalties apply to (sorted), padded with token 0
-        to ``n`` ids: those whose logits a top-k step brings back beside the top (a padding id's
-        true logit comes along, which changes no draw)."""
+    def watched_ids(self, history: Sequence[int]) -> np.ndarray:
+        """The distinct tokens the biases and penalties apply to, sorted."""
         p = self.params
-        out = np.zeros(n, dtype=np.int32)
         ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
         if p.penalizes and len(history):
             ids = np.concatenate([ids, history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history])
-        ids = np.unique(ids)[:n]
+        return np.unique(ids)
+
+    def watched(self, history: Sequence[int], n: int) -> np.ndarray:
+        """watched_ids padded with token 0 to ``n`` ids: those whose logits a top-k step brings
+        back beside the top (a padding id's true logit comes along, which changes no draw)."""
+        out = np.zeros(n, dtype=np.int32)
+        ids = self.watched_ids(history)[:n]
         out[:ids.size] = ids
         return out
 

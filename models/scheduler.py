@@ -9,7 +9,8 @@
   in pages.  An idle slot keeps its cells until they are needed, then gives them up, least
   recently used first.
 - **A step.**  One token of every generating sequence, then pieces of the prompts being read,
-  oldest request first, within ``n_batch`` tokens.  Each piece is cut by
+  oldest request first, within ``n_batch`` tokens (within ``prompt_budget`` prompt tokens
+  while sequences generate).  Each piece is cut by
   BatchRules.prompt_cut, so that every token meets the kernels of a whole read.  A generating
   sequence that finds no free cell for its next token ends ("length").
 """
@@ -39,10 +40,16 @@ class Slot:
         self.last_used = 0.0
         self.gen: Any = None              # the request's Generation (runner.py)
         self.pending: int | None = None   # sampled, to be decoded in the next step
+        self.answer: Any = None           # the output row of the last prompt it read whole (runner.PromptAnswer)
 
     @property
     def prefilling(self) -> bool:
         return self.req is not None and self.pending is None
+
+    @property
+    def answering(self) -> bool:
+        """Admitted with its whole prompt cached: its first token comes from the stored answer."""
+        return self.prefilling and len(self.tokens) == len(self.req.ids)
 
     def prompt_left(self) -> int:
         return len(self.req.ids) - len(self.tokens) if self.req is not None and self.pending is None else 0
@@ -68,11 +75,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: Sequence[Slot], kv: KVCache, rules: BatchRules, n_batch: int, n_ubatch: int,
-                 seq_rm: Callable[[int, int], None]) -> None:
+                 seq_rm: Callable[[int, int], None], prompt_budget: int | None = None) -> None:
         """``seq_rm(seq, p0)`` frees a sequence's cells from position p0 on (Context.seq_rm:
-        the cache's history records it)."""
+        the cache's history records it).  ``prompt_budget``: prompt tokens a step reads beside
+        generating sequences (None: up to n_batch), so that a long prompt arriving does not stop
+        the streams for the time it takes to read it whole (chunked prefill); at least
+        2 * piece_align, the least with which every prompt_cut makes progress."""
         self.slots, self.kv, self.rules = list(slots), kv, rules
         self.n_batch, self.n_ubatch = n_batch, n_ubatch
+        self.prompt_budget = None if prompt_budget is None else max(prompt_budget, 2 * rules.piece_align)
         self.seq_rm = seq_rm
 
     def fits(self, n_prompt: int) -> bool:
@@ -86,10 +97,12 @@ class Scheduler:
         end = len(s.req.ids) + 1 if s.pending is None else start + 1
         return self.kv.pages_for(s.seq, start, end, owned)
 
-    def admit(self, queue: deque) -> list[tuple[Slot, Any, int]]:
+    def admit(self, queue: deque, answered: Callable[[Slot, Any], bool] | None = None) -> list[tuple[Slot, Any, int]]:
         """Take queued requests into idle slots, in arrival order, while they fit: (slot,
         request, cached tokens) each, the slot's cells past the cached prefix freed.  A
-        cancelled request at the head of the queue is dropped."""
+        cancelled request at the head of the queue is dropped.  ``answered(slot, request)``:
+        whether the slot holds the answer to this very prompt (its output row, stored when
+        the slot read it whole): then every token is cached, none read again."""
         kv, page = self.kv, self.kv.page
         taken = []
         while queue:
@@ -101,7 +114,11 @@ class Scheduler:
             if not idle:
                 break
             slot = max(idle, key=lambda s: (common_prefix(s.tokens, req.ids), -s.last_used))
-            cached = self.rules.reusable_prefix(common_prefix(slot.tokens, req.ids), len(req.ids), self.n_ubatch)
+            shared = common_prefix(slot.tokens, req.ids)
+            if shared == len(req.ids) and answered is not None and answered(slot, req):
+                cached = shared
+            else:
+                cached = self.rules.reusable_prefix(shared, len(req.ids), self.n_ubatch)
             owned = kv.owned()
             kept = -(-cached // page)  # the slot's pages that the shared prefix keeps
             need = len(req.ids) // page - cached // page + 1 - (1 if cached % page else 0)
@@ -133,7 +150,7 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """What the next step decodes (nothing when no slot has work)."""
         generating = [s for s in self.slots if s.req is not None and s.pending is not None]
-        prefilling = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.req.t_submit)
+        prefilling = sorted((s for s in self.slots if s.prefilling and not s.answering), key=lambda s: s.req.t_submit)
         if not generating and not prefilling:
             return StepPlan([], [])
         kv, page = self.kv, self.kv.page
@@ -148,6 +165,8 @@ class Scheduler:
             out_of_cells.append(generating.pop())
         free -= sum(gen_pages)
         budget = self.n_batch - len(generating)
+        if generating and self.prompt_budget is not None:
+            budget = min(budget, self.prompt_budget)
         parts: list[tuple[Slot, list[int]]] = [(s, [s.pending]) for s in generating]
         for s in prefilling:
             done, left = len(s.tokens), len(s.req.ids) - len(s.tokens)

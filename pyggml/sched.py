@@ -223,6 +223,12 @@ class Scheduler:
             part.runs, part.kept, part.keepable = 0, None, None
         self._key = (graph, graph.n_nodes)
 
+    def is_placed(self, graph: Graph) -> bool:
+        """Whether ``graph`` is split, allocated and planned: computing it does none of that
+        (unless a graph computed meanwhile grew a compute buffer)."""
+        part = self._partitions.get(id(graph))
+        return part is not None and part.graph is graph and part.n_nodes == graph.n_nodes and bool(part.placement)
+
     # -- execution ---------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph) -> None:
         self.alloc_graph(graph)

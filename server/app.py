@@ -138,6 +138,12 @@ class EngineMetrics:
                                   value=st.graph_builds)
         yield CounterMetricFamily("pyggml_graph_builds_decoding", "Of those, graphs built in steps that read no prompt",
                                   value=st.graph_builds_decoding)
+        yield CounterMetricFamily("pyggml_graph_builds_streaming",
+                                  "Of those, graphs built in steps of streams already generating (a stall they see)",
+                                  value=st.graph_builds_streaming)
+        yield CounterMetricFamily("pyggml_graph_parts_beside",
+                                  "Parts of a new graph for prompts prepared between decoding steps, not in one",
+                                  value=st.graph_parts_beside)
         yield CounterMetricFamily("pyggml_graphs_ahead", "Graphs built while idle, for steps to come",
                                   value=st.graphs_ahead)
         yield GaugeMetricFamily("pyggml_graphs_to_build_ahead", "Decoding steps' graphs still to build while idle",

@@ -82,13 +82,12 @@ class TableRun:
     def __init__(self, steps: list[TableStep]) -> None:
         self.steps = steps
         self.prepares = [s.prepare for s in steps if s.prepare is not None]
-        self._table = None
+        # made with the plan (every step is bound by now), so that its first run is as quick as the next
+        self._table = Table([call for step in self.steps for call in step.calls])
 
     def __call__(self) -> None:
         for prepare in self.prepares:
             prepare()
-        if self._table is None:
-            self._table = Table([call for step in self.steps for call in step.calls])
         self._table()
 
 

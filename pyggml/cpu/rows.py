@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -157,6 +158,9 @@ def _ints(ints: Sequence[int], n: int) -> tuple:
 _ZEROS = [(0,) * (PRODUCT_INTS - i) for i in range(PRODUCT_INTS + 1)]
 
 
+TABLES_RUNNING = threading.Lock()  # one table at a time, as the GIL kept them before run_table released it
+
+
 class Table:
     """RowCalls as the arrays run_table reads; calling it runs them in order."""
     __slots__ = ("heads", "ints", "floats")
@@ -168,7 +172,8 @@ class Table:
         self.floats = np.array([c.floats for c in calls], dtype=np.float64).reshape(n, 2)
 
     def __call__(self) -> None:
-        run_table(self.heads, self.ints, self.floats)
+        with TABLES_RUNNING:  # (numba's workqueue layer aborts on parallel kernels run at once)
+            run_table(self.heads, self.ints, self.floats)
 
 
 def run_calls(calls: Sequence[RowCall]) -> None:
@@ -191,11 +196,12 @@ def _call(heads, ints, floats, e, start, end):
                                    ints[e, 14], ints[e, 15]))
 
 
-@njit(parallel=True, **KERNEL)
+@njit(parallel=True, nogil=True, **KERNEL)
 def run_table(heads, ints, floats):
     """Every call of a table (Table's arrays: heads [n, 5] of form, address, rows, chunks and rows
     per chunk; ints [n, PRODUCT_INTS]; floats [n, 2]) in order, each over its chunks on the
-    threads, or in this thread for a single chunk."""
+    threads, or in this thread for a single chunk.  It runs without the GIL: while a step
+    computes, the server's event loop streams text and a graph can be built beside it."""
     for e in range(heads.shape[0]):
         n_rows, n_chunks, per = heads[e, 2], heads[e, 3], heads[e, 4]
         if n_chunks <= 1:

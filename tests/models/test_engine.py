@@ -120,9 +120,10 @@ def test_engine_from_threads_equals_the_model_alone(small):
         assert answers_from_threads(engine, PROMPTS, 12) == want
         r = submit(engine, PROMPTS[0], stream=False, max_tokens=12, temperature=0)
         assert r["choices"][0]["text"] == want[PROMPTS[0]]
-        # the slot still holds this prompt, but a rest of one token would take the attention's
-        # single-token path, not a fresh read's: nothing of 5 tokens is reused (reusable_prefix)
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # the slot still holds this prompt and the output its read gave: nothing is read again
+        # (re-reading only its last token would take the attention's single-token path, not a
+        # fresh read's: reusable_prefix reuses nothing of 5 tokens)
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
     assert small.create_completion(PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"] == want[PROMPTS[1]]
 
 
@@ -130,7 +131,7 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
     """The stalls: a stream that joins or leaves changes the decoding step's shape, and a graph
     built on the step loop stops every stream in the step for tens of ms.  The engine builds the
     decoding steps' shapes while idle (1 .. n_parallel streams, greedy and default sampling),
-    so that no step that reads no prompt builds a graph; steps that read prompts still do."""
+    so that no step that reads no prompt builds a graph (prompts: the test below)."""
     with Engine(small, n_parallel=3, n_batch=64) as engine:
         assert engine.wait_built_ahead(timeout=120) and engine.warming == 0
         shapes = engine._warm_shapes()  # the largest step, then 1..3 streams, greedy and sampled
@@ -148,8 +149,89 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
             t.join(300)
         st = engine.stats
         assert st.generated_tokens > 20
-        assert st.graph_builds > 0 and st.graph_builds_decoding == 0, (st.graph_builds, st.graph_builds_decoding)
+        assert st.graph_builds_decoding == 0, st
         assert sum(st.step_buckets) == st.steps and st.slowest_step > 0
+
+
+JOINING = {8: ["The three largest planets of the solar system are Jupiter, Saturn and",
+               "A recipe for bread needs flour, water, salt and"],
+           0: ["Rivers flow from", "In the morning the market"]}  # (other lengths: graphs not kept yet)
+
+
+def joining_running_stream(engine: Engine, prompts: list[str]) -> dict[str, str]:
+    """A greedy stream of 24 tokens, and once it generates, two prompts of lengths the engine
+    has no graph for joining it: every answer's text."""
+    out: dict[str, str] = {}
+    generating = threading.Event()
+
+    def ask(prompt: str, n: int) -> None:
+        text = ""
+        for chunk in submit(engine, prompt, max_tokens=n, temperature=0):
+            text += chunk["choices"][0]["text"]
+            generating.set()
+        out[prompt] = text
+    first = threading.Thread(target=ask, args=(LONG, 24))
+    first.start()
+    assert generating.wait(120)
+    joining = [threading.Thread(target=ask, args=(p, 6)) for p in prompts]
+    for t in joining:
+        t.start()
+    for t in [first, *joining]:
+        t.join(300)
+    return out
+
+
+@pytest.mark.parametrize("deferred", [8, 0])
+def test_prompts_joining_running_streams_never_stall_them_for_a_graph(small, deferred, monkeypatch):
+    """The stalls: a prompt that joins generating streams needs a graph of a new shape (its
+    length beside theirs), and building and planning one takes several decoding steps' time.
+    The engine leaves the prompt for later and prepares one part of that graph per step of the
+    streams (Engine._prepare_beside), so that no step of generating streams builds a graph;
+    the answers are those of the model alone.  With no deferral allowed (MAX_DEFERRED_STEPS 0)
+    the steps build them, and the counter says so."""
+    from pyggml.models import engine as engine_module
+    monkeypatch.setattr(engine_module, "MAX_DEFERRED_STEPS", deferred)
+    want = {p: small.create_completion(p, max_tokens=n, temperature=0)["choices"][0]["text"]
+            for p, n in [(LONG, 24), *((p, 6) for p in JOINING[deferred])]}
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        assert engine.wait_built_ahead(timeout=120)
+        assert joining_running_stream(engine, JOINING[deferred]) == want
+        st = engine.stats
+    if deferred:
+        assert st.graph_builds_streaming == 0, st
+        assert st.graph_parts_beside >= 2 and st.prompts_deferred == st.graph_parts_beside, st
+    else:
+        assert st.graph_builds_streaming >= 1 and st.graph_parts_beside == 0, st
+
+
+def test_a_prompt_read_whole_before_is_answered_from_its_stored_row(small):
+    """A request whose prompt a slot read whole, and still holds, draws its first token from the
+    row that read gave (runner.PromptAnswer): no token is read again, every prompt token counts
+    as cached, and the answer is the model's alone - greedy, and sampled with a seed.  Another
+    sampling that watches tokens the stored row lacks (a bias on a token outside its top)
+    reads the prompt's tail again, as before."""
+    prompt = "The history of the printing press begins in"
+    greedy = small.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    sampled = small.create_completion(prompt, max_tokens=8, temperature=0.9, seed=5)["choices"][0]["text"]
+    n_ids = len(small.tokenize(prompt))
+    with Engine(small, n_parallel=2, n_batch=64) as engine:
+        first = submit(engine, prompt, stream=False, max_tokens=8, temperature=0)
+        read = engine.stats.prompt_tokens
+        again = submit(engine, prompt, stream=False, max_tokens=8, temperature=0)
+        assert first["choices"][0]["text"] == again["choices"][0]["text"] == greedy
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n_ids
+        assert engine.stats.prompt_tokens == read and engine.stats.prompts_answered == 1
+        # the stored row is the greedy request's top: a sampler with a top of 40 needs more
+        r = submit(engine, prompt, stream=False, max_tokens=8, temperature=0.9, seed=5)
+        assert r["choices"][0]["text"] == sampled and engine.stats.prompts_answered == 1
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] < n_ids
+        # that read stored its own (larger) top: the same sampling again is answered from it
+        r = submit(engine, prompt, stream=False, max_tokens=8, temperature=0.9, seed=5)
+        assert r["choices"][0]["text"] == sampled and engine.stats.prompts_answered == 2
+        # a bias on a token the stored row does not hold: read again, and the bias applies
+        far = 40000  # (a token far from this prompt's top 8)
+        r = submit(engine, prompt, stream=False, max_tokens=1, temperature=0, logit_bias={str(far): 100})
+        assert engine.stats.prompts_answered == 2 and small.detokenize([far]) == r["choices"][0]["text"]
 
 
 LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

@@ -33,10 +33,11 @@ events = st.lists(st.one_of(
 
 
 class Simulation:
-    def __init__(self, n_slots: int, n_pages: int) -> None:
+    def __init__(self, n_slots: int, n_pages: int, prompt_budget: int | None = None) -> None:
         self.kv = small_cache(n_pages)
         self.slots = [Slot(i) for i in range(n_slots)]
-        self.sched = Scheduler(self.slots, self.kv, RULES, N_BATCH, N_UBATCH, self.kv.seq_rm)
+        self.sched = Scheduler(self.slots, self.kv, RULES, N_BATCH, N_UBATCH, self.kv.seq_rm, prompt_budget)
+        self.prompt_budget = prompt_budget
         self.queue: deque = deque()
         self.requests: list = []
         self.clock = 0
@@ -81,6 +82,8 @@ class Simulation:
         assert [s for s, _ in plan.parts[:len(generating)]] == generating  # every generating sequence, one token each
         assert all(c == [s.pending] for s, c in plan.parts[:len(generating)])
         prompts = plan.parts[len(generating):]
+        if generating and self.prompt_budget is not None:  # chunked prefill beside the streams
+            assert sum(len(c) for _, c in prompts) <= max(self.prompt_budget, 2 * RULES.piece_align)
         assert [s.req.t_submit for s, _ in prompts] == sorted(s.req.t_submit for s, _ in prompts)  # oldest first
         for k, (s, c) in enumerate(prompts):
             done = len(s.tokens)
@@ -111,9 +114,9 @@ class Simulation:
 
 
 @settings(max_examples=120, deadline=None)
-@given(events, st.integers(1, 4), st.integers(3, 10))
-def test_the_schedulers_promises_hold_at_every_step(ops, n_slots, n_pages):
-    sim = Simulation(n_slots, n_pages)
+@given(events, st.integers(1, 4), st.integers(3, 10), st.one_of(st.none(), st.integers(0, 40)))
+def test_the_schedulers_promises_hold_at_every_step(ops, n_slots, n_pages, prompt_budget):
+    sim = Simulation(n_slots, n_pages, prompt_budget)
     for kind, a, b, c in ops:
         if kind == "submit":
             sim.submit(a, b, c)
