@@ -141,7 +141,8 @@ def profile_line(before: dict[str, float], after: dict[str, float]) -> str:
             f"({d('pyggml_graph_builds_total'):.0f} new graphs, {d('pyggml_graph_builds_decoding_total'):.0f} of them "
             f"in steps with no prompt, {d('pyggml_graph_builds_streaming_total'):.0f} in steps of generating streams: "
             f"{ms['graph']:.1f} ms a step; {d('pyggml_graph_parts_beside_total'):.0f} graph parts prepared "
-            f"between steps), "
+            f"between steps; {d('pyggml_mixed_steps_total'):.0f} steps read prompts beside streams, "
+            f"{d('pyggml_prompts_answered_total'):.0f} prompts answered from a stored row), "
             f"{ms['sample']:.1f} ms sampling and text; steps by time: {hist}"
             f"{f', over the last bound {over:.0f}' if over else ''}; slowest so far "
             f"{1e3 * after.get('pyggml_slowest_step_seconds', 0):.0f} ms; gc {gc_ms:.0f} ms in {gc_n:.0f} collections")

@@ -69,6 +69,8 @@ KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_
 # streams alone and prepares one part of that graph (Context.prepare_part); after this many
 # such steps in a row the prompts are read anyway (the shapes kept changing under it)
 MAX_DEFERRED_STEPS = 8
+ADMIT_WINDOW_S = 0.04  # an idle engine's first admission waits at most this long for a burst to arrive,
+ADMIT_QUIET_S = 0.01  # and no longer than this after the last request of it (Engine._gather)
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds: a step's wall time, for Stats
 
@@ -169,6 +171,7 @@ class Stats:
     graph_parts_beside: int = 0      # parts of a mixed step's new graph prepared between decoding steps
     prompts_deferred: int = 0        # steps that left their prompts for later, while their graph was prepared
     prompts_answered: int = 0        # requests whose first token came from the stored answer to their prompt
+    mixed_steps: int = 0             # steps that read prompts beside generating streams (which wait for them)
     sample_seconds: float = 0.0
     # steps by wall time, from admission to the last token handed out: counts per STEP_BUCKETS
     # bound (the last one unbounded) - a stall is a step in the top buckets
@@ -369,6 +372,8 @@ class Engine:
                     return
                 returned, self._returned = self._returned, []
                 t_step = time.perf_counter()
+                if not returned and self.busy_slots == 0 and self.queue:
+                    self._gather(t_step)
                 if not returned:
                     self._admit()
             if returned:  # at a step boundary: the requests running pause while the model is placed anew
@@ -381,6 +386,21 @@ class Engine:
                 e = self._blamed(e)
                 if not self._fail_over(e):
                     self._on_step_failure(e)
+
+    def _gather(self, t0: float) -> None:
+        """(holding the lock; the engine was idle) Requests arriving together - a burst of
+        clients - are admitted together, so that their prompts are read before any of them
+        generates: a prompt read beside a generating stream stops it for as long.  Wait while
+        requests keep coming, each within ADMIT_QUIET_S of the last, for ADMIT_WINDOW_S at most;
+        a request alone waits ADMIT_QUIET_S."""
+        while True:
+            left = t0 + ADMIT_WINDOW_S - time.perf_counter()
+            if left <= 0:
+                return
+            n = len(self.queue)
+            self._cond.wait(min(ADMIT_QUIET_S, left))
+            if len(self.queue) == n or self._closed:
+                return
 
     def _blamed(self, e: Exception) -> Exception:
         """An RPC error naming the server to blame (Recovery.blame asks every server once: a
@@ -627,6 +647,7 @@ class Engine:
             st.graph_builds_decoding += timings.graph_builds - builds
         if generating:
             st.graph_builds_streaming += timings.graph_builds - builds
+            st.mixed_steps += bool(prompt_pieces)
         st.graph_seconds += timings.graph_seconds - graph_seconds
         drawn = self.runner.sample(logits, gens, n_top, hist) if gens else []
         for i, s in enumerate(out_slots):

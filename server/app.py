@@ -144,6 +144,11 @@ class EngineMetrics:
         yield CounterMetricFamily("pyggml_graph_parts_beside",
                                   "Parts of a new graph for prompts prepared between decoding steps, not in one",
                                   value=st.graph_parts_beside)
+        yield CounterMetricFamily("pyggml_mixed_steps", "Steps that read prompts beside generating streams",
+                                  value=st.mixed_steps)
+        yield CounterMetricFamily("pyggml_prompts_answered",
+                                  "Requests whose first token came from the stored answer to the same prompt",
+                                  value=st.prompts_answered)
         yield CounterMetricFamily("pyggml_graphs_ahead", "Graphs built while idle, for steps to come",
                                   value=st.graphs_ahead)
         yield GaugeMetricFamily("pyggml_graphs_to_build_ahead", "Decoding steps' graphs still to build while idle",

@@ -4,6 +4,7 @@ gracefully, abandoned streams free their slots."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,37 @@ def test_prompts_joining_running_streams_never_stall_them_for_a_graph(small, def
         assert st.graph_parts_beside >= 2 and st.prompts_deferred == st.graph_parts_beside, st
     else:
         assert st.graph_builds_streaming >= 1 and st.graph_parts_beside == 0, st
+
+
+def test_requests_arriving_together_at_an_idle_engine_are_read_together(small, monkeypatch):
+    """A burst of clients: an idle engine waits while requests keep arriving (each within
+    ADMIT_QUIET_S of the last), so that their prompts are read in the first steps and no stream
+    waits for another's prompt; a request that comes later is read beside the streams."""
+    from pyggml.models import engine as engine_module
+    monkeypatch.setattr(engine_module, "ADMIT_QUIET_S", 0.5)  # (generous: a loaded machine's threads)
+    monkeypatch.setattr(engine_module, "ADMIT_WINDOW_S", 3.0)
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        assert engine.wait_built_ahead(timeout=120)
+        out: dict[str, str] = {}
+
+        def ask(p: str, n: int) -> None:
+            out[p] = "".join(c["choices"][0]["text"] for c in submit(engine, p, max_tokens=n, temperature=0))
+        threads = [threading.Thread(target=ask, args=(p, 6)) for p in PROMPTS[:3]]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join(300)
+        assert len(out) == 3 and engine.stats.mixed_steps == 0, engine.stats
+        base = engine.stats.generated_tokens
+        streaming = threading.Thread(target=ask, args=(LONG, 16))
+        streaming.start()
+        deadline = time.monotonic() + 120
+        while engine.stats.generated_tokens < base + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ask(PROMPTS[3], 2)  # joins a generating stream
+        streaming.join(300)
+        assert engine.stats.mixed_steps >= 1
 
 
 def test_a_prompt_read_whole_before_is_answered_from_its_stored_row(small):
