@@ -370,15 +370,30 @@ HD void load_part_q6_k(PART_ARGS) {
 // the E8M0 exponent halved to match, 2^(e - 128) (ggml_e8m0_to_fp32_half)
 HD u32 load_u32_bytes(const u8 *p) { return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24); }
 
-HD int e2m1_doubled(u32 n) {
-    const int v = (int)((0x0C08060403020100ull >> (8 * (n & 7))) & 0xff);
-    return n & 8 ? -v : v;
+// CUDA's __byte_perm: byte n of the result is byte (s >> 4n) & 7 of the eight bytes y:x
+HD u32 byte_perm(u32 x, u32 y, u32 s) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long xy = (unsigned long long)y << 32 | x;
+    u32 r = 0;
+    for (int n = 0; n < 4; ++n) r |= (u32)((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+#endif
 }
 
-HD int e2m1_bytes(u32 v, int shift) {  // the four nibbles (v >> shift + 8j) & 15 as values
-    return pack_i8x4(e2m1_doubled(v >> shift), e2m1_doubled(v >> (shift + 8)), e2m1_doubled(v >> (shift + 16)),
-                     e2m1_doubled(v >> (shift + 24)));
+// the 4-bit codes in the low nibbles of x's four bytes, looked up in a table of 16 bytes (t0..t3,
+// four to a word): the code's low 3 bits pick a byte of t0:t1 and of t2:t3, its high bit which
+// (ggml's get_int_from_table_16, four codes at a time)
+HD int table16_bytes(u32 x, u32 t0, u32 t1, u32 t2, u32 t3) {
+    const u32 c = x | (x >> 4);
+    const u32 s = (c & 0xff) | ((c >> 8) & 0xff00);  // code j in nibble j
+    const u32 lo = byte_perm(t0, t1, s), hi = byte_perm(t2, t3, s);
+    return (int)byte_perm(lo, hi, 0x3210u | ((s & 0x8888u) >> 1));
 }
+
+// the doubled E2M1 values 0 1 2 3 4 6 8 12, then their negatives (-0 is 0)
+#define E2M1_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
 
 HD float e8m0_half(u8 e) {
     union { u32 u; float f; } v;
@@ -389,8 +404,8 @@ HD float e8m0_half(u8 e) {
 HD void load_part_mxfp4(PART_ARGS) {
     const u8 *blk = row + g * 17;
     const u32 v = load_u32_bytes(blk + 1 + 4 * p);
-    lo = e2m1_bytes(v, 0);
-    hi = e2m1_bytes(v, 4);
+    lo = table16_bytes(v & 0x0F0F0F0Fu, E2M1_TABLE);
+    hi = table16_bytes((v >> 4) & 0x0F0F0F0Fu, E2M1_TABLE);
     a_lo = a_hi = e8m0_half(blk[0]);
     b = 0.0f;
 }
