@@ -51,6 +51,35 @@ def error(status: int, message: str) -> JSONResponse:
                                    "code": status}}, status_code=status)
 
 
+# the engine's counters (models/engine.py Stats): (metric, help, Stats field)
+ENGINE_COUNTERS = [
+    ("pyggml_prompt_tokens", "Prompt tokens evaluated", "prompt_tokens"),
+    ("pyggml_cached_prompt_tokens", "Prompt tokens reused from the KV cache", "cached_tokens"),
+    ("pyggml_generated_tokens", "Tokens generated", "generated_tokens"),
+    ("pyggml_decode_steps", "Batches decoded", "steps"),
+    ("pyggml_decode_seconds", "Time spent decoding batches", "step_seconds"),
+    ("pyggml_device_losses", "RPC servers lost while serving", "losses"),
+    ("pyggml_server_departures", "RPC servers that left (SIGTERM) and were let go", "departures"),
+    ("pyggml_recoveries", "Placements made anew (after a loss, or to take a server back)", "recoveries"),
+    ("pyggml_reattached_servers", "Lost RPC servers taken back", "reattached"),
+    # llama-server's names, where they mean the same, for the dashboards that read them (its
+    # prompt and predict seconds are not: a step here decodes both at once)
+    ("llamacpp:prompt_tokens", "Number of prompt tokens processed.", "prompt_tokens"),
+    ("llamacpp:tokens_predicted", "Number of generation tokens processed.", "generated_tokens"),
+    ("llamacpp:n_decode", "Total number of llama_decode() calls", "steps"),
+    ("pyggml_graph_builds", "Graphs a step built for a batch shape not kept", "graph_builds"),
+    ("pyggml_graph_builds_decoding", "Of those, graphs built in steps that read no prompt", "graph_builds_decoding"),
+    ("pyggml_graph_builds_streaming", "Of those, graphs built in steps of streams already generating (a stall they see)",
+     "graph_builds_streaming"),
+    ("pyggml_graph_parts_beside", "Parts of a new graph for prompts prepared between decoding steps, not in one",
+     "graph_parts_beside"),
+    ("pyggml_mixed_steps", "Steps that read prompts beside generating streams", "mixed_steps"),
+    ("pyggml_prompts_answered", "Requests whose first token came from the stored answer to the same prompt",
+     "prompts_answered"),
+    ("pyggml_graphs_ahead", "Graphs built while idle, for steps to come", "graphs_ahead"),
+]
+
+
 class State:
     """What the handlers share: the engine once the model is loaded, or why there is none."""
 
@@ -92,12 +121,8 @@ class EngineMetrics:
         if e is None:
             return
         st = e.stats
-        yield CounterMetricFamily("pyggml_prompt_tokens", "Prompt tokens evaluated", value=st.prompt_tokens)
-        yield CounterMetricFamily("pyggml_cached_prompt_tokens", "Prompt tokens reused from the KV cache",
-                                  value=st.cached_tokens)
-        yield CounterMetricFamily("pyggml_generated_tokens", "Tokens generated", value=st.generated_tokens)
-        yield CounterMetricFamily("pyggml_decode_steps", "Batches decoded", value=st.steps)
-        yield CounterMetricFamily("pyggml_decode_seconds", "Time spent decoding batches", value=st.step_seconds)
+        for name, doc, field in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(st, field))
         yield GaugeMetricFamily("pyggml_tokens_per_second", "Generated tokens per second of decoding",
                                 value=st.generated_tokens / st.step_seconds if st.step_seconds else 0.0)
         yield GaugeMetricFamily("pyggml_busy_slots", "Slots serving a request", value=e.busy_slots)
@@ -105,23 +130,10 @@ class EngineMetrics:
         yield GaugeMetricFamily("pyggml_queued_requests", "Requests waiting for a slot", value=e.queued)
         yield GaugeMetricFamily("pyggml_kv_cells_used", "KV cache cells in use", value=e.ctx.kv.n_used)
         yield GaugeMetricFamily("pyggml_kv_cells", "KV cache cells (-c)", value=e.n_ctx)
-        yield CounterMetricFamily("pyggml_device_losses", "RPC servers lost while serving", value=st.losses)
-        yield CounterMetricFamily("pyggml_server_departures", "RPC servers that left (SIGTERM) and were let go",
-                                  value=st.departures)
-        yield CounterMetricFamily("pyggml_recoveries", "Placements made anew (after a loss, or to take a server back)",
-                                  value=st.recoveries)
-        yield CounterMetricFamily("pyggml_reattached_servers", "Lost RPC servers taken back", value=st.reattached)
         yield GaugeMetricFamily("pyggml_last_recovery_seconds", "How long the last placement anew took",
                                 value=st.recovery_seconds)
         yield GaugeMetricFamily("pyggml_recovering", "1 while the model is being placed anew",
                                 value=int(e.recovering is not None))
-        # llama-server's names, where they mean the same, for the dashboards that read them (its
-        # prompt and predict seconds are not: a step here decodes both at once)
-        yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.",
-                                  value=st.prompt_tokens)
-        yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.",
-                                  value=st.generated_tokens)
-        yield CounterMetricFamily("llamacpp:n_decode", "Total number of llama_decode() calls", value=st.steps)
         yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
                                 value=e.ctx.kv.n_used / e.n_ctx if e.n_ctx else 0.0)
         yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=e.ctx.kv.n_used)
@@ -134,23 +146,6 @@ class EngineMetrics:
                                ("decode", st.step_seconds), ("sample", st.sample_seconds)):
             phases.add_metric([phase], seconds)
         yield phases
-        yield CounterMetricFamily("pyggml_graph_builds", "Graphs a step built for a batch shape not kept",
-                                  value=st.graph_builds)
-        yield CounterMetricFamily("pyggml_graph_builds_decoding", "Of those, graphs built in steps that read no prompt",
-                                  value=st.graph_builds_decoding)
-        yield CounterMetricFamily("pyggml_graph_builds_streaming",
-                                  "Of those, graphs built in steps of streams already generating (a stall they see)",
-                                  value=st.graph_builds_streaming)
-        yield CounterMetricFamily("pyggml_graph_parts_beside",
-                                  "Parts of a new graph for prompts prepared between decoding steps, not in one",
-                                  value=st.graph_parts_beside)
-        yield CounterMetricFamily("pyggml_mixed_steps", "Steps that read prompts beside generating streams",
-                                  value=st.mixed_steps)
-        yield CounterMetricFamily("pyggml_prompts_answered",
-                                  "Requests whose first token came from the stored answer to the same prompt",
-                                  value=st.prompts_answered)
-        yield CounterMetricFamily("pyggml_graphs_ahead", "Graphs built while idle, for steps to come",
-                                  value=st.graphs_ahead)
         yield GaugeMetricFamily("pyggml_graphs_to_build_ahead", "Decoding steps' graphs still to build while idle",
                                 value=e.warming)
         cumulative = list(itertools.accumulate(st.step_buckets))
