@@ -88,6 +88,10 @@ class PairFormat(NamedTuple):
     rows: Callable        # (builder, base0, base1) -> dict of the two rows' values for a block
     block: Callable       # (builder, rows, col, accs) -> the accumulators' next values
     finish: Callable      # (builder, accs) -> (row 0's result, row 1's result)
+    # ggml's loops that take two blocks per step end an odd count with a scalar step after the
+    # sum: (builder, rows, col, results) -> the results, with the last block's part.  The loop
+    # over the blocks then stops before an odd last block
+    tail: Callable | None = None
 
 
 def _concat(builder, a, b):
@@ -210,6 +214,91 @@ def _legacy(blk: Legacy) -> PairFormat:
 
     init = [_splat(ir.VectorType(F32, 16), 0.0)] + ([_splat(ir.VectorType(F32, 4), 0.0)] if blk.has_min else [])
     return PairFormat(blk.size, init, shared, rows, block, finish)
+
+
+# -- MXFP4: 32 E2M1 codes and an E8M0 scale per block, Q8_0 activations --------------------------
+
+E2M1_DOUBLED = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]  # ggml's kvalues_mxfp4
+
+
+def _e2m1_values(builder, codes):
+    """IR: signed bytes E2M1_DOUBLED[code] for a vector of 4-bit codes (32 or 64 bytes): AVX2's
+    byte shuffle as a table of 16 (ggml's), else the table's shape in arithmetic - the low three
+    bits are 0..3 as they are, then 4 6 (2c - 4) and 8 12 (4c - 16); the high bit the sign."""
+    n = codes.type.count
+    if DOTS != "plain":
+        v32b = ir.VectorType(I8, 32)
+        shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b] * 2),
+                                                 "llvm.x86.avx2.pshuf.b")
+        table = ir.Constant(v32b, E2M1_DOUBLED * 2)
+        if n == 32:
+            return builder.call(shuffle, [table, codes])
+        return _concat(builder, *(builder.call(shuffle, [table, _half(builder, codes, h)]) for h in range(2)))
+    vb = ir.VectorType(I8, n)
+    low = builder.and_(codes, _splat(vb, 7))
+    mag = builder.select(builder.icmp_unsigned("<", low, _splat(vb, 4)), low,
+                         builder.select(builder.icmp_unsigned("<", low, _splat(vb, 6)),
+                                        builder.sub(builder.shl(low, _splat(vb, 1)), _splat(vb, 4)),
+                                        builder.sub(builder.shl(low, _splat(vb, 2)), _splat(vb, 16))))
+    negative = builder.icmp_unsigned("!=", builder.and_(codes, _splat(vb, 8)), _splat(vb, 0))
+    return builder.select(negative, builder.sub(_splat(vb, 0), mag), mag)
+
+
+def _e8m0_halves(builder, e):
+    """IR: ggml_e8m0_to_fp32_half of a vector of i32 exponents: 2^(e - 128) as float32 (e < 2:
+    its subnormal bits)."""
+    vi = e.type
+    small = builder.icmp_unsigned("<", e, ir.Constant(vi, [2] * vi.count))
+    bits = builder.select(small, builder.shl(ir.Constant(vi, [0x00200000] * vi.count), e),
+                          builder.shl(builder.sub(e, ir.Constant(vi, [1] * vi.count)), ir.Constant(vi, [23] * vi.count)))
+    return builder.bitcast(bits, ir.VectorType(F32, vi.count))
+
+
+def _mxfp4() -> PairFormat:
+    """ggml_vec_dot_mxfp4_q8_0 (AVX2; the same code on AVX-512 machines): two blocks per step,
+    each into an accumulator of its own - ``acc_even`` for blocks 0, 2, 4 ..., ``acc_odd`` for
+    1, 3, 5 ... - as ``fma(d_y * e8m0_half(e_w), lanes, acc)``; the result hsum8(acc_even +
+    acc_odd), then an odd last block's integer sum times its scale in one fused step.  Two rows'
+    8 lanes side by side in 16 (PairFormat), as the legacy formats'."""
+    v16f = ir.VectorType(F32, 16)
+
+    def shared(builder, b, nb, yb, yd, ys):
+        y = load_at(builder, yb, builder.mul(b, ir.Constant(I64, 32)), V32B)
+        d = builder.load(builder.gep(yd, [b]))
+        odd = builder.trunc(builder.and_(b, ir.Constant(I64, 1)), ir.IntType(1))
+        return {"y": _concat(builder, y, y), "scales": splat(builder, d, 2), "odd": odd}
+
+    def rows(builder, base0, base1):
+        codes = [_nibbles(builder, load_at(builder, base, 1, ir.VectorType(I8, 16))) for base in (base0, base1)]
+        e = [builder.zext(builder.load(base), I32) for base in (base0, base1)]
+        pair = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(I32, 2), ir.Undefined), e[0],
+                                                             ir.Constant(I32, 0)), e[1], ir.Constant(I32, 1))
+        return {"q": _e2m1_values(builder, _concat(builder, *codes)), "scales": _e8m0_halves(builder, pair)}
+
+    def products(builder, two, col):
+        """Each row's d_y x d_w (one rounding), and its lanes' integer sums."""
+        sums = dot4(builder, two["q"], col["y"], True, DOTS)
+        return builder.fmul(col["scales"], two["scales"]), sums
+
+    def block(builder, two, col, accs):
+        d, sums = products(builder, two, col)
+        lanes = builder.sitofp(sums, v16f)
+        d16 = builder.shuffle_vector(d, d, ir.Constant(V16I, [0] * 8 + [1] * 8))
+        even, odd_acc = accs
+        nxt = _fma(builder, d16, lanes, builder.select(col["odd"], odd_acc, even))
+        return [builder.select(col["odd"], even, nxt), builder.select(col["odd"], nxt, odd_acc)]
+
+    def finish(builder, accs):
+        both = builder.fadd(accs[0], accs[1])
+        return tuple(hsum8_ir(builder, _half(builder, both, r)) for r in range(2))
+
+    def tail(builder, two, col, results):
+        d, sums = products(builder, two, col)
+        return tuple(_fma(builder, builder.extract_element(d, ir.Constant(I32, r)),
+                          builder.sitofp(_hsum_int(builder, _half(builder, sums, r)), F32), results[r])
+                     for r in range(2))
+
+    return PairFormat(17, [_splat(v16f, 0.0)] * 2, shared, rows, block, finish, tail)
 
 
 # -- K-quants: 256-element blocks, Q8_K activations (yd per block, ys: 16 sums of 16 values) ----
@@ -542,8 +631,23 @@ def _tile_ir(builder, fmt: Format | PairFormat, rows: list, cols: list, nb) -> l
             nexts += fmt.block(builder, two if paired else bases[r], shared[c], accs[i * n_acc:(i + 1) * n_acc])
         return nexts
 
-    finals = _block_loop(builder, fmt.init * len(chains), nb, body)
+    tail = fmt.tail if paired else None
+    one = ir.Constant(I64, 1)
+    odd = builder.trunc(builder.and_(nb, one), ir.IntType(1)) if tail else None
+    finals = _block_loop(builder, fmt.init * len(chains), builder.sub(nb, builder.zext(odd, I64)) if tail else nb, body)
     results = [fmt.finish(builder, finals[i * n_acc:(i + 1) * n_acc]) for i in range(len(chains))]
+    if tail:  # an odd last block: its part added to each result
+        pre = builder.basic_block
+        flat = [v for pair in results for v in pair]
+        with builder.if_then(odd):
+            last = builder.sub(nb, one)
+            two = fmt.rows(builder, *[builder.gep(row, [builder.mul(last, ir.Constant(I64, fmt.block_bytes))])
+                                      for row in rows])
+            ended = [fmt.tail(builder, two, fmt.shared(builder, last, nb, *cols[c]), results[i])
+                     for i, (_, c) in enumerate(chains)]
+            tail_end = builder.basic_block
+        flat = _merge(builder, flat, pre, [v for pair in ended for v in pair], tail_end)
+        results = [tuple(flat[2 * i:2 * i + 2]) for i in range(len(chains))]
     if paired:  # a (row 0, row 1) pair per column
         return [[results[c][r] for c in range(len(cols))] for r in range(2)]
     return [results[r * len(cols):(r + 1) * len(cols)] for r in range(len(rows))]
@@ -647,7 +751,7 @@ FORMATS = {**{f: _legacy(blk) for f, blk in LEGACY.items()},
            Fmt.Q4_K: _q45_k(five=False), Fmt.Q5_K: _q45_k(five=True), Fmt.Q6_K: _q6_k(),
            Fmt.Q4_K_X8: _q4_k_x8_paired(per_pair=False), Fmt.Q4_K_X8_GEMM: _q4_k_x8_paired(per_pair=True),
            Fmt.Q6_K_TILED: _q6_k_tiled(), Fmt.Q4_K_TILED: _q45_k_tiled(five=False),
-           Fmt.Q5_K_TILED: _q45_k_tiled(five=True)}
+           Fmt.Q5_K_TILED: _q45_k_tiled(five=True), Fmt.MXFP4: _mxfp4()}
 assert list(FORMATS) == list(Fmt)
 
 # the columns a tile takes at once (fewer take row_pair_dots)

@@ -61,6 +61,7 @@ class Fmt(enum.IntEnum):
     Q6_K_TILED = 10    # the tiled K-quant matmul llama.cpp takes from 8 columns
     Q4_K_TILED = 11
     Q5_K_TILED = 12
+    MXFP4 = 13         # gpt-oss's experts: E2M1 codes, an E8M0 scale per 32
 
 
 VEC_DOT = {
@@ -75,7 +76,7 @@ VEC_DOT = {
 DECODER = {Type[d.name]: d for d in Dec}
 """The row decoder of each weight type that has one."""
 
-EXACT = {Type[f.name]: f for f in Fmt if f <= Fmt.Q6_K}
+EXACT = {Type[f.name]: f for f in Fmt if f <= Fmt.Q6_K or f == Fmt.MXFP4}
 """The weight types multiplied with ggml's exact arithmetic from their blocks."""
 
 

@@ -20,7 +20,6 @@ from ..types import Type
 from .kinds import DECODER, Dec, kernel_of_kind, literal_kind
 from .parts import K, kind_part, part, sample_weights, sample_x
 from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, run_calls
-from .mxfp4 import e8m0_half
 from .simd import KERNEL, pointer
 
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -28,6 +27,14 @@ KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53
 KV_MXFP4 = KVALUES_MXFP4.astype(np.float32)
 
 _jit = njit(fastmath=False, inline="always", **KERNEL)
+
+
+@_jit
+def e8m0_half(e):
+    """ggml_e8m0_to_fp32_half (MXFP4's block scale): 2**(e - 128) as float32 (e < 2: subnormal bits)."""
+    e = np.uint32(e)
+    bits = np.uint32(np.uint32(0x00200000) << e) if e < np.uint32(2) else np.uint32((e - np.uint32(1)) << np.uint32(23))
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
 
 
 @_jit

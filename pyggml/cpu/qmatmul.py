@@ -25,7 +25,6 @@ from ..types import Type
 from .activations import activation_values, quantize
 from .kinds import DECODER, EXACT, VEC_DOT, Act, Fmt
 from .qdecode import F16_TABLE, decode_rows, fused_matmul
-from .mxfp4 import mxfp4_matmul
 from .qdot import exact_quant_matmul
 
 # up to this many columns the fused decode+dot kernel beats decode-then-BLAS
@@ -77,7 +76,6 @@ class ProductStep(enum.Enum):
 
 class ProductKernel(enum.Enum):
     EXACT = "ggml's integer block dots (qdot.py), each column in blockdot.column_format's format"
-    MXFP4 = "MXFP4's exact kernel (mxfp4.py)"
     FUSED = "each weight row decoded and dotted with every column (qdecode.fused_matmul)"
     DECODED_BLAS = "weight rows decoded a tile at a time and multiplied by BLAS"
     BLAS = "numpy's matmul of the float values"
@@ -106,8 +104,7 @@ def choose_product(qtype: Type, m_rows: int, layout: Layout, n_cols: int, runs: 
     | weights                                  | columns            | kernel       | format                    |
     | ---------------------------------------- | ------------------ | ------------ | ------------------------- |
     | not read as stored (F32, BF16 ...)       | any                | BLAS         |                           |
-    | exact (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K ...) | any                | EXACT        | product_format: Q4_K_X8 for Q4_K of a multiple of 8 rows |
-    | MXFP4                                    | any                | MXFP4        |                           |
+    | exact (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K ... MXFP4) | any          | EXACT        | product_format: Q4_K_X8 for Q4_K of a multiple of 8 rows |
     | the others read as stored (F16, IQ4 ...) | up to FUSED_MAX_COLS | FUSED      |                           |
     | the same                                 | more               | DECODED_BLAS |                           |
 
@@ -132,8 +129,6 @@ def choose_product(qtype: Type, m_rows: int, layout: Layout, n_cols: int, runs: 
     fmt = None
     if qtype in EXACT:
         kernel, fmt = ProductKernel.EXACT, product_format(qtype, m_rows)
-    elif qtype == Type.MXFP4:
-        kernel = ProductKernel.MXFP4
     else:
         kernel = ProductKernel.FUSED if n_cols <= FUSED_MAX_COLS else ProductKernel.DECODED_BLAS
     if not layout.one_matrix:
@@ -156,7 +151,6 @@ class QuantProduct:
         self.qtype = qtype
         self.m_rows = w.shape[0]
         self.kind = int(VEC_DOT.get(qtype, Act.F32))
-        self.mxfp4 = qtype == Type.MXFP4  # exact too, by a kernel of its own (mxfp4.py)
         self.exact = qtype in EXACT
         if self.exact:
             self.fmt = int(product_format(qtype, self.m_rows))  # (its kernels made when a product is: qdot)
@@ -166,21 +160,18 @@ class QuantProduct:
     @property
     def activation_key(self) -> tuple[int, bool]:
         """Products whose keys are equal take the same activations."""
-        return self.kind, self.exact or self.mxfp4
+        return self.kind, self.exact
 
     def activations(self, x: np.ndarray):
         """x in the form this product multiplies (ggml's vec_dot_type): quantized blocks for the
         exact types, the float values ggml would hold for the others."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return quantize(x, self.kind) if self.exact or self.mxfp4 else activation_values(x, self.kind)
+        return quantize(x, self.kind) if self.exact else activation_values(x, self.kind)
 
     def bound(self, out: np.ndarray) -> Callable[[tuple, np.ndarray | None], None] | None:
         """``self(acts, out, runs)`` for this ``out`` (C-contiguous) as one kernel call, its
         arguments found now; None where __call__ has more to do than call the kernel.  (A
         plan's products are calls of its table instead: kernels.quant_table_step.)"""
-        if self.mxfp4 and self.m_rows and out.shape[0]:
-            w = self.w
-            return lambda acts, runs=None: mxfp4_matmul(w, acts[0], acts[1], out, runs)
         if not self.exact or self.m_rows == 0 or out.shape[0] == 0:
             return None
         fmt, w, every = self.fmt, self.w, whole(out.shape[0])
@@ -193,7 +184,7 @@ class QuantProduct:
         if self.m_rows == 0 or out.shape[0] == 0:
             out[...] = 0.0
             return
-        if self.exact or self.mxfp4:
+        if self.exact:
             self.bound(out)(acts, runs)
             return
         w = self.w

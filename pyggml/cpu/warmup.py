@@ -88,7 +88,7 @@ def parts_for_file(path: str | os.PathLike, gate: str | None = None) -> list[str
 
 def every_part() -> list[str]:
     """Every part: what a server that does not know its models' weights compiles."""
-    exact = [f.name for f in Fmt if f <= Fmt.Q4_K_X8]
+    exact = [f.name for f in Fmt if f <= Fmt.Q4_K_X8 or f == Fmt.MXFP4]  # (the others: batch formats of these)
     return [*LAYERS, *GATES, *OTHERS, *(f"{kind}:{f}" for kind in ("product", "tiles") for f in exact),
             *(f"decoder:{d.name}" for d in Dec),
             *(f"fused:{DECODER[t].name}" for t in VEC_DOT if t not in EXACT)]  # the weights decoded and dotted

@@ -24,8 +24,6 @@ def expected(qtype: pg.Type, m_rows: int, layout: Layout, n_cols: int, runs: boo
     if qtype in EXACT:
         kernel = ProductKernel.EXACT
         fmt = Fmt.Q4_K_X8 if qtype == pg.Type.Q4_K and m_rows % 8 == 0 else EXACT[qtype]
-    elif qtype == pg.Type.MXFP4:
-        kernel, fmt = ProductKernel.MXFP4, None
     else:
         kernel, fmt = (ProductKernel.FUSED if n_cols <= FUSED_MAX_COLS else ProductKernel.DECODED_BLAS), None
     if not layout.one_matrix:
@@ -75,7 +73,7 @@ def _bound(a_type: pg.Type, n_cols: int):
     (pg.Type.Q8_0, 4, ProductStep.TABLE),
     (pg.Type.Q4_K, 9, ProductStep.TABLE),
     (pg.Type.F16, 4, ProductStep.CALL),
-    (pg.Type.MXFP4, 4, ProductStep.CALL),
+    (pg.Type.MXFP4, 4, ProductStep.TABLE),
 ])
 def test_the_binder_follows_the_choice(a_type, n_cols, step):
     bound, _ = _bound(a_type, n_cols)

@@ -22,7 +22,7 @@ TYPES = sorted({k.rsplit("_", 1)[0] for k in DATA.files}, key=lambda n: int(pg.T
 
 
 def test_every_exact_type_has_data():
-    assert {pg.Type[n] for n in TYPES} == set(EXACT) | {pg.Type.MXFP4}  # (MXFP4: a kernel of its own, mxfp4.py)
+    assert {pg.Type[n] for n in TYPES} == set(EXACT)
 
 
 def test_mxfp4_with_an_odd_block_count_equals_ggml():
@@ -227,7 +227,7 @@ def _columns(x: np.ndarray, batch: bool) -> np.ndarray:
 def test_every_level_of_integer_dots_gives_the_same_bits(tmp_path, level):
     """The integer dots of a CPU with fewer instructions (simd.DOT_LEVELS: AVX2's vpmaddubsw
     where there is no VNNI, plain vector IR where there is no AVX2; signed weights by their lane
-    sums or the sign trick) give the same bits as this CPU's, for batches (blockdot's tiles) and
+    sums or the sign trick; MXFP4's table by AVX2's byte shuffle or in arithmetic) give the same bits as this CPU's, for batches (blockdot's tiles) and
     single columns: run in a process of its own with PYGGML_DOTS=level and its own numba cache."""
     import os
     import subprocess
@@ -239,7 +239,7 @@ def test_every_level_of_integer_dots_gives_the_same_bits(tmp_path, level):
     code = ("import numpy as np, sys; import pyggml as pg; from pyggml.cpu.qmatmul import quant_matmul;"
             "from pyggml.cpu.blockdot import DOTS; assert DOTS == sys.argv[3], DOTS;"
             "d = np.load(sys.argv[1]); out = {}\n"
-            "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q5_0', 'Q4_K', 'Q6_K'):\n"
+            "for n in ('Q4_0', 'Q8_0', 'Q4_1', 'Q5_0', 'Q4_K', 'Q6_K', 'MXFP4'):\n"
             "    for batch in (True, False):\n"
             "        x = np.concatenate([d[n + '_x']] * 3) if batch else d[n + '_x'][:1]\n"
             "        out[f'{n}_{batch}'] = quant_matmul(d[n + '_w'], pg.Type[n], x)\n"
@@ -248,8 +248,8 @@ def test_every_level_of_integer_dots_gives_the_same_bits(tmp_path, level):
     subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1] / "data" / "ggml_vec_dot.npz"),
                     str(tmp_path / "out.npz"), level], check=True, env=env, timeout=600)
     other = np.load(tmp_path / "out.npz")
-    assert len(other.files) == 12
+    assert len(other.files) == 14
     for key in other.files:
-        n, batch = key.split("_")[0] + "_" + key.split("_")[1], key.endswith("True")
+        n, batch = key.rsplit("_", 1)[0], key.endswith("True")
         here = quant_matmul(DATA[n + "_w"], pg.Type[n], _columns(DATA[n + "_x"], batch))
         assert np.array_equal(other[key], here), key
