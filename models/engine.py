@@ -168,8 +168,7 @@ class Stats:
     graph_builds_streaming: int = 0  # of those, in steps of streams already generating (a stall they see)
     graph_seconds: float = 0.0
     graphs_ahead: int = 0            # built while idle
-    graph_parts_beside: int = 0      # parts of a mixed step's new graph prepared between decoding steps
-    prompts_deferred: int = 0        # steps that left their prompts for later, while their graph was prepared
+    graph_parts_beside: int = 0      # steps that left their prompts for later, preparing a part of their graph
     prompts_answered: int = 0        # requests whose first token came from the stored answer to their prompt
     mixed_steps: int = 0             # steps that read prompts beside generating streams (which wait for them)
     sample_seconds: float = 0.0
@@ -678,7 +677,6 @@ class Engine:
         for shape in self.ctx.batch_shapes(batch, n_top, hist):
             if not self.ctx.prepare_part(shape):
                 self.stats.graph_parts_beside += 1
-                self.stats.prompts_deferred += 1
                 self._deferred += 1
                 return True
         self._deferred = 0

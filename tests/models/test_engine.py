@@ -200,7 +200,7 @@ def test_prompts_joining_running_streams_never_stall_them_for_a_graph(small, def
         st = engine.stats
     if deferred:
         assert st.graph_builds_streaming == 0, st
-        assert st.graph_parts_beside >= 2 and st.prompts_deferred == st.graph_parts_beside, st
+        assert st.graph_parts_beside >= 2, st  # (a build, then the split, allocation and plan)
     else:
         assert st.graph_builds_streaming >= 1 and st.graph_parts_beside == 0, st
 
