@@ -23,6 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quants.layouts import KVALUES_MXFP4
 from .kinds import Fmt, literal_kind
 from .simd import (KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, pair_products, pair_sums,
                    scaled_dot4, splat)
@@ -218,11 +219,8 @@ def _legacy(blk: Legacy) -> PairFormat:
 
 # -- MXFP4: 32 E2M1 codes and an E8M0 scale per block, Q8_0 activations --------------------------
 
-E2M1_DOUBLED = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]  # ggml's kvalues_mxfp4
-
-
 def _e2m1_values(builder, codes):
-    """IR: signed bytes E2M1_DOUBLED[code] for a vector of 4-bit codes (32 or 64 bytes): AVX2's
+    """IR: signed bytes KVALUES_MXFP4[code] (doubled E2M1 values) for a vector of 4-bit codes (32 or 64 bytes): AVX2's
     byte shuffle as a table of 16 (ggml's), else the table's shape in arithmetic - the low three
     bits are 0..3 as they are, then 4 6 (2c - 4) and 8 12 (4c - 16); the high bit the sign."""
     n = codes.type.count
@@ -230,7 +228,7 @@ def _e2m1_values(builder, codes):
         v32b = ir.VectorType(I8, 32)
         shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b] * 2),
                                                  "llvm.x86.avx2.pshuf.b")
-        table = ir.Constant(v32b, E2M1_DOUBLED * 2)
+        table = ir.Constant(v32b, [int(v) for v in KVALUES_MXFP4] * 2)
         if n == 32:
             return builder.call(shuffle, [table, codes])
         return _concat(builder, *(builder.call(shuffle, [table, _half(builder, codes, h)]) for h in range(2)))

@@ -279,7 +279,7 @@ def _columns_of(kind: int) -> ProductKernel:
 def _kernel_of(kind: int) -> ProductKernel:
     """The rows of one weight format's products as a C function (numba.cfunc), compiled for that
     format only: ``kind`` is a constant of it (the rows' code and the functions it calls choose
-    their code when compiled), so a model compiles the formats it has, not all thirteen.
+    their code when compiled), so a model compiles the formats it has, not all of them.
 
     The parallel loops around it (rows.run_table, quant_product_id) are one kernel for every
     format, which calls it by its address, given at every call (a compiled kernel is cached on
