@@ -217,9 +217,10 @@ class GraphBuilder:
         up = self.cb(ops.mul_mat_id(self.w("ffn_up_exps.weight", il), cur, selected, runs), "ffn_moe_up", il)
         gate = self.cb(ops.mul_mat_id(self.w("ffn_gate_exps.weight", il), cur, selected, runs), "ffn_moe_gate", il)
         act = self.cb(ops.swiglu(gate, up), "ffn_moe_swiglu", il)                               # [n_ff, n_used, n]
+        act = self.gathered(act, "ffn_moe_act", il)
         experts = self.cb(ops.mul_mat_id(self.w("ffn_down_exps.weight", il), act, selected, runs), "ffn_moe_down", il)
         experts = self.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                   # [n_embd, n_used, n]
-        return self.sum_experts(experts, il)
+        return self.gathered(self.sum_experts(experts, il), "ffn_moe_out", il)
 
     def sum_experts(self, experts: Tensor, il: int) -> Tensor:
         """The weighted experts' outputs [n_embd, n_used, n] added in slot order, as llama.cpp

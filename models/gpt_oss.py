@@ -44,10 +44,11 @@ def build_moe_ffn(b: GraphBuilder, x: Tensor, il: int) -> Tensor:
     gate = ops.mul_mat_id(b.w("ffn_gate_exps.weight", il), cur, selected, runs)
     gate = b.cb(ops.add_id(gate, b.w("ffn_gate_exps.bias", il), selected), "ffn_moe_gate_biased", il)
     act = b.cb(ops.swiglu_oai(gate, up, SWIGLU_ALPHA, SWIGLU_LIMIT), "ffn_moe_swiglu_oai", il)  # [n_ff, n_used, n]
+    act = b.gathered(act, "ffn_moe_act", il)
     experts = ops.mul_mat_id(b.w("ffn_down_exps.weight", il), act, selected, runs)
     experts = b.cb(ops.add_id(experts, b.w("ffn_down_exps.bias", il), selected), "ffn_moe_down_biased", il)
     experts = b.cb(ops.mul(experts, weights), "ffn_moe_weighted", il)                         # [n_embd, n_used, n]
-    return b.sum_experts(experts, il)
+    return b.gathered(b.sum_experts(experts, il), "ffn_moe_out", il)
 
 
 def build(b: GraphBuilder) -> Tensor:

@@ -192,17 +192,17 @@ def choose_split_mode(f: GGUFFile, hp: HParams, ngl: str | int | None, devices: 
                       tensor_split: str | None) -> tuple[str, str]:
     """Split mode "auto": "tensor" where every layer is large enough to be worth dividing
     among the devices before the CPU (AUTO_TENSOR_SHARE_BYTES), else "layer"; and why.  Never
-    tensor on GPUs (a layer's compute there takes less than one exchange), with -ngl N, or for a
-    mixture of experts (tensor split does not divide experts yet)."""
+    tensor on GPUs (a layer's compute there takes less than one exchange) or with -ngl N.  Of a
+    mixture of experts, what a token reads counts: its experts' share of the stacks."""
     candidates = devices[:-1]
     share = parse_split(tensor_split, len(candidates)) if candidates else None
     n = len([w for w in share if w > 0]) if share else len(candidates)
-    layer_bytes = sum(f.new_tensor(name).nbytes() for name in f.tensors if name.startswith("blk.0."))
+    used = hp.n_expert_used / hp.n_expert if hp.n_expert else 1.0
+    layer_bytes = sum(f.new_tensor(name).nbytes() * (used if "_exps." in name else 1.0)
+                      for name in f.tensors if name.startswith("blk.0."))
     each = layer_bytes / max(n, 1)
     if n < 2:
         return "layer", "split mode auto: layer (fewer than two devices to divide a layer among)"
-    if hp.n_expert:
-        return "layer", "split mode auto: layer (tensor split does not divide experts yet)"
     if ngl is not None and str(ngl).strip().lower() not in ("auto", "all", "-1"):
         return "layer", f"split mode auto: layer (-ngl {ngl} places layers)"
     if any(d.get_type() != DeviceType.CPU for d in candidates):
@@ -278,8 +278,7 @@ def shard_weights(f: GGUFFile, shards: list[Shard], hp: HParams,
                 rows = shard.vocab_rows
             t = f.new_tensor(name)
             if rows is not None:
-                t, start, nbytes = shard_tensor(t, rows)
-                sources[id(t)] = FileSlice(name, start, nbytes)
+                t, sources[id(t)] = shard_tensor(t, rows)
             mine[name] = t
         out.append(mine)
     return out

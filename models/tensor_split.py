@@ -16,6 +16,15 @@ residual stream are computed on every device (replicated), the embedding on the 
 (the lead).  The output head is split by vocabulary rows and not gathered: the caller reads
 each device's logits (or its top k, merged exactly: :meth:`ShardBuilder.results`).
 
+A mixture of experts is divided the same way: every device holds its rows of every expert (gate
+and up by hidden rows, down by output rows), and the router, so that each picks the same
+experts; the experts' hidden rows and their weighted sum are the layer's last two gathers.
+
+What is not bit for bit: a product of an F32 or F16 weight with several columns is BLAS's
+(pyggml/cpu/ops/matmul.py), whose sums depend on the matrix's rows, so a file with such weights
+split gives one device's greedy text and logits equal to a few ulps.  The block products of the
+quantized types compute every output element the same way whatever the rows.
+
 How the graph is built (SPMD, as Megatron and exo do it): the architecture's ``build`` runs
 once per device on a :class:`ShardBuilder` - the same code as on one device, with that device's
 weights, cache and head counts.  Where the blocks gather (``GraphBuilder.gathered``), a builder
@@ -56,19 +65,24 @@ class Shard:
     ff_rows: Range       # hidden rows of the feed-forward (gate, up)
     embd_rows: Range     # output rows of the attention's and the feed-forward's projections
     vocab_rows: Range    # rows of the output head: the logits of these tokens
+    ff_exp_rows: Range = (0, 0)  # hidden rows of every expert (gate, up), for a mixture of experts
 
     def describe(self) -> str:
         def r(x: Range) -> str:
             return f"{x[0]}-{x[1] - 1}" if x[1] - x[0] > 1 else f"{x[0]}"
-        return f"heads {r(self.q_heads)} (kv {r(self.kv_heads)}), ffn rows {r(self.ff_rows)}, " \
+        experts = f"expert rows {r(self.ff_exp_rows)}" if self.ff_exp_rows[1] else f"ffn rows {r(self.ff_rows)}"
+        return f"heads {r(self.q_heads)} (kv {r(self.kv_heads)}), {experts}, " \
                f"embd rows {r(self.embd_rows)}, vocab {r(self.vocab_rows)}"
 
 
 class FileSlice(NamedTuple):
-    """Rows of a file tensor: ``nbytes`` bytes from ``start`` into its data."""
+    """Rows of a file tensor: ``nbytes`` bytes from ``start`` into its data, in ``count``
+    pieces of equal size ``stride`` apart (the same rows of every expert in a stack)."""
     name: str
     start: int
     nbytes: int
+    count: int = 1
+    stride: int = 0
 
 
 def cuts(n: int, weights: list[float]) -> list[Range]:
@@ -97,8 +111,6 @@ def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> 
     devices are shared out among the KV heads and each group's query heads among its devices
     (which then all hold that KV head)."""
     n = len(devices)
-    if hp.n_expert:
-        raise SplitError("split mode 'tensor' does not divide mixture-of-experts layers yet; use --split-mode layer")
     g = hp.n_head // hp.n_head_kv
     if hp.n_head_kv >= n:
         q = [(a * g, b * g) for a, b in cuts(hp.n_head_kv, weights)]
@@ -111,14 +123,20 @@ def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> 
                 raise SplitError(f"{n} devices cannot share {hp.n_head} query heads in {hp.n_head_kv} groups of {g}")
             q += [(kv * g + x, kv * g + y) for x, y in cuts(g, weights[a:b])]
     ff, embd, vocab = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights), cuts(hp.n_vocab, weights)
-    return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i], vocab[i])
+    ff_exp = cuts(hp.n_ff_expert, weights) if hp.n_expert else [(0, 0)] * n
+    return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i], vocab[i], ff_exp[i])
             for i, dev in enumerate(devices)]
 
 
-# the rows of each split weight (and of its bias): which of a shard's ranges, in units of what
+# the rows of each split weight (and of its bias): which of a shard's ranges, in units of what.
+# Experts are divided by rows, each expert's the same ones (not whole experts per device): which
+# experts a token takes is known only as it runs, while rows keep every device's work even and
+# the slices' shapes fixed.  The router is every device's (each one picks the same experts).
 SPLIT_ROWS = {"attn_q": ("q_heads", "k"), "attn_k": ("kv_heads", "k"), "attn_v": ("kv_heads", "v"),
-              "attn_output": ("embd_rows", None), "ffn_gate": ("ff_rows", None), "ffn_up": ("ff_rows", None),
-              "ffn_down": ("embd_rows", None)}
+              "attn_sinks": ("q_heads", None), "attn_output": ("embd_rows", None),
+              "ffn_gate": ("ff_rows", None), "ffn_up": ("ff_rows", None), "ffn_down": ("embd_rows", None),
+              "ffn_gate_exps": ("ff_exp_rows", None), "ffn_up_exps": ("ff_exp_rows", None),
+              "ffn_down_exps": ("embd_rows", None)}
 
 
 def shard_rows(name: str, shard: Shard, hp: HParams) -> Range | None:
@@ -135,14 +153,20 @@ def shard_rows(name: str, shard: Shard, hp: HParams) -> Range | None:
     return a * unit, b * unit
 
 
-def shard_tensor(t: Tensor, rows: Range) -> tuple[Tensor, int, int]:
-    """A tensor of ``t``'s rows [a, b) (elements, for a vector), and where they lie in its bytes."""
+def shard_tensor(t: Tensor, rows: Range) -> tuple[Tensor, FileSlice]:
+    """A tensor of ``t``'s rows [a, b) - of every matrix, in a stack of experts; elements of a
+    vector, or of every expert's bias vector - and where they lie in its bytes."""
     a, b = rows
-    if t.ne[1] == 1 and t.ne[2] == 1 and t.ne[3] == 1 and t.name.endswith(".bias"):
+    if t.name.endswith(".bias") or t.ne[1:] == (1, 1, 1):  # vectors: rows are elements
+        if t.type.block_size != 1:
+            raise SplitError(f"{t.name}: a vector of {t.type.name} cannot be cut by elements")
         size = t.type.row_size(1)
-        return Tensor(t.type, (b - a,), name=t.name), a * size, (b - a) * size
-    row = t.nb[1]
-    return Tensor(t.type, (t.ne[0], b - a), name=t.name), a * row, (b - a) * row
+        ne, at, piece = (b - a, *t.ne[1:]), a * size, (b - a) * size
+        count, stride = t.ne[1] * t.ne[2] * t.ne[3], t.nb[1]
+    else:
+        ne, at, piece = (t.ne[0], b - a, *t.ne[2:]), a * t.nb[1], (b - a) * t.nb[1]
+        count, stride = t.ne[2] * t.ne[3], t.nb[2]
+    return Tensor(t.type, ne, name=t.name), FileSlice(t.name, at, piece * count, count, stride if count > 1 else 0)
 
 
 def local_hparams(hp: HParams, shard: Shard) -> HParams:
@@ -170,7 +194,9 @@ class Exchange:
             return (s.q_heads[1] - s.q_heads[0]) * hp.n_embd_head_v
         if kind == "ffn_act":
             return s.ff_rows[1] - s.ff_rows[0]
-        if kind in ("attn_out", "ffn_out"):
+        if kind == "ffn_moe_act":
+            return s.ff_exp_rows[1] - s.ff_exp_rows[0]
+        if kind in ("attn_out", "ffn_out", "ffn_moe_out"):
             return s.embd_rows[1] - s.embd_rows[0]
         raise KeyError(key)
 

@@ -83,6 +83,9 @@ class TensorSource(Protocol):
     def read_into(self, out: np.ndarray) -> None:
         """The bytes, read straight into ``out`` (``nbytes`` long)."""
 
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(offset into the tensor, offset into the file, bytes) of each piece of the bytes."""
+
 
 class Buffer(abc.ABC):
     """One allocation; tensors live in it at byte offsets (``tensor.offset``)."""

@@ -48,13 +48,18 @@ class TensorInfo:
 @dataclass
 class FileSlice:
     """``nbytes`` of a tensor's data from ``start`` on, in a model file being loaded: what
-    :meth:`Buffer.load_tensor` fills a weight from (pyggml.backend.TensorSource)."""
+    :meth:`Buffer.load_tensor` fills a weight from (pyggml.backend.TensorSource).  With
+    ``count`` > 1 the bytes are that many pieces of equal size, ``stride`` apart in the file
+    (the same rows of every expert of a stack, for a tensor split), one after another in the
+    tensor."""
 
     gguf: GGUFFile
     info: TensorInfo
     start: int
     nbytes: int
     file: BinaryIO | None  # the file open for reading, or None to take the bytes from its map
+    count: int = 1
+    stride: int = 0
 
     @property
     def path(self) -> Path:
@@ -64,16 +69,24 @@ class FileSlice:
     def file_offset(self) -> int:
         return self.info.offset + self.start
 
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(offset into the tensor, offset into the file, bytes) of each piece."""
+        size = self.nbytes // self.count
+        return [(i * size, self.file_offset + i * self.stride, size) for i in range(self.count)]
+
     def read(self) -> np.ndarray:
-        if self.file is None:
+        if self.file is None and self.count == 1:
             return self.info.data[self.start:self.start + self.nbytes]
         return self.read_into(np.empty(self.nbytes, dtype=np.uint8))
 
     def read_into(self, out: np.ndarray) -> np.ndarray:
-        if self.file is None:
-            out[...] = self.info.data[self.start:self.start + self.nbytes]
-            return out
-        return self.gguf._read_into(self.file, self.info, out, self.start)
+        for at, offset, size in self.pieces():
+            start = offset - self.info.offset
+            if self.file is None:
+                out[at:at + size] = self.info.data[start:start + size]
+            else:
+                self.gguf._read_into(self.file, self.info, out[at:at + size], start)
+        return out
 
 
 class GGUFFile:
@@ -146,8 +159,8 @@ class GGUFFile:
 
         ``source_of`` names the file tensor each one is read from (default: its own name), so
         that one file tensor can fill several (a tied output head on another device); or gives
-        ``(name, start, nbytes)``, that many bytes from ``start`` into its data (the rows a
-        device holds of a tensor split).  With
+        ``(name, start, nbytes[, count, stride])``, that many bytes from ``start`` into its data
+        (the rows a device holds of a tensor split), in ``count`` pieces ``stride`` apart.  With
         ``mmap``, tensors in host memory stay in the file's map (nothing copied); without,
         every buffer holds its tensors one after another in the order given, read from the
         file (not through the map, whose pages would count in this process's memory too).
@@ -158,23 +171,25 @@ class GGUFFile:
         pick = buft_of if callable(buft_of) else (lambda t: buft_of)
         named = source_of or (lambda t: t.name)
 
-        def span(t: Tensor) -> tuple[TensorInfo, int, int]:
+        def span(t: Tensor) -> tuple[TensorInfo, int, int, int, int]:
             src = named(t)
             if isinstance(src, str):
                 info = self.tensors[src]
-                return info, 0, info.nbytes
-            name, start, nbytes = src
+                return info, 0, info.nbytes, 1, 0
+            name, start, nbytes, count, stride = (*src, 1, 0)[:5]
             info = self.tensors[name]
-            if start < 0 or start + nbytes > info.nbytes:
-                raise GGUFError(self.path, f"bytes {start}..{start + nbytes} of tensor {name!r} are outside its data")
-            return info, start, nbytes
+            end = start + (count - 1) * stride + nbytes // count
+            if start < 0 or count < 1 or nbytes % count or end > info.nbytes:
+                raise GGUFError(self.path, f"bytes {start}..{end} of tensor {name!r} are outside its data")
+            return info, start, nbytes, count, stride
+
         groups: dict[int, tuple[BufferType, list[Tensor]]] = {}
         mapped: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for t in tensors:
             buft = pick(t)
             # with mmap, a tensor stored as it will be used may stay in the file's map
-            info, _, nbytes = span(t)
-            same = info.type == t.type and nbytes == t.nbytes() and t.is_contiguous()
+            info, _, nbytes, count, _ = span(t)
+            same = info.type == t.type and nbytes == t.nbytes() and count == 1 and t.is_contiguous()
             into = mapped if mmap and same else groups
             into.setdefault(id(buft), (buft, []))[1].append(t)
         buffers = []
@@ -192,10 +207,10 @@ class GGUFFile:
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
                   disable=not show, leave=False) as bar, open(self.path, "rb") as file:
             for t in tensors:
-                info, start, nbytes = span(t)
+                info, start, nbytes, count, stride = span(t)
                 if t.buffer.load_summary() is not None:
                     summaries.setdefault(t.buffer.get_type().get_name(), t.buffer)
-                t.buffer.load_tensor(t, FileSlice(self, info, start, nbytes, None if mmap else file))
+                t.buffer.load_tensor(t, FileSlice(self, info, start, nbytes, None if mmap else file, count, stride))
                 bar.update(nbytes)
                 if summaries:
                     bar.set_postfix_str("; ".join(f"{n}: {b.load_summary()}" for n, b in summaries.items()),
@@ -221,7 +236,7 @@ class GGUFFile:
             return None
         buffer.set_usage(BufferUsage.WEIGHTS)
         for t in tensors:
-            info, start, _ = span(t)
+            info, start, *_ = span(t)
             t.buffer, t.offset = buffer, info.offset + start
         return buffer
 

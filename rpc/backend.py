@@ -134,8 +134,9 @@ class RPCBuffer(Buffer):
         (``--gguf``), else uploaded."""
         if self.conn.server_files:
             identity = file_identity(source.path)
-            if (self.holds_file(identity, source.path.name)
-                    and self.set_tensor_from_file(tensor, identity, source.file_offset, source.nbytes)):
+            if self.holds_file(identity, source.path.name) and all(
+                    self.set_tensor_from_file(tensor, identity, offset, size, at)
+                    for at, offset, size in source.pieces()):
                 return
         self.set_tensor(tensor, source.read())
 

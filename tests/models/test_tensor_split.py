@@ -4,6 +4,7 @@ two and three servers, uneven shares, a KV head shared by devices, biases and q/
 the servers' own copies of the file; the plan's arithmetic; and clear refusals."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -47,8 +48,9 @@ def test_heads_split_on_whole_groups_or_share_a_kv_head():
     assert [s.ff_rows for s in gemma] == [(0, 683), (683, 1366), (1366, 2048)]
     with pytest.raises(SplitError, match="cannot share 4 query heads"):
         plan_tensor_split(hparams(4, 1, 640, 2048), list(range(5)), [1.0] * 5)
-    with pytest.raises(SplitError, match="mixture-of-experts"):
-        plan_tensor_split(hparams(4, 1, n_expert=8), [0, 1], [1, 1])
+    # a mixture of experts: every expert's hidden rows, in the same shares
+    moe = dataclasses.replace(hparams(4, 1, n_expert=8), n_expert_used=2, n_ff_exp=768)
+    assert [s.ff_exp_rows for s in plan_tensor_split(moe, [0, 1], [3, 1])] == [(0, 576), (576, 768)]
 
 
 def test_each_weight_has_its_rows():
@@ -63,6 +65,29 @@ def test_each_weight_has_its_rows():
     assert shard_rows("blk.3.attn_norm.weight", s, hp) is None
     assert shard_rows("token_embd.weight", s, hp) is None
     assert shard_rows("output.weight", s, hp) == (50, 100)
+    moe = Shard(1, (6, 9), (2, 3), (768, 1536), (288, 576), (50, 100), (384, 768))
+    assert shard_rows("blk.3.ffn_gate_exps.weight", moe, hp) == (384, 768)
+    assert shard_rows("blk.3.ffn_up_exps.bias", moe, hp) == (384, 768)
+    assert shard_rows("blk.3.ffn_down_exps.weight", moe, hp) == (288, 576)
+    assert shard_rows("blk.3.attn_sinks.weight", moe, hp) == (6, 9)
+    assert shard_rows("blk.3.ffn_gate_inp.weight", moe, hp) is None  # the router: every device's
+
+
+def test_a_stack_of_experts_is_cut_in_one_piece_per_expert():
+    """Rows of every expert's matrix (one piece of the file per expert, an expert's size apart),
+    elements of every expert's bias, a vector's elements."""
+    from pyggml.models.tensor_split import FileSlice, shard_tensor
+    stack = pg.Tensor(pg.Type.Q8_0, (64, 48, 6), name="blk.0.ffn_up_exps.weight")
+    part, where = shard_tensor(stack, (24, 48))
+    row = pg.Type.Q8_0.row_size(64)
+    assert part.ne[:3] == (64, 24, 6)
+    assert where == FileSlice(stack.name, 24 * row, 6 * 24 * row, 6, 48 * row)
+    bias = pg.Tensor(pg.Type.F32, (48, 6), name="blk.0.ffn_up_exps.bias")
+    part, where = shard_tensor(bias, (0, 24))
+    assert part.ne[:2] == (24, 6) and where == FileSlice(bias.name, 0, 6 * 24 * 4, 6, 48 * 4)
+    sinks = pg.Tensor(pg.Type.F32, (8,), name="blk.0.attn_sinks.weight")
+    part, where = shard_tensor(sinks, (2, 5))
+    assert part.ne[0] == 3 and where == FileSlice(sinks.name, 8, 12)
 
 
 @pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
