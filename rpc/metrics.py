@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .server import RPCServer
 
-COMPUTE_COMMANDS = ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE")
 REQUEST_TIMEOUT_S = 5.0
 
 
@@ -39,8 +38,9 @@ def exposition(server: RPCServer) -> str:
            [(f'{{command="{k}"}}', v) for k, v in sorted(dict(c.requests).items())])
     metric("pyggml_rpc_request_seconds_total", "counter", "Seconds the requests took to serve, by command",
            [(f'{{command="{k}"}}', v) for k, v in sorted(dict(c.seconds).items())])
-    metric("pyggml_rpc_compute_seconds_total", "counter", "Seconds spent computing graphs",
-           [("", sum(c.seconds.get(k, 0.0) for k in COMPUTE_COMMANDS))])
+    metric("pyggml_rpc_compute_seconds_total", "counter", "Seconds spent computing graphs", [("", c.compute_s)])
+    metric("pyggml_rpc_peer_wait_seconds_total", "counter", "Seconds sessions waited for other servers' tensors",
+           [("", c.peer_wait_s)])
     metric("pyggml_rpc_refused_total", "counter", "Requests answered with an error", [("", c.refused)])
     memory = []
     for i, sd in enumerate(server.devices):

@@ -62,12 +62,16 @@ class Limits:
 @dataclass
 class Counters:
     """What the server did, for --metrics-port (rpc/metrics.py): per command, requests and the
-    seconds their handlers took; bytes of the requests read and the replies sent."""
+    seconds their handlers took; bytes of the requests read and the replies sent; seconds spent
+    computing graphs (by whatever request: a kept step's run inside the request that let it go
+    on) and waiting for other servers' tensors."""
     requests: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
     refused: int = 0
+    compute_s: float = 0.0
+    peer_wait_s: float = 0.0
 
     def served(self, command: str, seconds: float) -> None:
         self.requests[command] = self.requests.get(command, 0) + 1
@@ -81,6 +85,7 @@ class Wait:
     deadline: float
     tag: int | None = None
     link: Link | None = None
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -325,6 +330,8 @@ class RPCServer:
         """The session waits no more: with ``error`` for its next reply (a link being made is
         given up and answered with it), and its held requests are served."""
         wait, s.waiting = s.waiting, None
+        if wait is not None and wait.tag is not None:
+            self.counters.peer_wait_s += time.monotonic() - wait.since
         if wait is not None and wait.link is not None and not wait.link.ready:
             self._link_failed(wait.link, error, answer=True)
         elif error is not None:
@@ -998,8 +1005,10 @@ class RPCServer:
 
     def _compute(self, sd: ServedDevice, plan: object) -> None:
         self.listener.send_held()  # what was answered before the graph does not wait for it
+        t0 = time.perf_counter()
         sd.backend.graph_plan_compute(plan)
         sd.backend.synchronize()
+        self.counters.compute_s += time.perf_counter() - t0
 
 
 def supported_ops(device: Device) -> set[int]:

@@ -273,6 +273,7 @@ def test_rpc_server_metrics(tmp_path):
         assert during["pyggml_rpc_device_memory_bytes[device=0][kind=used][name=CPU]"] > 50 << 20
         assert during["pyggml_rpc_requests_total[command=GRAPH_COMPUTE]"] >= 1
         assert during["pyggml_rpc_compute_seconds_total"] > 0
+        assert during["pyggml_rpc_peer_wait_seconds_total"] == 0  # (one server: nothing from others)
         assert during["pyggml_rpc_bytes_received_total"] > 50 << 20  # the weights, uploaded
         assert during["pyggml_rpc_bytes_sent_total"] > 0
         assert during["pyggml_rpc_cache_events_total[event=stores]"] > 0
