@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -341,6 +342,13 @@ class Context:
         that the rest stays on the device of the head.
         Runs in ubatches of at most ``n_ubatch`` tokens; raises ContextFullError, leaving the
         cache as it was, when too few cells are free."""
+        return self.submit_batch(batch, n_top, hist)()
+
+    def submit_batch(self, batch: Batch, n_top: int = 0, hist: np.ndarray | None = None) -> Callable[[], Any]:
+        """decode_batch in two halves: the batch's graphs sent (on servers, computed while the
+        caller goes on) and its cells taken now; its results when the returned function is called.
+        Batches of other sequences may be submitted before that: each server computes its requests
+        in order, and every result is asked for right after its graph (Engine's pipelined lanes)."""
         if len(batch) == 0:
             raise ValueError("decode: no tokens")
         self.check_tokens(batch.tokens)
@@ -375,8 +383,11 @@ class Context:
                 # before it already work on the next piece (pipelining)
                 reads.append((wanted, b, rows_hist, tensor_arrays_async(b.result_tensors())))
             row += wanted
+        return lambda: self._collect(batch, reads, n_top, n_hist)
+
+    def _collect(self, batch: Batch, reads: list, n_top: int, n_hist: int):
         outs = [b.results(read(), wanted, rows_hist) for wanted, b, rows_hist, read in reads]
-        self._logged(("b", batch), len(batch))
+        self._logged(("b", batch), len(batch))  # (once it is computed: a failover rebuilds what was)
         if n_top:
             parts = list(zip(*outs)) if outs else [[np.zeros((0, n_top), np.int32)], [np.zeros((0, n_top), np.float32)],
                                                   [np.zeros((0, n_hist), np.float32)]]

@@ -171,6 +171,7 @@ class Stats:
     graph_parts_beside: int = 0      # steps that left their prompts for later, preparing a part of their graph
     prompts_answered: int = 0        # requests whose first token came from the stored answer to their prompt
     mixed_steps: int = 0             # steps that read prompts beside generating streams (which wait for them)
+    lane_steps: int = 0              # decoding steps sent while another was on the servers (pipelined lanes)
     sample_seconds: float = 0.0
     # steps by wall time, from admission to the last token handed out: counts per STEP_BUCKETS
     # bound (the last one unbounded) - a stall is a step in the top buckets
@@ -180,6 +181,19 @@ class Stats:
     def count_step(self, seconds: float) -> None:
         self.step_buckets[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
         self.slowest_step = max(self.slowest_step, seconds)
+
+
+@dataclass
+class InFlight:
+    """A decoding step of one lane, sent to the servers and not yet read back (Engine._lane_step)."""
+    parts: list[tuple[Slot, list[int]]]
+    out_slots: list[Slot]
+    gens: list[Generation]
+    n_top: int
+    hist: np.ndarray | None
+    collect: Callable[[], Any]   # Context.submit_batch's: the step's logits, or their top
+    t_start: float
+    t_sent: float
 
 
 class Engine:
@@ -216,6 +230,8 @@ class Engine:
         self._watcher = None
         self.failure: str | None = None
         self._deferred = 0  # steps in a row that left their prompts for later (_prepare_beside)
+        self._in_flight: deque[InFlight] = deque()  # lanes' steps on the servers, oldest first
+        self._lane_read = 0.0  # when the last lane's step was read back
         self.recovering: str | None = None  # what is being placed anew now (the steps wait meanwhile)
         self._closed = False
         self._returned: list = []  # devices of lost servers that answer again, for the next step boundary
@@ -367,6 +383,7 @@ class Engine:
                 continue
             with self._cond:
                 if self._closed:
+                    self._drop_in_flight()
                     self._fail_all("the server is shutting down")
                     return
                 returned, self._returned = self._returned, []
@@ -376,12 +393,18 @@ class Engine:
                 if not returned:
                     self._admit()
             if returned:  # at a step boundary: the requests running pause while the model is placed anew
+                try:
+                    self._drain()
+                except Exception as e:  # noqa: BLE001 - the placement anew replays what was computed
+                    log.debug("reading the lanes' last steps before placing anew: %s", e)
+                    self._drop_in_flight()
                 self._attach(returned)
                 continue
             try:
                 self.step(t_step)
                 self._refresh_cluster()
             except Exception as e:  # a lost device, or a bug: no request may hang on it
+                self._drop_in_flight()  # (their tokens are decoded again, at the next step)
                 e = self._blamed(e)
                 if not self._fail_over(e):
                     self._on_step_failure(e)
@@ -607,12 +630,14 @@ class Engine:
         step's admission began, for Stats)."""
         t_start = time.perf_counter() if t_start is None else t_start
         for s in self.slots:
-            if s.req is not None and s.req.cancelled:
+            if s.req is not None and s.req.cancelled and not s.in_flight:
                 self._release(s)
         for s in self.slots:
             if s.req is not None and s.answering:  # its prompt's output is stored: no token read
                 self.stats.prompts_answered += 1
                 self._take(s, *self.runner.draw_answer(s.answer, s.gen))
+        if self._lane_step(t_start):
+            return
         plan = self.scheduler.plan()
         for s in plan.out_of_cells:
             self._finish(s, "length")
@@ -661,6 +686,81 @@ class Engine:
                       "%d generating, prompt pieces %s", 1e3 * (t2 - t_start), 1e3 * (t0 - t_start), 1e3 * (t1 - t0),
                       timings.graph_builds - builds, 1e3 * (timings.graph_seconds - graph_seconds), 1e3 * (t2 - t1),
                       len(generating), [len(c) for c in prompt_pieces])
+
+    # -- pipelined lanes ----------------------------------------------------------------------------
+    def _lane_step(self, t_start: float) -> bool:
+        """With the layers over several servers (Context.n_groups), streams decode in lanes
+        that do not wait for each other: a lane's step is sent, then the lane sent before it
+        is read back and sampled, so that while the client reads one lane and sends its next
+        step, the servers work on the other - each on a different lane, as a pipeline that
+        never drains between steps.  (Within a step, decode_batch's groups pipeline too, but
+        the step ends when its last group leaves the last server: with two servers, three
+        stage times for two.)  True if this step was a lane's; False when the step must read
+        prompts or too few streams run: the lanes are read back first (_drain) and the step
+        is an ordinary one.  Each sequence's bits are its own whatever its lane.
+
+        A lane may be one sequence: unlike the groups of one step (MIN_GROUP_TOKENS), lanes
+        keep every server busy, so a lane of fewer columns costs no more than the whole batch
+        would take to pass through the servers one after another."""
+        lanes = self.ctx.n_groups
+        if lanes < 2:
+            return False
+        plan = self.scheduler.plan()
+        streams = len(plan.parts) + sum(len(f.out_slots) for f in self._in_flight)
+        if any(s.pending is None for s, _ in plan.parts) or streams < lanes:
+            self._drain()
+            return False
+        for s in plan.out_of_cells:
+            self._finish(s, "length")
+        parts = plan.parts
+        if not self._in_flight:  # the first lane now; the others at the next steps
+            parts = parts[:-(-len(parts) // lanes)]
+        if parts:
+            self._send_lane(parts, t_start)
+        if self._in_flight and (len(self._in_flight) >= lanes or not parts):
+            self._read_lane()
+        return True
+
+    def _send_lane(self, parts: list[tuple[Slot, list[int]]], t_start: float) -> None:
+        batch, out_slots = StepPlan(parts, []).batch()
+        gens = [s.gen for s in out_slots]
+        n_top, hist = self.runner.top_request(gens)
+        t_sent = time.perf_counter()
+        collect = self.ctx.submit_batch(batch, n_top, hist)
+        for s in out_slots:
+            s.in_flight = True
+        self._in_flight.append(InFlight(parts, out_slots, gens, n_top, hist, collect, t_start, t_sent))
+        self.stats.lane_steps += 1
+
+    def _read_lane(self) -> None:
+        """The oldest lane's step read back, sampled and handed out."""
+        f = self._in_flight[0]
+        logits = f.collect()  # (if it fails, _drop_in_flight clears every lane's)
+        self._in_flight.popleft()
+        for s in f.out_slots:
+            s.in_flight = False
+        t1 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.step_seconds += t1 - max(f.t_sent, self._lane_read)  # (the lanes' times overlap: counted once)
+        self._lane_read = t1
+        drawn = self.runner.sample(logits, f.gens, f.n_top, f.hist)
+        self._hand_out(f.parts, drawn)
+        t2 = time.perf_counter()
+        st.sample_seconds += t2 - t1
+        st.count_step(t2 - f.t_start)
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            self._read_lane()
+
+    def _drop_in_flight(self) -> None:
+        """A step failed: the lanes' steps on the servers are given up (their sequences' next
+        tokens are sent again; a placement anew rebuilds the cache from what was read back)."""
+        for f in self._in_flight:
+            for s in f.out_slots:
+                s.in_flight = False
+        self._in_flight.clear()
 
     def _prepare_beside(self, plan: StepPlan, batch, n_top: int, hist) -> bool:
         """Whether this step decodes its generating streams alone: it would also read prompts,

@@ -8,7 +8,8 @@
 - **Cells.**  The cache hands out cells in pages (BatchRules.kv_page); the counting below is
   in pages.  An idle slot keeps its cells until they are needed, then gives them up, least
   recently used first.
-- **A step.**  One token of every generating sequence, then pieces of the prompts being read,
+- **A step.**  One token of every generating sequence (but those whose last step is still on
+  the servers: the Engine's pipelined lanes), then pieces of the prompts being read,
   oldest request first, within ``n_batch`` tokens (within ``prompt_budget`` prompt tokens
   while sequences generate).  Each piece is cut by
   BatchRules.prompt_cut, so that every token meets the kernels of a whole read.  A generating
@@ -41,6 +42,7 @@ class Slot:
         self.gen: Any = None              # the request's Generation (runner.py)
         self.pending: int | None = None   # sampled, to be decoded in the next step
         self.answer: Any = None           # the output row of the last prompt it read whole (runner.PromptAnswer)
+        self.in_flight = False            # its step is on the servers, not yet read back (Engine's lanes)
 
     @property
     def prefilling(self) -> bool:
@@ -149,7 +151,7 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """What the next step decodes (nothing when no slot has work)."""
-        generating = [s for s in self.slots if s.req is not None and s.pending is not None]
+        generating = [s for s in self.slots if s.req is not None and s.pending is not None and not s.in_flight]
         prefilling = sorted((s for s in self.slots if s.prefilling and not s.answering), key=lambda s: s.req.t_submit)
         if not generating and not prefilling:
             return StepPlan([], [])

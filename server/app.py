@@ -74,6 +74,7 @@ ENGINE_COUNTERS = [
     ("pyggml_graph_parts_beside", "Parts of a new graph for prompts prepared between decoding steps, not in one",
      "graph_parts_beside"),
     ("pyggml_mixed_steps", "Steps that read prompts beside generating streams", "mixed_steps"),
+    ("pyggml_lane_steps", "Decoding steps sent while another lane's was on the servers (pipelined)", "lane_steps"),
     ("pyggml_prompts_answered", "Requests whose first token came from the stored answer to the same prompt",
      "prompts_answered"),
     ("pyggml_graphs_ahead", "Graphs built while idle, for steps to come", "graphs_ahead"),
