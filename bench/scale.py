@@ -16,7 +16,12 @@ step's sequences are cut into one group per server that flow through them one af
 Context.n_groups).
 
     python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128] [--streams 8]
-                          [--rounds 3]
+                          [--rounds 3] [--llama-cpp BIN_DIR]
+
+With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server``, e.g. from
+``../shared/bin/build-llamacpp``), llama.cpp's own layer split comes beside ours: its
+``ggml-rpc-server`` pinned the same way (one core, one thread each), every layer on one server
+and then split over two, ``llama-bench`` with the same prompt and token counts.
 
 ``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
 SmolLM2's vocabulary and tokenizer), written once into ``~/.cache/pyggml/bench``.  The servers
@@ -188,6 +193,8 @@ def main() -> None:
                                                           "print medians (this machine's speed drifts)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream asks for (its prompt is read "
                                                                   "too: few tokens measure mostly prompts)")
+    ap.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                    help="llama.cpp's bin folder (llama-bench, ggml-rpc-server): its layer split beside ours")
     perfdoc.add_argument(ap)
     args = ap.parse_args()
     perfdoc.start(args)
@@ -234,6 +241,49 @@ def main() -> None:
                   for label, runs in rounds.items()}
         print("decode tok/s, largest over smallest round: "
               + ", ".join(f"{label} {x:.2f}" for label, x in spread.items()))
+    if args.llama_cpp:
+        theirs = llama_cpp_layouts(args.llama_cpp, path, args.prompt, args.tokens)
+        print(f"\nllama.cpp's layer split (ggml-rpc-server pinned, -t 1; llama-bench -p {args.prompt} -n {args.tokens})")
+        print(f"{'layout':<28} {'decode tok/s':>12} {'x one':>7} {'prompt tok/s':>13} {'x one':>7}  "
+              f"{'pyggml / llama.cpp':>18}")
+        for label, r in theirs.items():
+            base_t = theirs["one server"]
+            mine = rows[label]["decode_tps"] / r["decode_tps"]
+            print(f"{label:<28} {r['decode_tps']:>12.2f} {r['decode_tps'] / base_t['decode_tps']:>7.2f} "
+                  f"{r['prompt_tps']:>13.1f} {r['prompt_tps'] / base_t['prompt_tps']:>7.2f}  {mine:>12.2f} decode")
+
+
+def llama_cpp_layouts(bin_dir: Path, model: Path, n_prompt: int, n_gen: int) -> dict[str, dict]:
+    """llama-bench's decode and prompt tokens/s with every layer on one ggml-rpc-server, and
+    with the layers split over two (llama.cpp's only split over RPC), each server pinned to
+    its own core with one thread, as ours are."""
+    import json
+    import subprocess
+
+    from bench.serve import free_port
+    ports = [free_port(), free_port()]
+    prefix = [("taskset", "-c", str(i)) if shutil.which("taskset") else () for i in range(2)]
+    servers = [subprocess.Popen([*prefix[i], str(bin_dir / "ggml-rpc-server"), "-t", "1", "-H", "127.0.0.1",
+                                 "-p", str(p)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i, p in enumerate(ports)]
+
+    def bench(endpoints: list[int]) -> dict:
+        r = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", "1", "-p", str(n_prompt),
+                            "-n", str(n_gen), "-ngl", "99", "-o", "json",
+                            "-rpc", ",".join(f"127.0.0.1:{p}" for p in endpoints)],
+                           capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-500:]}")
+        runs = json.loads(r.stdout)
+        return {"prompt_tps": float(next(x["avg_ts"] for x in runs if x["n_prompt"])),
+                "decode_tps": float(next(x["avg_ts"] for x in runs if x["n_gen"]))}
+    try:
+        time.sleep(1.0)
+        return {"one server": bench(ports[:1]), "two servers, layer split": bench(ports)}
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(10)
 
 
 def median_row(runs: list[dict]) -> dict:
