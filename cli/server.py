@@ -108,8 +108,11 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
             return
         while not server.started and not server.should_exit:
             threading.Event().wait(0.05)
-        if server.started:
-            bound = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)
+        if server.started and not server.should_exit:
+            # (the graphs built ahead may take longer than a short run: by then the server may
+            # be stopping, its sockets closed)
+            sockets = server.servers[0].sockets if server.servers else ()
+            bound = sockets[0].getsockname() if sockets else (host, port)
             e = state.engine
             click.echo(f"pyggml-server: {e.model.path.name} ({n_ctx} cells, {n_parallel} slots) "
                        f"listening on http://{host}:{bound[1]}", err=True)
