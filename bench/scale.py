@@ -18,6 +18,10 @@ Context.n_groups).
     python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128] [--streams 8]
                           [--rounds 3] [--llama-cpp BIN_DIR]
 
+With ``--compare-lanes N``, the serving engine in this process over the two pinned servers (layer
+split) with N streams, its pipelined lanes on and off in turn (Engine._lane_step): aggregate
+tokens/s of each.
+
 With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server``, e.g. from
 ``../shared/bin/build-llamacpp``), llama.cpp's own layer split comes beside ours: its
 ``ggml-rpc-server`` pinned the same way (one core, one thread each), every layer on one server
@@ -193,6 +197,8 @@ def main() -> None:
                                                           "print medians (this machine's speed drifts)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream asks for (its prompt is read "
                                                                   "too: few tokens measure mostly prompts)")
+    ap.add_argument("--compare-lanes", type=int, default=0, metavar="N",
+                    help="N streams through the engine over the two servers (layer split), lanes on and off in turn")
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
                     help="llama.cpp's bin folder (llama-bench, ggml-rpc-server): its layer split beside ours")
     perfdoc.add_argument(ap)
@@ -200,6 +206,13 @@ def main() -> None:
     perfdoc.start(args)
     path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
+    if args.compare_lanes:
+        try:
+            compare_lanes(path, servers, args.compare_lanes, args.stream_tokens, args.rounds)
+        finally:
+            for s in servers:
+                s.stop()
+        return
     rounds: dict[str, list[dict]] = {}
     try:
         layouts = [("one server", [servers[0]], "layer"), ("two servers, layer split", servers, "layer"),
@@ -251,6 +264,44 @@ def main() -> None:
             mine = rows[label]["decode_tps"] / r["decode_tps"]
             print(f"{label:<28} {r['decode_tps']:>12.2f} {r['decode_tps'] / base_t['decode_tps']:>7.2f} "
                   f"{r['prompt_tps']:>13.1f} {r['prompt_tps'] / base_t['prompt_tps']:>7.2f}  {mine:>12.2f} decode")
+
+
+def compare_lanes(path: Path, servers: list, n_streams: int, n_tokens: int, rounds: int) -> None:
+    """Aggregate tokens/s of ``n_streams`` greedy streams of ``n_tokens`` each through the
+    Engine over ``servers`` (layer split), its lanes on and off in turn, ``rounds`` times."""
+    import threading
+
+    from pyggml.models.engine import Engine, Options
+    from pyggml.models.sampling import SamplingParams
+    lane_step = Engine._lane_step
+    with pg.Model(path, n_ctx=2048, rpc=[s.endpoint for s in servers], progress=False) as m:
+        layers = m.model.placement.layers
+        print(f"{path.name}: layers per server {[layers.count(d) for d in sorted(set(layers))]}, "
+              f"{n_streams} streams of {n_tokens} tokens", flush=True)
+        prompts = [m.tokenize(f"Story number {i}: once upon a time") for i in range(n_streams)]
+        with Engine(m, n_parallel=n_streams, n_batch=max(64, n_streams)) as engine:
+            engine.wait_built_ahead(300)
+
+            def run(lanes: bool) -> float:
+                Engine._lane_step = lane_step if lanes else (lambda self, t_start: False)
+                finished = threading.Semaphore(0)
+
+                def sink(event) -> None:
+                    if event.kind in ("done", "error"):
+                        finished.release()
+                t0 = time.perf_counter()
+                for ids in prompts:
+                    engine.start(ids, Options(sampling=SamplingParams(temperature=0.0), max_tokens=n_tokens), sink)
+                for _ in prompts:
+                    finished.acquire(timeout=600)
+                return n_streams * n_tokens / (time.perf_counter() - t0)
+            try:
+                run(True)  # warm-up
+                for r in range(rounds):
+                    on, off = run(True), run(False)
+                    print(f"  round {r + 1}: lanes {on:.2f} tok/s, without {off:.2f} tok/s, {on / off:.2f}x", flush=True)
+            finally:
+                Engine._lane_step = lane_step
 
 
 def llama_cpp_layouts(bin_dir: Path, model: Path, n_prompt: int, n_gen: int) -> dict[str, dict]:
