@@ -5,6 +5,8 @@ the introduction and of the copies is checked like any request from the network.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -336,6 +338,47 @@ def test_concurrent_requests_pipelined_over_two_servers_equal_their_solo_answers
             assert engine.stats.lane_steps >= 8  # (the lanes' steps: most of the 10 tokens of each)
     if n_requests == 8:
         assert max(cut) == 2  # steps of several sequences went through in two groups
+
+
+def test_lanes_keep_each_answer_while_streams_end_join_and_sample(two_servers):
+    """Lanes under churn: streams of different lengths end one after another (the lanes shrink
+    and become uneven), one joins while the others generate (its prompt's step reads the lanes
+    back first, then they start again), one samples with a seed, one is cancelled mid-stream -
+    every other answer is the one the request gets alone."""
+    from pyggml.models import Engine
+    from pyggml.server.openai import submit
+    asks = [("The capital of France is", 3, {}), ("Once upon a time there was", 9, {}),
+            ("def fib(n):", 14, {"temperature": 0.8, "seed": 3}), ("Water is made of", 6, {}),
+            ("My favourite fruit is", 11, {})]
+    late = ("Three colours:", 8, {})
+    local = shared_model("smollm2")
+    local.context.clear()
+    want = {p: local.create_completion(p, max_tokens=n, **({"temperature": 0} | kw))["choices"][0]["text"]
+            for p, n, kw in asks + [late]}
+    got: dict[str, str] = {}
+    with pg.Model("smollm2", n_ctx=1024, rpc=[s.endpoint for s in two_servers], progress=False) as m:
+        with Engine(m, n_parallel=8, n_batch=64) as engine:
+            def ask(p: str, n: int, kw: dict) -> None:
+                got[p] = "".join(c["choices"][0]["text"]
+                                 for c in submit(engine, p, max_tokens=n, **({"temperature": 0} | kw)))
+
+            def cancelled() -> None:
+                stream = submit(engine, "A long story begins", max_tokens=40, temperature=0)
+                for i, _ in enumerate(stream):
+                    if i == 3:
+                        stream.close()  # the client went away: its request is cancelled
+                        return
+            threads = [threading.Thread(target=ask, args=a) for a in asks] + [threading.Thread(target=cancelled)]
+            for t in threads:
+                t.start()
+            while engine.stats.lane_steps < 4:
+                time.sleep(0.01)
+            threads.append(threading.Thread(target=ask, args=late))
+            threads[-1].start()
+            for t in threads:
+                t.join(300)
+            assert engine.stats.lane_steps >= 4 and engine.busy_slots == 0
+    assert got == want
 
 
 def test_a_session_that_failed_sends_its_receiver_the_failure_not_stale_bytes(pair):
