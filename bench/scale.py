@@ -27,7 +27,9 @@ With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server`
 ``ggml-rpc-server`` pinned the same way (one core, one thread each), every layer on one server
 and then split over two, ``llama-bench`` with the same prompt and token counts.
 
-``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
+``moe-1b`` and ``gpt-oss-1b`` are bench/generate.py's ~1B mixtures of experts (qwen3moe with Q4_0
+experts; gpt-oss with MXFP4 ones): random vocabularies, so their prompt is token ids and no
+streams run through pyggml-server.  ``dense-1b`` is a llama of about 1B parameters (Llama 3.2 1B's shape, Q4_0, random weights and
 SmolLM2's vocabulary and tokenizer), written once into ``~/.cache/pyggml/bench``.  The servers
 and the client share the machine: the client needs a core of its own for the figures to mean
 what they say (on 2 cores it competes with the servers).
@@ -35,6 +37,7 @@ what they say (on 2 cores it competes with the servers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -134,11 +137,37 @@ def pinned_server(core: int) -> ServerProcess:
     return ServerProcess("-t", "1", "--poll", "0", prefix=prefix)
 
 
-def measure(model: pg.Model, n_tokens: int, n_prompt: int) -> dict:
-    """Prompt tokens/s (a warm prompt of ``n_prompt`` tokens) and decode tokens/s (greedy,
-    ``n_tokens`` steps after it), and the logits of the prompt's last token."""
-    ids = model.tokenize(PROMPT)[:n_prompt]
-    ctx = model.context
+# the ~1B mixtures of experts of bench/generate.py (random vocabularies: no tokenizer, so their
+# prompt is token ids and there are no streams through pyggml-server)
+SYNTHETIC = {"moe-1b": "qwen3moe", "gpt-oss-1b": "gpt-oss"}
+
+
+@contextlib.contextmanager
+def placed(path: Path, endpoints: list[str], mode: str, n_prompt: int, tokenized: bool = True):
+    """A context over the servers ``endpoints`` (every layer on one, or split by ``mode``), the
+    loaded model, and the prompt's ids."""
+    ngl = "all" if len(endpoints) == 1 or mode == "tensor" else "auto"
+    if tokenized:
+        with pg.Model(path, n_ctx=512, rpc=endpoints, ngl=ngl, split_mode=mode, progress=False) as m:
+            yield m.context, m.model, m.tokenize(PROMPT)[:n_prompt]
+        return
+    from pyggml.models import Context, load_model
+    from pyggml.rpc import connect
+    devices = connect(endpoints) + [pg.cpu_device()]
+    model = None
+    try:
+        model = load_model(path, ngl, devices, split_mode=mode)
+        yield Context(model, n_ctx=512), model, [100 + i % 1000 for i in range(n_prompt)]
+    finally:
+        if model is not None:
+            model.free()
+        for d in devices[:-1]:
+            d.conn.close()
+
+
+def measure(ctx, ids: list[int], n_tokens: int) -> dict:
+    """Prompt tokens/s (a warm prompt of ``ids``) and decode tokens/s (greedy, ``n_tokens``
+    steps after it), and the logits of the prompt's last token."""
     ctx.clear()
     ctx.decode(ids[:8])  # graphs built and sent once
     ctx.decode([ids[8]])
@@ -171,11 +200,12 @@ def streams(path: Path, endpoints: list[str], mode: str, n_streams: int, n_token
         server.stop()
 
 
-def exchanged_per_token(model: pg.Model) -> list[int]:
-    """Bytes each server of a tensor split receives from the others per decoded token: four
-    gathers per layer of float32 rows (the other devices' heads, projection rows, hidden rows
-    and feed-forward rows), and the lead's embedding row for the others."""
-    hp, shards = model.model.hp, model.model.shards
+def exchanged_per_token(model) -> list[int]:
+    """Bytes each server of a tensor split (``model``: its LoadedModel) receives from the others
+    per decoded token: four gathers per layer of float32 rows (the other devices' heads,
+    projection rows, hidden rows and feed-forward rows), and the lead's embedding row for the
+    others."""
+    hp, shards = model.hp, model.shards
     out = []
     for i, s in enumerate(shards):
         heads = hp.n_head - (s.q_heads[1] - s.q_heads[0])
@@ -188,7 +218,8 @@ def exchanged_per_token(model: pg.Model) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, dense-1b, or a GGUF path")
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, dense-1b, moe-1b (qwen3moe), "
+                                                        "gpt-oss-1b, or a GGUF path")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--streams", type=int, default=0, help="also the aggregate tokens/s of this many concurrent "
@@ -204,7 +235,14 @@ def main() -> None:
     perfdoc.add_argument(ap)
     args = ap.parse_args()
     perfdoc.start(args)
-    path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
+    tokenized = args.model not in SYNTHETIC
+    if args.model in SYNTHETIC:
+        from generate import synthetic_moe  # (bench/generate.py, beside this script)
+        path = synthetic_moe(SYNTHETIC[args.model])
+        if args.streams or args.compare_lanes:
+            ap.error(f"{args.model} has no tokenizer: no streams through pyggml-server")
+    else:
+        path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
     servers = [pinned_server(0), pinned_server(1)]
     if args.compare_lanes:
         try:
@@ -219,11 +257,10 @@ def main() -> None:
                    ("two servers, tensor split", servers, "tensor")]
         for r in range(args.rounds):  # the layouts in turn, round after round: a noisy spell hits them all
             for label, used, mode in layouts:
-                with pg.Model(path, n_ctx=512, rpc=[s.endpoint for s in used],
-                              ngl="all" if len(used) == 1 else "auto", split_mode=mode, progress=False) as m:
-                    row = measure(m, args.tokens, args.prompt)
+                with placed(path, [s.endpoint for s in used], mode, args.prompt, tokenized) as (ctx, model, ids):
+                    row = measure(ctx, ids, args.tokens)
                     if mode == "tensor":
-                        row["exchanged"] = exchanged_per_token(m)
+                        row["exchanged"] = exchanged_per_token(model)
                 if args.streams:
                     row["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
                                                  args.stream_tokens)
