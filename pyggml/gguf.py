@@ -178,7 +178,7 @@ class GGUFFile:
                 return info, 0, info.nbytes, 1, 0
             name, start, nbytes, count, stride = (*src, 1, 0)[:5]
             info = self.tensors[name]
-            end = start + (count - 1) * stride + nbytes // count
+            end = start + (count - 1) * stride + nbytes // count if count >= 1 else -1
             if start < 0 or count < 1 or nbytes % count or end > info.nbytes:
                 raise GGUFError(self.path, f"bytes {start}..{end} of tensor {name!r} are outside its data")
             return info, start, nbytes, count, stride

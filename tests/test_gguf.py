@@ -82,6 +82,23 @@ def test_small_file_round_trip(tmp_path):
     assert np.array_equal(pg.tensor_array(tensors["b.weight"])[0, 0], expected)
 
 
+@pytest.mark.parametrize("mmap", [True, False])
+def test_strided_slices_read_their_pieces_and_stay_inside_the_data(tmp_path, mmap):
+    """A tensor split's rows of every matrix in a stack: pieces of equal size, a stride apart,
+    read from the file's map or from the file; pieces past the tensor's data are refused."""
+    f = GGUFFile(_small_gguf(tmp_path / "ok.gguf"))
+    t = pg.Tensor(pg.Type.F32, (8, 2), name="a.weight")  # elements 8..15 of each of the 2 rows of 32
+    buffers = f.load([t], pg.cpu_device().get_buffer_type(), mmap=mmap,
+                     source_of=lambda _: ("a.weight", 8 * 4, 2 * 8 * 4, 2, 32 * 4))
+    assert np.array_equal(pg.tensor_array(t)[0, 0], np.arange(64, dtype=np.float32).reshape(2, 32)[:, 8:16])
+    for b in buffers:
+        b.free()
+    for bad in (("a.weight", 8 * 4, 2 * 8 * 4, 2, 60 * 4), ("a.weight", 0, 12, 0, 4), ("a.weight", 0, 10, 3, 4)):
+        with pytest.raises(GGUFError, match="outside its data"):
+            f.load([pg.Tensor(pg.Type.F32, (8, 2), name="a.weight")], pg.cpu_device().get_buffer_type(),
+                   source_of=lambda _, bad=bad: bad)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(GGUFError, match="no such file") as e:
         GGUFFile(tmp_path / "nope.gguf")
