@@ -209,7 +209,7 @@ def exchanged_per_token(model) -> list[int]:
     out = []
     for i, s in enumerate(shards):
         heads = hp.n_head - (s.q_heads[1] - s.q_heads[0])
-        hidden = hp.n_expert_used * (hp.n_ff_expert - (s.ff_exp_rows[1] - s.ff_exp_rows[0])) if hp.n_expert \
+        hidden = hp.n_expert_used * (hp.n_ff_exp - (s.ff_exp_rows[1] - s.ff_exp_rows[0])) if hp.n_expert \
             else hp.n_ff - (s.ff_rows[1] - s.ff_rows[0])  # (a token's experts' hidden rows, of a mixture)
         rows = heads * hp.n_embd_head_v + 2 * (hp.n_embd - (s.embd_rows[1] - s.embd_rows[0])) + hidden
         out.append(4 * (rows * hp.n_layer + (hp.n_embd if i else 0)))

@@ -19,6 +19,9 @@ def _scalar(value: Any) -> Any:
     return value
 
 
+EXPERT_UP = "blk.0.ffn_up_exps.weight"
+
+
 @dataclass
 class HParams:
     arch: str
@@ -43,16 +46,12 @@ class HParams:
     attn_scale: float = 0.0         # query scale; 0 = 1/sqrt(n_embd_head_k)
     n_expert: int = 0               # mixture of experts: experts per layer (0: a dense FFN)
     n_expert_used: int = 0          # experts each token is routed to
-    n_ff_exp: int = 0               # an expert's hidden rows, as its tensors hold them (0: n_ff)
+    n_ff_exp: int = 0               # an expert's hidden rows, as its tensors hold them (0: no experts)
     rope_freq_scale_swa: float = 1.0  # the sliding-window layers' (gpt-oss: the others')
     # YaRN (rope.scaling.type "yarn"), as llama.cpp's context sets it up: 0 / 1 / the training context without
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     n_ctx_orig_yarn: int = 0
-
-    @property
-    def n_ff_expert(self) -> int:
-        return self.n_ff_exp or self.n_ff
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -108,7 +107,9 @@ class HParams:
             final_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
             n_expert=int(get("expert_count", 0) or 0),
             n_expert_used=int(get("expert_used_count", 0) or 0),
-            n_ff_exp=int(f.tensors["blk.0.ffn_up_exps.weight"].ne[1]) if "blk.0.ffn_up_exps.weight" in f.tensors else 0,
+            # (from the tensors: a Mixtral-style file's experts are feed_forward_length wide, whatever
+            # else its metadata says)
+            n_ff_exp=int(f.tensors[EXPERT_UP].ne[1]) if EXPERT_UP in f.tensors else 0,
             rope_ext_factor=ext_factor,
             rope_attn_factor=attn_factor,
             n_ctx_orig_yarn=int(get("rope.scaling.original_context_length", 0) or 0),

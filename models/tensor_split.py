@@ -123,7 +123,7 @@ def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> 
                 raise SplitError(f"{n} devices cannot share {hp.n_head} query heads in {hp.n_head_kv} groups of {g}")
             q += [(kv * g + x, kv * g + y) for x, y in cuts(g, weights[a:b])]
     ff, embd, vocab = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights), cuts(hp.n_vocab, weights)
-    ff_exp = cuts(hp.n_ff_expert, weights) if hp.n_expert else [(0, 0)] * n
+    ff_exp = cuts(hp.n_ff_exp, weights) if hp.n_expert else [(0, 0)] * n
     return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i], vocab[i], ff_exp[i])
             for i, dev in enumerate(devices)]
 

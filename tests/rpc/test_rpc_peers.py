@@ -371,7 +371,8 @@ def test_lanes_keep_each_answer_while_streams_end_join_and_sample(two_servers):
             threads = [threading.Thread(target=ask, args=a) for a in asks] + [threading.Thread(target=cancelled)]
             for t in threads:
                 t.start()
-            while engine.stats.lane_steps < 4:
+            deadline = time.monotonic() + 120
+            while engine.stats.lane_steps < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
             threads.append(threading.Thread(target=ask, args=late))
             threads[-1].start()
