@@ -14,6 +14,7 @@ from .common import (fail, freeze_loaded_objects, load_model_or_exit, model_opti
 from .common import show_devices as list_devices
 from .rpc_server import LOCAL_HOSTS
 
+SWITCH_INTERVAL_S = 0.0005  # the GIL handed between the event loop and the step loop (main)
 CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp pads n_ctx
 
 
@@ -27,9 +28,10 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
               help="Slots: requests decoded together; more wait in the queue.")
 @click.option("-b", "--batch-size", "n_batch", type=click.IntRange(min=1), default=128, show_default=True,
               help="Most tokens per step (every generating slot's next token plus chunks of prompts).")
-@click.option("--prompt-chunk", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+@click.option("--prompt-chunk", type=click.IntRange(min=0), default=16, show_default=True, metavar="N",
               help="Prompt tokens a step reads while other slots generate, so that their streams do not stop "
-                   "for a long prompt (0: up to -b). Prompts arriving at an idle server are read in whole steps.")
+                   "for a long prompt (0: up to -b, the prompt's first token sooner and the streams stopped "
+                   "while it is read). Prompts arriving at an idle server are read in whole steps.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond that the server answers 503.")
 @click.option("--api-key", default=None, metavar="KEY",
@@ -101,6 +103,11 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
             # most), then left out of the garbage collector's passes with the model
             state.engine.wait_built_ahead(timeout=120)
             freeze_loaded_objects()
+            # two threads take turns at the GIL here: the event loop (HTTP, text out) and the
+            # engine's step loop (whose kernels run without it).  A thread that wants it waits
+            # out the holder's switch interval, 5 ms by default - several such waits between a
+            # request's arrival and its first token, which a stored answer gives in ~1 ms
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         except (GGUFError, PlacementError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             state.load_error = str(e)
             click.echo(f"error: {e}", err=True)

@@ -284,7 +284,7 @@ class GraphBuilder:
     def results(self, arrays: list[np.ndarray], wanted: int, hist: np.ndarray | None = None):
         """result_tensors' arrays as the step returns them: logits [wanted, n_vocab], or the
         top k's (ids, values, history's values), each [wanted, ...]."""
-        arrays = [a.reshape(wanted, -1) for a in arrays]
+        arrays = [a.reshape(self.n_outputs, -1)[:wanted] for a in arrays]  # (a padded piece's extra rows last)
         if self.top is None:
             return arrays[0]
         return arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else np.zeros((wanted, 0), np.float32)

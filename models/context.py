@@ -76,6 +76,76 @@ class Batch:
         return Batch(self.tokens[start:stop], self.pos[start:stop], self.seq[start:stop], self.output[start:stop])
 
 
+PAD_SEQ = -2  # the sequence of a padded piece's padding tokens (KVCache tags free cells -1)
+
+
+def padded_sizes(limit: int) -> tuple[int, ...]:
+    """Token counts a padded piece is rounded up to, up to ``limit``: multiples of 8 to 32, of
+    16 to 64, of 32 to 128, of 64 to 256 ..., so that padding adds at most a third of a piece's
+    tokens, and at most 7 to a short one (a chunk of a prompt beside a few streams), while a
+    server's batches take few shapes."""
+    sizes, n, step = [], 8, 8
+    while n < limit:
+        sizes.append(n)
+        if n >= 4 * step:
+            step *= 2
+        n += step
+    return (*sizes, limit)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a server's pieces that read prompts are padded to a few shapes (Context.padding).
+
+    A graph is built per shape, and a new one costs tens of milliseconds of Python (build,
+    split, allocate, plan) - in a server, a prompt of a length not seen before.  Padded, every
+    such piece is one of a few shapes, built while the server is idle (Engine._warm_shapes):
+    its tokens rounded up to one of ``tokens`` by padding tokens of a sequence of their own
+    (PAD_SEQ: a run of their own in every product, writing the scratch cell of the cache,
+    seeing cell 0), its runs and output runs to ``runs`` (the unused ones empty), its output
+    rows to ``outputs(n)`` (the extra ones a run of their own, of a padding row's - or, with
+    no padding token, a real row's - hidden state).  Every sequence's tokens are computed as
+    they would be alone whatever else is in their piece (the products' runs, attention's
+    single rows: sequence_groups), so padding changes no bit of theirs."""
+    tokens: tuple[int, ...]
+    runs: int
+    min_outputs: int
+    top: int  # the top k a piece with no output row asked for computes (nobody reads it)
+
+    @classmethod
+    def for_server(cls, n_batch: int, n_seqs: int, top: int) -> Padding:
+        """Pieces of up to ``n_batch`` tokens of up to ``n_seqs`` sequences: output rows at
+        least min(n_seqs, 8) (the head's product of a few rows more is cheap), more in powers of two."""
+        return cls(padded_sizes(n_batch), n_seqs + 1, min(n_seqs, 8), top)
+
+    def n_tokens(self, n: int) -> int | None:
+        return next((size for size in self.tokens if size >= n), None)
+
+    def outputs(self, n: int) -> int:
+        return self.min_outputs if n <= self.min_outputs else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class Piece:
+    """One graph's share of a batch (Context._piece): its shape (_graph's key), the tokens it
+    computes (the batch's, then any padding: ``n_real`` are the batch's), the output rows asked
+    of it, its runs and which rows its outputs are."""
+    shape: tuple[int, ...]
+    batch: Batch
+    n_real: int
+    wanted: int
+    runs: tuple[np.ndarray, np.ndarray] | None
+    out_ids: np.ndarray
+
+
+def padded_runs(seq: np.ndarray, n_runs: int) -> np.ndarray | None:
+    """runs_of(seq) with empty runs after the last up to ``n_runs``; None where there are more."""
+    runs = runs_of(seq)
+    if len(runs) - 1 > n_runs:
+        return None
+    return np.concatenate([runs, np.full(n_runs + 1 - len(runs), len(seq), np.int32)]).astype(np.int32)
+
+
 @dataclass
 class Timings:
     prompt_tokens: int = 0
@@ -179,6 +249,9 @@ class Context:
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
         self.n_groups = layer_servers(model) if self.n_micro else 0  # one group per server
+        # a server's (Engine): pieces that read prompts padded to a few shapes.  Not with
+        # pipelining over servers, whose pieces are groups of a step's sequences
+        self.padding: Padding | None = None
 
     @property
     def n_past(self) -> int:
@@ -310,22 +383,23 @@ class Context:
     def has_graph(self, shape: tuple[int, ...]) -> bool:
         return shape in self._graphs
 
-    def _set_inputs(self, b: GraphBuilder, batch: Batch, cells: np.ndarray,
-                    runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        inp = b.inputs
+    def _set_inputs(self, b: GraphBuilder, piece: Piece, cells: np.ndarray) -> None:
+        inp, batch = b.inputs, piece.batch
         tensor_set(inp.tokens, batch.tokens)
         tensor_set(inp.pos, batch.pos)
         tensor_set(inp.kv_idxs, cells)
         causal, swa = self.kv.masks(batch.seq, batch.pos, b.n_kv, inp.kq_mask_swa is not None)
+        for mask in (causal, swa) if swa is not None else (causal,):
+            mask[piece.n_real:, 0] = 0  # padding sees one cell: no row of only hidden cells
         as_type = np.float16 if self.mask_type == Type.F16 else np.float32
         tensor_set(inp.kq_mask, causal.astype(as_type, copy=False))
         if swa is not None:
             tensor_set(inp.kq_mask_swa, swa.astype(as_type, copy=False))
         if inp.out_ids is not None:
-            tensor_set(inp.out_ids, np.flatnonzero(batch.output).astype(np.int32))
-        if runs is not None:
-            tensor_set(inp.token_runs, runs[0])
-            tensor_set(inp.output_runs, runs[1])
+            tensor_set(inp.out_ids, piece.out_ids)
+        if piece.runs is not None:
+            tensor_set(inp.token_runs, piece.runs[0])
+            tensor_set(inp.output_runs, piece.runs[1])
 
     # -- decoding -----------------------------------------------------------------------------------
     def check_tokens(self, ids: np.ndarray) -> None:
@@ -364,18 +438,23 @@ class Context:
         row = 0  # output rows handed out so far
         for start, end in self._pieces(batch):
             cells = all_cells[start:end]
-            shape, ub, wanted, runs = self._piece(batch.slice(start, end), self.kv.n_kv(cells), n_top, n_hist)
-            self.kv.occupy(cells, ub.seq, ub.pos)
+            piece = self._piece(batch.slice(start, end), self.kv.n_kv(cells), n_top, n_hist)
+            wanted = piece.wanted
+            self.kv.occupy(cells, batch.seq[start:end], batch.pos[start:end])
             t_graph = time.perf_counter()
             builds = self.timings.graph_builds
-            b = self._graph(*shape)
+            b = self._graph(*piece.shape)
             self.sched.alloc_graph(b.graph)
             if self.timings.graph_builds != builds:
                 self.timings.graph_seconds += time.perf_counter() - t_graph
-            self._set_inputs(b, ub, cells, runs)
-            rows_hist = hist[row:row + wanted] if b.inputs.hist_ids is not None else None
-            if rows_hist is not None:
-                b.set_hist(rows_hist)
+            n_pad = len(piece.batch) - piece.n_real
+            self._set_inputs(b, piece, np.concatenate([cells, np.full(n_pad, self.kv.scratch, np.int32)]) if n_pad
+                             else cells)
+            rows_hist = None
+            if b.inputs.hist_ids is not None:
+                rows_hist = hist[row:row + wanted] if hist is not None else np.zeros((wanted, n_hist), np.int32)
+                b.set_hist(np.concatenate([rows_hist, np.zeros((b.n_outputs - wanted, rows_hist.shape[1]), np.int32)])
+                           if b.n_outputs > wanted else rows_hist)
             self.sched.graph_compute(b.graph)
             if wanted:
                 # asked for now, read once every piece is on its way: a server that holds the
@@ -396,18 +475,58 @@ class Context:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    def _piece(self, ub: Batch, n_kv: int, n_top: int, n_hist: int) -> tuple[tuple[int, ...], Batch, int, tuple | None]:
-        """A piece's graph shape (_graph's key), the batch it is computed as, the output rows
-        asked of it and its runs.  A graph has an output: a piece with none asked for computes
-        its last row, which nobody reads."""
+    def _piece(self, ub: Batch, n_kv: int, n_top: int, n_hist: int) -> Piece:
+        """A piece's graph: its shape, the tokens and runs it computes, and its output rows.
+        A graph has an output: a piece with none asked for computes its last row, which
+        nobody reads.  With ``padding``, a piece that reads a prompt is padded (Padding)."""
         wanted = int(ub.output.sum())
+        padded = self._padded(ub, wanted, n_kv, n_top, n_hist)
+        if padded is not None:
+            return padded
         if not wanted:
             ub = Batch(ub.tokens, ub.pos, ub.seq, np.eye(1, len(ub), len(ub) - 1, dtype=bool)[0])
         top = n_top if wanted else 0
         # several sequences: each one's products computed as they would be for it alone
         runs = (runs_of(ub.seq), runs_of(ub.seq[ub.output])) if (ub.seq != ub.seq[0]).any() else None
         n_runs = (len(runs[0]) - 1, len(runs[1]) - 1) if runs else (0, 0)
-        return (len(ub), n_kv, max(1, wanted), top, n_hist if top else 0, *n_runs), ub, wanted, runs
+        return Piece((len(ub), n_kv, max(1, wanted), top, n_hist if top else 0, *n_runs), ub, len(ub), wanted, runs,
+                     np.flatnonzero(ub.output).astype(np.int32))
+
+    def _padded(self, ub: Batch, wanted: int, n_kv: int, n_top: int, n_hist: int) -> Piece | None:
+        """``ub`` padded to one of ``padding``'s shapes, or None: no padding, a piece of one
+        token per sequence (a decoding step: Engine builds those shapes ahead as they are), or
+        one that fits no padded shape."""
+        pad = self.padding
+        if pad is None or wanted == len(ub):
+            return None
+        n, n_out = pad.n_tokens(len(ub)), pad.outputs(wanted)
+        if n is None or n_out >= n:
+            return None
+        if not wanted:  # (a prompt's piece before its last: the top of a shape built ahead)
+            n_top, n_hist = min(pad.top, self.hp.n_vocab), 0
+        n_pad, extra = n - len(ub), n_out - wanted
+        seq = np.concatenate([ub.seq, np.full(n_pad, PAD_SEQ, np.int32)])
+        real_out = np.flatnonzero(ub.output).astype(np.int32)
+        out_ids = np.concatenate([real_out, np.full(extra, n - 1, np.int32)])
+        runs = padded_runs(seq, pad.runs), padded_runs(np.concatenate([ub.seq[real_out], np.full(extra, PAD_SEQ)]),
+                                                        pad.runs)
+        if runs[0] is None or runs[1] is None:
+            return None
+        zeros = np.zeros(n_pad, np.int32)
+        batch = Batch(np.concatenate([ub.tokens, zeros]), np.concatenate([ub.pos, zeros]), seq,
+                      np.concatenate([ub.output, np.zeros(n_pad, bool)]))
+        return Piece((n, n_kv, n_out, n_top, n_hist if n_top else 0, pad.runs, pad.runs), batch, len(ub), wanted,
+                     runs, out_ids)
+
+    def prompt_shape(self, n_tokens: int, n_kv: int, n_top: int = 0, n_hist: int = 0) -> tuple[int, ...] | None:
+        """The padded shape of a piece that reads prompts, of up to ``n_tokens`` tokens and as
+        many outputs as ``padding`` gives the fewest (what Engine builds ahead), or None."""
+        pad = self.padding
+        if pad is None or pad.n_tokens(n_tokens) is None:
+            return None
+        n_top = min(n_top, self.hp.n_vocab)
+        return (pad.n_tokens(n_tokens), min(n_kv, self.n_ctx), pad.min_outputs, n_top, n_hist if n_top else 0,
+                pad.runs, pad.runs)
 
     def batch_shapes(self, batch: Batch, n_top: int = 0, hist: np.ndarray | None = None) -> list[tuple[int, ...]]:
         """The shapes of the graphs decode_batch would compute ``batch`` in, piece by piece,
@@ -420,7 +539,7 @@ class Context:
         shapes = []
         for start, end in self._pieces(batch):
             n_kv = self.kv.n_kv(all_cells[:end])  # the pieces before it occupied their cells too
-            shapes.append(self._piece(batch.slice(start, end), n_kv, n_top, n_hist)[0])
+            shapes.append(self._piece(batch.slice(start, end), n_kv, n_top, n_hist).shape)
         return shapes
 
     def prepare_part(self, shape: tuple[int, ...]) -> bool:

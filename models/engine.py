@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .completion import Usage
-from .context import ContextFullError
+from .context import ContextFullError, Padding
 from .kv_cache import KV_PAD, KV_PAD_MAX, kv_padded
 from .runner import Generation, Runner, Took, shape_bucket
 from .scheduler import Scheduler, Slot, StepPlan
@@ -69,6 +69,10 @@ KEPT_PROMPT_GRAPHS = 16  # graphs kept beside the decoding steps' (Context.keep_
 # streams alone and prepares one part of that graph (Context.prepare_part); after this many
 # such steps in a row the prompts are read anyway (the shapes kept changing under it)
 MAX_DEFERRED_STEPS = 8
+# steps that read prompts are padded to a few shapes, built while idle (Context.padding), so
+# that a prompt of a new length builds no graph; off, each new length is a graph built (beside
+# the streams' steps, as above)
+PAD_PROMPT_SHAPES = True
 ADMIT_WINDOW_S = 0.04  # an idle engine's first admission waits at most this long for a burst to arrive,
 ADMIT_QUIET_S = 0.01  # and no longer than this after the last request of it (Engine._gather)
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
@@ -310,6 +314,7 @@ class Engine:
             self._prober.join(timeout=10)
         for d in self._returned:
             d.conn.close("the engine closed")
+        self.ctx.padding = None
         self.model.engine = None
 
     def __enter__(self) -> Engine:
@@ -327,18 +332,23 @@ class Engine:
         """The shapes of decoding steps (one token of each of 1 .. n_parallel sequences) over
         the cells read while few tokens are live (up to KV_PAD_MAX), with the top of greedy and
         of the default sampling: most likely first."""
-        vocab = self.model.n_vocab
-        tops = dict.fromkeys(shape_bucket(Sampler(p).n_top(vocab))
-                             for p in (SamplingParams(temperature=0.0), SamplingParams()))
+        tops = dict.fromkeys(self._top_of(p) for p in (SamplingParams(temperature=0.0), SamplingParams()))
         n_kvs = dict.fromkeys(min(self.n_ctx, kv_padded(cells)) for cells in range(1, KV_PAD_MAX + 1, KV_PAD))
-        shapes = (self.ctx.decode_shape(g, n_kv, top) for n_kv in n_kvs for top in tops
-                  for g in range(1, self.n_parallel + 1))
+        # and the padded shapes of steps that read prompts (Context.padding), beside streams or not
+        sizes = self.ctx.padding.tokens if self.ctx.padding is not None else ()
+        shapes = (shape for n_kv in n_kvs for top in tops
+                  for shape in [*(self.ctx.decode_shape(g, n_kv, top) for g in range(1, self.n_parallel + 1)),
+                                *(self.ctx.prompt_shape(n, n_kv, top) for n in sizes)])
         # first the largest step (every token of the batch, every cell, whole rows of logits):
         # the compute buffers take its size at once, as llama.cpp's scheduler reserves them;
         # a buffer that grew later would leave every kept graph to be planned again
         p = self.n_parallel
         largest = (self.n_batch, self.n_ctx, p, 0, 0, p, p)
         return deque(dict.fromkeys(s for s in (largest, *shapes) if s is not None))
+
+    def _top_of(self, params: SamplingParams) -> int:
+        """The top k of the vocabulary a step asks for where ``params`` sample (Runner.top_request)."""
+        return shape_bucket(Sampler(params).n_top(self.model.n_vocab))
 
     def wait_built_ahead(self, timeout: float | None = None) -> bool:
         """Wait until the shapes built ahead are all built (True), or ``timeout`` seconds."""
@@ -388,7 +398,7 @@ class Engine:
                     return
                 returned, self._returned = self._returned, []
                 t_step = time.perf_counter()
-                if not returned and self.busy_slots == 0 and self.queue:
+                if not returned and self.busy_slots == 0 and self.queue and not self._answerable(self.queue[0]):
                     self._gather(t_step)
                 if not returned:
                     self._admit()
@@ -423,6 +433,13 @@ class Engine:
             self._cond.wait(min(ADMIT_QUIET_S, left))
             if len(self.queue) == n or self._closed:
                 return
+
+    def _answerable(self, req: Request) -> bool:
+        """Whether an idle slot holds the answer to ``req``'s very prompt: it reads nothing, so
+        its first token goes out at once, without waiting for a burst (a prompt that comes
+        after it is read beside its stream, in chunks of the prompt budget)."""
+        return any(s.req is None and len(s.tokens) >= len(req.ids) and s.tokens[:len(req.ids)] == req.ids
+                   and self._answered(s, req) for s in self.slots)
 
     def _blamed(self, e: Exception) -> Exception:
         """An RPC error naming the server to blame (Recovery.blame asks every server once: a
@@ -601,6 +618,11 @@ class Engine:
     def _use_context(self, ctx) -> None:
         """The model's context (a new one after it was placed anew), and the scheduler over its cache."""
         self.ctx = ctx
+        # pieces that read prompts padded to the shapes built ahead (not over pipelined servers:
+        # a step's pieces are groups of its sequences there)
+        greedy = self._top_of(SamplingParams(temperature=0.0))
+        ctx.padding = (Padding.for_server(self.n_batch, self.n_parallel, greedy)
+                       if PAD_PROMPT_SHAPES and not ctx.n_micro else None)
         self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm,
                                    self.prompt_budget)
 

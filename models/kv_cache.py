@@ -37,6 +37,10 @@ from .hparams import HParams
 KV_PAD = 256
 KV_PAD_MAX = 1024
 FREE = -1
+# Tokens that pad a batch to a shape built ahead (Context.padding) write their keys and values
+# into one cell past the context's: the attention reads at most n_ctx cells, so no token ever
+# sees it, and the cells of the sequences stay theirs.
+SCRATCH_CELLS = 1
 
 
 def kv_padded(end: int) -> int:
@@ -70,10 +74,11 @@ class KVCache:
         self.type = type
         self.n_swa = hp.n_swa
         groups: dict[int, tuple[BufferType, list]] = {}
-        self.parts = [KVPart.of(local, n_ctx, type, f"#{i}") for i, (_, local) in enumerate(shards)]
+        self.scratch = n_ctx  # the cell padding tokens write (SCRATCH_CELLS)
+        self.parts = [KVPart.of(local, n_ctx + SCRATCH_CELLS, type, f"#{i}") for i, (_, local) in enumerate(shards)]
         for (buft, _), part in zip(shards, self.parts):
             groups.setdefault(id(buft), (buft, []))[1].extend(part.k + part.v)
-        whole = KVPart.of(hp, n_ctx, type) if not shards else KVPart([], [])
+        whole = KVPart.of(hp, n_ctx + SCRATCH_CELLS, type) if not shards else KVPart([], [])
         self.k, self.v = whole.k, whole.v
         for il, buft in enumerate(layer_bufts if not shards else ()):
             groups.setdefault(id(buft), (buft, []))[1].extend([self.k[il], self.v[il]])

@@ -115,7 +115,7 @@ class Scheduler:
             idle = [s for s in self.slots if s.req is None]
             if not idle:
                 break
-            slot = max(idle, key=lambda s: (common_prefix(s.tokens, req.ids), -s.last_used))
+            slot = max(idle, key=lambda s: slot_rank(s, req.ids))
             shared = common_prefix(slot.tokens, req.ids)
             if shared == len(req.ids) and answered is not None and answered(slot, req):
                 cached = shared
@@ -183,6 +183,19 @@ class Scheduler:
             budget -= n
             parts.append((s, s.req.ids[done:done + n]))
         return StepPlan(parts, out_of_cells)
+
+
+def slot_rank(s: Slot, ids: Sequence[int]) -> tuple[bool, int, float]:
+    """How well an idle slot suits a prompt (the highest is taken): the longest shared prefix,
+    then the least recently used - but a slot still holding a whole prompt it read, with that
+    read's answer (the prompt again, or the next turn of its conversation, is read from it at
+    no cost), comes after every other when the prompt would overwrite part of it: a prompt that
+    shares only a chat template's first tokens with it takes an empty slot instead."""
+    shared = common_prefix(s.tokens, ids)
+    a = s.answer
+    keeps_other = (a is not None and shared < len(a.ids) <= len(s.tokens)
+                   and common_prefix(s.tokens, a.ids) == len(a.ids))
+    return not keeps_other, shared, -s.last_used
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

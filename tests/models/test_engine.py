@@ -135,8 +135,11 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
     so that no step that reads no prompt builds a graph (prompts: the test below)."""
     with Engine(small, n_parallel=3, n_batch=64) as engine:
         assert engine.wait_built_ahead(timeout=120) and engine.warming == 0
-        shapes = engine._warm_shapes()  # the largest step, then 1..3 streams, greedy and sampled
-        assert len(shapes) == 1 + 2 * 3 and all(engine.ctx.has_graph(s) for s in shapes)
+        # the largest step, then 1..3 streams and steps that read prompts (padded to 8, 16, 24,
+        # 32, 48 or 64 tokens: Context.padding), greedy and sampled
+        shapes = engine._warm_shapes()
+        assert engine.ctx.padding.tokens == (8, 16, 24, 32, 48, 64)
+        assert len(shapes) == 1 + 2 * (3 + 6) and all(engine.ctx.has_graph(s) for s in shapes)
 
         def ask(prompt: str, n: int, **sampling) -> None:
             list(submit(engine, prompt, max_tokens=n, **sampling))
@@ -154,9 +157,11 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
         assert sum(st.step_buckets) == st.steps and st.slowest_step > 0
 
 
-JOINING = {8: ["The three largest planets of the solar system are Jupiter, Saturn and",
-               "A recipe for bread needs flour, water, salt and"],
-           0: ["Rivers flow from", "In the morning the market"]}  # (other lengths: graphs not kept yet)
+JOINING = {"padded": ["Write two sentences about the moon and the tides of the sea",
+                      "List three colours of"],
+           "beside": ["The three largest planets of the solar system are Jupiter, Saturn and",
+                      "A recipe for bread needs flour, water, salt and"],
+           "built": ["Rivers flow from", "In the morning the market"]}  # (other lengths: graphs not kept yet)
 
 
 def joining_running_stream(engine: Engine, prompts: list[str]) -> dict[str, str]:
@@ -182,23 +187,32 @@ def joining_running_stream(engine: Engine, prompts: list[str]) -> dict[str, str]
     return out
 
 
-@pytest.mark.parametrize("deferred", [8, 0])
-def test_prompts_joining_running_streams_never_stall_them_for_a_graph(small, deferred, monkeypatch):
-    """The stalls: a prompt that joins generating streams needs a graph of a new shape (its
-    length beside theirs), and building and planning one takes several decoding steps' time.
-    The engine leaves the prompt for later and prepares one part of that graph per step of the
-    streams (Engine._prepare_beside), so that no step of generating streams builds a graph;
-    the answers are those of the model alone.  With no deferral allowed (MAX_DEFERRED_STEPS 0)
-    the steps build them, and the counter says so."""
+@pytest.mark.parametrize("case", ["padded", "beside", "built"])
+def test_prompts_joining_running_streams_never_stall_them_for_a_graph(small, case, monkeypatch):
+    """The stalls: a prompt that joins generating streams needs a graph of its length beside
+    theirs, and building and planning one takes several decoding steps' time.
+
+    - ``padded`` (the engine's way): the steps that read prompts are padded to a few shapes,
+      built while the engine was idle (Context.padding), so the prompts are read at once and
+      no step builds a graph, with no deferral allowed;
+    - ``beside``: unpadded, the engine leaves the prompts for later and prepares one part of
+      their graph per step of the streams (Engine._prepare_beside);
+    - ``built``: unpadded with no deferral allowed (MAX_DEFERRED_STEPS 0), the steps build
+      them, and the counter says so.
+
+    In every case the answers are those of the model alone: padding changes no bit."""
     from pyggml.models import engine as engine_module
-    monkeypatch.setattr(engine_module, "MAX_DEFERRED_STEPS", deferred)
+    monkeypatch.setattr(engine_module, "MAX_DEFERRED_STEPS", 8 if case == "beside" else 0)
+    monkeypatch.setattr(engine_module, "PAD_PROMPT_SHAPES", case == "padded")
     want = {p: small.create_completion(p, max_tokens=n, temperature=0)["choices"][0]["text"]
-            for p, n in [(LONG, 24), *((p, 6) for p in JOINING[deferred])]}
+            for p, n in [(LONG, 24), *((p, 6) for p in JOINING[case])]}
     with Engine(small, n_parallel=3, n_batch=64) as engine:
         assert engine.wait_built_ahead(timeout=120)
-        assert joining_running_stream(engine, JOINING[deferred]) == want
+        assert joining_running_stream(engine, JOINING[case]) == want
         st = engine.stats
-    if deferred:
+    if case == "padded":
+        assert st.mixed_steps >= 1 and st.graph_builds == 0 and st.graph_parts_beside == 0, st
+    elif case == "beside":
         assert st.graph_builds_streaming == 0, st
         assert st.graph_parts_beside >= 2, st  # (a build, then the split, allocation and plan)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,29 @@ def test_a_request_takes_the_idle_slot_sharing_its_prefix_and_skips_it():
     sim.submit(200, 20, 1)  # the same 200 tokens first
     slot, req, cached = sim.sched.admit(sim.queue)[0]
     assert slot.seq == 0 and cached == RULES.reusable_prefix(200, len(req.ids), N_UBATCH) and cached >= 192
+
+
+def test_a_slot_holding_a_whole_prompt_is_kept_for_it_while_an_empty_slot_is_idle():
+    """A slot whose cells hold a whole prompt it read, with that read's answer, serves the same
+    prompt again or its conversation's next turn at no cost: a prompt sharing only its first
+    tokens (a chat template's) takes an empty slot rather than overwrite it; the next turn of
+    its conversation takes it."""
+    from pyggml.models.runner import PromptAnswer
+    kv = small_cache(8)
+    slots = [Slot(0), Slot(1)]
+    sched = Scheduler(slots, kv, RULES, N_BATCH, N_UBATCH, kv.seq_rm)
+    first = BASE[:40]
+    slots[0].tokens = first + [7, 8, 9]  # the prompt read whole, then what it generated
+    kv.occupy(np.arange(len(slots[0].tokens), dtype=np.int32), np.zeros(len(slots[0].tokens), np.int32),
+              np.arange(len(slots[0].tokens), dtype=np.int32))
+    slots[0].answer = PromptAnswer(tuple(first))
+
+    def admitted(ids: list[int]) -> Slot:
+        req = SimpleNamespace(ids=ids, cancelled=False, t_submit=0)
+        [(slot, _, _)] = sched.admit(deque([req]))
+        return slot
+    other = BASE[:25] + [5000 + i for i in range(15)]  # shares the template's 25 tokens
+    assert admitted(other) is slots[1] and slots[0].tokens[:40] == first
+    sched.release(slots[1])
+    slots[1].tokens, slots[1].answer = BASE[:25] + [6000], PromptAnswer(tuple(BASE[:25] + [6000]))
+    assert admitted(first + [7, 8, 9, 10, 11]) is slots[0]  # the next turn of its conversation
