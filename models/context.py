@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pyggml import Scheduler, Type, tensor_set
+from pyggml import Graph, Scheduler, Type, new_tensor, ops, tensor_set
 from pyggml.backend import Backend, tensor_arrays_async
 
 from .blocks import GraphBuilder, mask_type
@@ -245,6 +245,7 @@ class Context:
         self.log: list[tuple] | None = []
         self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
+        self._copy_graphs: dict[int, tuple] = {}  # seq_cp's, by cells copied
         self.max_graphs = MAX_CACHED_GRAPHS
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
@@ -265,6 +266,7 @@ class Context:
         """Release the compute buffers and forget the graphs (the KV cache is the caller's)."""
         self.sched.free()
         self._graphs.clear()
+        self._copy_graphs.clear()
 
     def truncate(self, n: int) -> None:
         """Forget every token of sequence 0 cached after the first ``n``."""
@@ -276,6 +278,54 @@ class Context:
         """Free the cells of sequence ``seq`` from position ``p0`` on (llama_memory_seq_rm)."""
         self.kv.seq_rm(seq, p0)
         self._logged(("rm", seq, p0), 0)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> bool:
+        """Give sequence ``dst`` the keys and values of sequence ``src`` at positions p0 .. p1 - 1
+        (llama_memory_seq_cp, as a copy: a page of the cache is one sequence's), bit for bit
+        and at the same offsets of its pages: ``dst`` then holds what ``src`` read there, as if
+        it had read it itself.  False, with nothing changed, where ``src`` lacks a position or
+        the cells run out."""
+        if p1 <= p0 or self.kv.type not in (Type.F16, Type.F32):  # (a quantized cache would round again)
+            return p1 <= p0
+        cells = self.kv.copy_cells(src, dst, p0, p1)
+        if cells is None:
+            return False
+        self._copy_cells(*cells)
+        self._logged(("cp", src, dst, p0, p1), 0)
+        return True
+
+    def _copy_cells(self, source: np.ndarray, target: np.ndarray) -> None:
+        """Every layer's keys and values at cells ``source`` written to cells ``target``, on the
+        devices that hold them: GET_ROWS then SET_ROWS (F16 to F32 and back is exact), in one
+        graph per page-rounded count (the rest copies the scratch cell onto itself)."""
+        page = self.kv.page
+        n = -(-len(source) // page) * page
+        fill = np.full(n - len(source), self.kv.scratch, np.int32)
+        graph, src_idx, dst_idx = self._copy_graph(n)
+        self.sched.alloc_graph(graph)
+        tensor_set(src_idx, np.concatenate([source, fill]).astype(np.int32))
+        tensor_set(dst_idx, np.concatenate([target, fill]).astype(np.int32))
+        self.sched.graph_compute(graph)
+
+    def prepare_copy(self, n_cells: int) -> bool:
+        """Build and plan seq_cp's graph for ``n_cells`` cells (rounded up to pages) now, unless
+        it is kept: True if it was built."""
+        page = self.kv.page
+        n = -(-n_cells // page) * page
+        built = n not in self._copy_graphs
+        self.sched.alloc_graph(self._copy_graph(n)[0])
+        return built
+
+    def _copy_graph(self, n: int) -> tuple[Graph, Any, Any]:
+        got = self._copy_graphs.get(n)
+        if got is None:
+            graph = Graph()
+            src_idx = new_tensor(Type.I32, (n,), "cp_src").set_input()
+            dst_idx = new_tensor(Type.I32, (n,), "cp_dst").set_input()
+            for cache in [*self.kv.k, *self.kv.v, *(t for part in self.kv.parts for t in part.k + part.v)]:
+                graph.build_forward_expand(ops.set_rows(cache, ops.get_rows(cache, src_idx), dst_idx))
+            got = self._copy_graphs[n] = (graph, src_idx, dst_idx)
+        return got
 
     def clear_cache(self) -> None:
         """Free every cell of every sequence."""
@@ -301,6 +351,8 @@ class Context:
         were all freed; True if a run was freed only in part (the seq_rm must then be logged)."""
         if self.log is None:
             return False
+        if any(op[0] == "cp" and op[1] == seq for op in self.log):
+            return True  # a copy read its cells: the batches that wrote them stay, with the seq_rm
         kept, partial = [], False
         for op in self.log:
             if op[0] != "b":
@@ -328,6 +380,8 @@ class Context:
         for op in log:
             if op[0] == "b":
                 self.decode_batch(op[1])
+            elif op[0] == "cp":
+                self.seq_cp(*op[1:])
             else:
                 self.seq_rm(op[1], op[2])
         self.tokens = list(tokens)

@@ -73,8 +73,13 @@ MAX_DEFERRED_STEPS = 8
 # that a prompt of a new length builds no graph; off, each new length is a graph built (beside
 # the streams' steps, as above)
 PAD_PROMPT_SHAPES = True
-ADMIT_WINDOW_S = 0.04  # an idle engine's first admission waits at most this long for a burst to arrive,
-ADMIT_QUIET_S = 0.01  # and no longer than this after the last request of it (Engine._gather)
+# an idle engine's first admission waits at most ADMIT_WINDOW_S for a burst to arrive, and no
+# longer than ADMIT_QUIET_S after the last request of it (Engine._gather): short, since a prompt
+# that comes later is read beside the streams in chunks, from a copy of a shared prefix, and
+# every ms here is a ms more to a first token
+ADMIT_WINDOW_S = 0.015
+ADMIT_QUIET_S = 0.003
+COPY_SHAPE = "copy"  # _warm_shapes' mark for Context.prepare_copy's graph
 SLOW_STEP_S = 0.05  # a step slower than this is logged (at debug level), with what it held
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds: a step's wall time, for Stats
 
@@ -173,6 +178,7 @@ class Stats:
     graph_seconds: float = 0.0
     graphs_ahead: int = 0            # built while idle
     graph_parts_beside: int = 0      # steps that left their prompts for later, preparing a part of their graph
+    copied_tokens: int = 0           # of the cached ones, copied from another slot holding the same prefix
     prompts_answered: int = 0        # requests whose first token came from the stored answer to their prompt
     mixed_steps: int = 0             # steps that read prompts beside generating streams (which wait for them)
     lane_steps: int = 0              # decoding steps sent while another was on the servers (pipelined lanes)
@@ -344,7 +350,9 @@ class Engine:
         # a buffer that grew later would leave every kept graph to be planned again
         p = self.n_parallel
         largest = (self.n_batch, self.n_ctx, p, 0, 0, p, p)
-        return deque(dict.fromkeys(s for s in (largest, *shapes) if s is not None))
+        # and the copy of a page of a slot's prefix to another (Scheduler's donors: a system prompt)
+        copy = (COPY_SHAPE, self.rules.kv_page) if self.scheduler.seq_cp is not None else None
+        return deque(dict.fromkeys(s for s in (largest, *shapes, copy) if s is not None))
 
     def _top_of(self, params: SamplingParams) -> int:
         """The top k of the vocabulary a step asks for where ``params`` sample (Runner.top_request)."""
@@ -360,9 +368,9 @@ class Engine:
         """Shapes still to be built ahead (0: every decoding step of the usual shapes finds its graph)."""
         return len(self._warm)
 
-    def _build_ahead(self, shape: tuple[int, ...]) -> None:
+    def _build_ahead(self, shape: tuple) -> None:
         try:
-            if self.ctx.prepare(shape):
+            if self.ctx.prepare_copy(shape[1]) if shape[0] == COPY_SHAPE else self.ctx.prepare(shape):
                 self.stats.graphs_ahead += 1
         except Exception as e:  # noqa: BLE001 - a step of that shape will build it, and say what fails
             log.debug("building the graph of %s ahead failed: %s", shape, e)
@@ -623,18 +631,33 @@ class Engine:
         greedy = self._top_of(SamplingParams(temperature=0.0))
         ctx.padding = (Padding.for_server(self.n_batch, self.n_parallel, greedy)
                        if PAD_PROMPT_SHAPES and not ctx.n_micro else None)
+        # (prefixes are copied between slots where steps are not pipelined over servers)
         self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm,
-                                   self.prompt_budget)
+                                   self.prompt_budget, self._seq_cp if not ctx.n_micro else None)
 
     def _admit(self) -> None:
-        """Move queued requests into idle slots, in arrival order (called holding the lock)."""
-        for slot, req, cached in self.scheduler.admit(self.queue, self._answered):
+        """Move queued requests into idle slots, in arrival order (called holding the lock).
+        Requests admitted together start together: one answered from its stored row waits
+        while the prompts admitted with it are read (in one step where no other stream
+        generates), as a burst read in one batch would - its first token a little later, and no
+        stream of the burst stopped after its first token for the others' prompts."""
+        admitted = self.scheduler.admit(self.queue, self._answered)
+        reading = [slot for slot, _, _ in admitted if not slot.answering]
+        for slot, _, _ in admitted:
+            slot.held_by = reading if slot.answering else []
+        for slot, req, cached in admitted:
             o = req.options
             slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,
                                   o.max_tokens if o.max_tokens is not None and o.max_tokens > 0 else self.n_ctx,
                                   o.logprobs, special=self.model.harmony)
             req.usage.cached_tokens = cached
             self.stats.cached_tokens += cached
+
+    def _seq_cp(self, src: int, dst: int, p0: int, p1: int) -> bool:
+        if not self.ctx.seq_cp(src, dst, p0, p1):
+            return False
+        self.stats.copied_tokens += p1 - p0
+        return True
 
     def _answered(self, slot: Slot, req: Request) -> bool:
         """Whether ``slot`` holds the answer to ``req``'s very prompt, usable by its sampler."""
@@ -655,7 +678,8 @@ class Engine:
             if s.req is not None and s.req.cancelled and not s.in_flight:
                 self._release(s)
         for s in self.slots:
-            if s.req is not None and s.answering:  # its prompt's output is stored: no token read
+            if s.req is not None and s.answering and not any(o.req is not None and o.prefilling for o in s.held_by):
+                s.held_by = []  # its prompt's output is stored: no token read
                 self.stats.prompts_answered += 1
                 self._take(s, *self.runner.draw_answer(s.answer, s.gen))
         if self._lane_step(t_start):

@@ -170,6 +170,25 @@ class KVCache:
         if self._end is not None:
             self._end = max(self._end, int(np.max(cells)) + 1)
 
+    def copy_cells(self, src: int, dst: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Cells for sequence ``dst``'s positions p0 .. p1 - 1, tagged as its own, beside the
+        cells of sequence ``src`` that hold those positions: (source cells, new cells), each
+        at the same offset of its page (a copy keeps the bits where they sit alone).  None,
+        with nothing taken, when ``src`` lacks one of the positions or the pages run out."""
+        pos = np.arange(p0, p1, dtype=np.int32)
+        owned = self.owned()
+        pages = [owned.get((src, int(p) // self.page)) for p in pos]
+        if any(g is None for g in pages):
+            return None
+        source = np.array(pages, dtype=np.int32) * self.page + pos % self.page
+        if not ((self.cell_seq[source] == src) & (self.cell_pos[source] == pos)).all():
+            return None
+        target = self.find_cells(np.full(pos.size, dst, np.int32), pos)
+        if target is None:
+            return None
+        self.occupy(target, np.int32(dst), pos)
+        return source, target
+
     def seq_rm(self, seq: int, p0: int = 0) -> None:
         """Free the cells of sequence ``seq`` at positions ``p0`` and later."""
         self.cell_seq[(self.cell_seq == seq) & (self.cell_pos >= p0)] = FREE

@@ -43,6 +43,7 @@ class Slot:
         self.pending: int | None = None   # sampled, to be decoded in the next step
         self.answer: Any = None           # the output row of the last prompt it read whole (runner.PromptAnswer)
         self.in_flight = False            # its step is on the servers, not yet read back (Engine's lanes)
+        self.held_by: list[Slot] = []     # answering: the slots admitted with it whose prompts are read first
 
     @property
     def prefilling(self) -> bool:
@@ -77,9 +78,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: Sequence[Slot], kv: KVCache, rules: BatchRules, n_batch: int, n_ubatch: int,
-                 seq_rm: Callable[[int, int], None], prompt_budget: int | None = None) -> None:
+                 seq_rm: Callable[[int, int], None], prompt_budget: int | None = None,
+                 seq_cp: Callable[[int, int, int, int], bool] | None = None) -> None:
         """``seq_rm(seq, p0)`` frees a sequence's cells from position p0 on (Context.seq_rm:
-        the cache's history records it).  ``prompt_budget``: prompt tokens a step reads beside
+        the cache's history records it); ``seq_cp(src, dst, p0, p1)`` gives sequence dst the
+        cells of src at positions p0 .. p1 - 1 (Context.seq_cp; False where it cannot), so that
+        a prompt sharing a prefix with another slot's (a system prompt) is read from there.  ``prompt_budget``: prompt tokens a step reads beside
         generating sequences (None: up to n_batch), so that a long prompt arriving does not stop
         the streams for the time it takes to read it whole (chunked prefill); at least
         2 * piece_align, the least with which every prompt_cut makes progress."""
@@ -87,6 +91,7 @@ class Scheduler:
         self.n_batch, self.n_ubatch = n_batch, n_ubatch
         self.prompt_budget = None if prompt_budget is None else max(prompt_budget, 2 * rules.piece_align)
         self.seq_rm = seq_rm
+        self.seq_cp = seq_cp
 
     def fits(self, n_prompt: int) -> bool:
         """Whether a prompt of ``n_prompt`` tokens and a token after it fit in the cache at all:
@@ -132,9 +137,25 @@ class Scheduler:
             queue.popleft()
             self.seq_rm(slot.seq, cached)
             slot.tokens = slot.tokens[:cached]
+            donor, upto = self._donor(slot, req.ids, cached)
+            if donor is not None and self.seq_cp(donor.seq, slot.seq, cached, upto):
+                slot.tokens, cached = list(req.ids[:upto]), upto
             slot.req, slot.pending = req, None
             taken.append((slot, req, cached))
         return taken
+
+    def _donor(self, slot: Slot, ids: Sequence[int], cached: int) -> tuple[Slot | None, int]:
+        """The other slot whose cells hold the longest prefix of ``ids`` that a read can follow
+        (reusable_prefix), if longer than the ``cached`` tokens ``slot`` keeps, and how long."""
+        best, upto = None, cached
+        if self.seq_cp is None:
+            return best, upto
+        for d in self.slots:
+            if d is not slot and d.tokens:
+                c = self.rules.reusable_prefix(common_prefix(d.tokens, ids), len(ids), self.n_ubatch)
+                if c > upto:
+                    best, upto = d, c
+        return best, upto
 
     def release(self, slot: Slot) -> None:
         """The slot's request ended: it keeps its cells for a prompt that shares them."""

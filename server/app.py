@@ -77,6 +77,8 @@ ENGINE_COUNTERS = [
     ("pyggml_lane_steps", "Decoding steps sent while another lane's was on the servers (pipelined)", "lane_steps"),
     ("pyggml_prompts_answered", "Requests whose first token came from the stored answer to the same prompt",
      "prompts_answered"),
+    ("pyggml_copied_tokens", "Prompt tokens whose cells were copied from another slot holding the same prefix",
+     "copied_tokens"),
     ("pyggml_graphs_ahead", "Graphs built while idle, for steps to come", "graphs_ahead"),
 ]
 

@@ -136,10 +136,13 @@ def test_decoding_steps_find_their_graphs_built_ahead(small):
     with Engine(small, n_parallel=3, n_batch=64) as engine:
         assert engine.wait_built_ahead(timeout=120) and engine.warming == 0
         # the largest step, then 1..3 streams and steps that read prompts (padded to 8, 16, 24,
-        # 32, 48 or 64 tokens: Context.padding), greedy and sampled
-        shapes = engine._warm_shapes()
+        # 32, 48 or 64 tokens: Context.padding), greedy and sampled; and the copy of a page of
+        # cells from a slot to another (Context.seq_cp)
+        from pyggml.models.engine import COPY_SHAPE
+        *shapes, copy = engine._warm_shapes()
         assert engine.ctx.padding.tokens == (8, 16, 24, 32, 48, 64)
         assert len(shapes) == 1 + 2 * (3 + 6) and all(engine.ctx.has_graph(s) for s in shapes)
+        assert copy == (COPY_SHAPE, 64) and not engine.ctx.prepare_copy(64)  # (kept: not built again)
 
         def ask(prompt: str, n: int, **sampling) -> None:
             list(submit(engine, prompt, max_tokens=n, **sampling))
@@ -381,3 +384,69 @@ def test_a_prompt_read_in_pieces_gets_the_kernels_of_a_whole_read(total, ubatch,
     whole = kernels_of([(s, min(s + ubatch, total)) for s in range(0, total, ubatch)])
     got = kernels_of(pieces)
     assert all(got[p] == whole[p] for p in range(start, total))
+
+
+SYSTEM = "You are a careful assistant for a lighthouse museum. Answer in one short sentence, plainly."
+QUESTIONS = ["Who kept the light?", "What is a lens?", "Why paint it red?", "When was it built?"]
+
+
+def test_a_prompt_sharing_another_slots_prefix_is_read_after_a_copy_of_its_cells(small):
+    """A prompt that shares a prefix (a system prompt) with another slot's cells - that slot
+    idle, keeping its own prompt, or generating - takes an empty slot and starts from a copy of
+    those cells (Context.seq_cp: llama-server's unified cache shares them the same way), then
+    reads the rest: its answer is the model's alone, and the copied tokens count as cached."""
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    want = [small.create_chat_completion(c, max_tokens=n, temperature=0)["choices"][0]["message"]["content"]
+            for c, n in zip(chats, (6, 6, 24, 6))]
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        def ask(i: int, n: int) -> dict:
+            return submit(engine, messages=chats[i], stream=False, max_tokens=n, temperature=0)
+        first = ask(0, 6)
+        assert first["choices"][0]["message"]["content"] == want[0] and engine.stats.copied_tokens == 0
+        second = ask(1, 6)  # the first's slot is idle, and keeps its prompt
+        copied = engine.stats.copied_tokens
+        assert second["choices"][0]["message"]["content"] == want[1]
+        assert copied >= 16 and second["usage"]["prompt_tokens_details"]["cached_tokens"] == copied
+        assert ask(0, 6)["choices"][0]["message"]["content"] == want[0]  # (still there, answered)
+
+        out = {}
+        generating = threading.Event()
+
+        def stream(i: int, n: int) -> None:
+            text = ""
+            for chunk in submit(engine, messages=chats[i], max_tokens=n, temperature=0):
+                text += chunk["choices"][0]["delta"].get("content", "")
+                generating.set()
+            out[i] = text
+        t = threading.Thread(target=stream, args=(2, 24))
+        t.start()
+        assert generating.wait(120)
+        out[3] = ask(3, 6)["choices"][0]["message"]["content"]  # beside a stream
+        t.join(300)
+        assert [out[2], out[3]] == want[2:] and engine.stats.copied_tokens > copied
+
+
+def test_a_request_answered_from_its_row_starts_with_the_prompts_admitted_with_it(small, monkeypatch):
+    """Requests admitted together start together: one answered from its stored row takes its
+    first token once the prompt admitted with it is read, so that read is no stall in its
+    stream (no step reads a prompt beside a generating stream), as in a burst read in one
+    batch; the answers are the model's alone."""
+    from pyggml.models import engine as engine_module
+    monkeypatch.setattr(engine_module, "ADMIT_QUIET_S", 0.5)  # (generous: a loaded machine's threads)
+    monkeypatch.setattr(engine_module, "ADMIT_WINDOW_S", 3.0)
+    want = {p: small.create_completion(p, max_tokens=6, temperature=0)["choices"][0]["text"] for p in PROMPTS[:2]}
+    with Engine(small, n_parallel=3, n_batch=64) as engine:
+        out: dict[str, str] = {}
+
+        def ask(p: str) -> None:
+            out[p] = "".join(c["choices"][0]["text"] for c in submit(engine, p, max_tokens=6, temperature=0))
+        ask(PROMPTS[0])  # read whole: its slot keeps the answer
+        threads = [threading.Thread(target=ask, args=(p,)) for p in (PROMPTS[1], PROMPTS[0])]
+        for t in threads:  # the new prompt first, so that the engine gathers the two
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        st = engine.stats
+    assert out == want
+    assert st.prompts_answered == 1 and st.mixed_steps == 0, st

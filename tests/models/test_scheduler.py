@@ -37,7 +37,9 @@ class Simulation:
     def __init__(self, n_slots: int, n_pages: int, prompt_budget: int | None = None) -> None:
         self.kv = small_cache(n_pages)
         self.slots = [Slot(i) for i in range(n_slots)]
-        self.sched = Scheduler(self.slots, self.kv, RULES, N_BATCH, N_UBATCH, self.kv.seq_rm, prompt_budget)
+        # prefixes copied between slots as Context.seq_cp copies them (the cells' tags)
+        self.sched = Scheduler(self.slots, self.kv, RULES, N_BATCH, N_UBATCH, self.kv.seq_rm, prompt_budget,
+                               lambda src, dst, p0, p1: self.kv.copy_cells(src, dst, p0, p1) is not None)
         self.prompt_budget = prompt_budget
         self.queue: deque = deque()
         self.requests: list = []
@@ -71,6 +73,8 @@ class Simulation:
         assert [r for _, r, _ in admitted] == waiting[:len(admitted)]
         for slot, req, cached in admitted:
             assert slot.tokens == req.ids[:cached] and cached < len(req.ids)
+            # its cells hold those positions, its own or copied from another slot's
+            assert sorted(self.kv.cell_pos[self.kv.cell_seq == slot.seq].tolist()) == list(range(cached))
             req.read = list(req.ids[:cached])
         plan = self.sched.plan()
         for s in plan.out_of_cells:
