@@ -16,11 +16,17 @@ step's sequences are cut into one group per server that flow through them one af
 Context.n_groups).
 
     python bench/scale.py [--model smollm2|gemma3-270m|dense-1b] [--tokens 32] [--prompt 128] [--streams 8]
-                          [--rounds 3] [--llama-cpp BIN_DIR]
+                          [--rounds 3] [--llama-cpp BIN_DIR] [--netns [--rate 1gbit]]
 
 With ``--compare-lanes N``, the serving engine in this process over the two pinned servers (layer
 split) with N streams, its pipelined lanes on and off in turn (Engine._lane_step): aggregate
 tokens/s of each.
+
+With ``--netns`` each server runs on a host of its own: a network namespace joined to a bridge
+in this one by a veth pair (root only), so that the servers reach the client and each other
+(a tensor split's activations) over those links; ``--rate 1gbit`` shapes each end of every
+link with tc, as a gigabit LAN would.  (llama.cpp's servers of ``--llama-cpp`` stay on
+127.0.0.1.)
 
 With ``--llama-cpp BIN_DIR`` (llama.cpp's ``llama-bench`` and ``ggml-rpc-server``, e.g. from
 ``../shared/bin/build-llamacpp``), llama.cpp's own layer split comes beside ours: its
@@ -132,9 +138,13 @@ def copy_tokenizer(w, path: Path) -> None:
             w.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
 
 
-def pinned_server(core: int) -> ServerProcess:
+def pinned_server(core: int, host: tuple[str, str] | None = None) -> ServerProcess:
+    """``pyggml-rpc-server -t 1`` pinned to ``core``; with ``host`` (a network namespace and its
+    address: --netns), on that host."""
     prefix = ("taskset", "-c", str(core)) if shutil.which("taskset") else ()
-    return ServerProcess("-t", "1", "--poll", "0", prefix=prefix)
+    if host is None:
+        return ServerProcess("-t", "1", "--poll", "0", prefix=prefix)
+    return ServerProcess("-H", host[1], "-t", "1", "--poll", "0", prefix=("ip", "netns", "exec", host[0], *prefix))
 
 
 # the ~1B mixtures of experts of bench/generate.py (random vocabularies: no tokenizer, so their
@@ -232,18 +242,40 @@ def main() -> None:
                     help="N streams through the engine over the two servers (layer split), lanes on and off in turn")
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
                     help="llama.cpp's bin folder (llama-bench, ggml-rpc-server): its layer split beside ours")
+    ap.add_argument("--netns", action="store_true",
+                    help="each server on a host of its own: a network namespace joined to this one's bridge "
+                         "(root only; the servers reach each other over it too)")
+    ap.add_argument("--rate", default=None, metavar="RATE",
+                    help="with --netns: shape each end of every server's link to RATE (tc's units: 1gbit, 100mbit)")
     perfdoc.add_argument(ap)
     args = ap.parse_args()
+    if args.rate and not args.netns:
+        ap.error("--rate shapes the links of --netns")
+    if args.model in SYNTHETIC and (args.streams or args.compare_lanes):
+        ap.error(f"{args.model} has no tokenizer: no streams through pyggml-server")
     perfdoc.start(args)
+    with contextlib.ExitStack() as stack:
+        hosts = [None, None]
+        if args.netns:
+            from tests.rpc.rpc_helpers import NamespaceUnavailable, bridged_namespaces
+            try:
+                hosts = stack.enter_context(bridged_namespaces(2, args.rate))
+            except NamespaceUnavailable as e:
+                sys.exit(f"--netns: {e}")
+            print(f"servers at {hosts[0][1]} and {hosts[1][1]}, each in a network namespace of its own"
+                  + (f", links shaped to {args.rate} each way" if args.rate else ""), flush=True)
+        run(args, hosts)
+
+
+def run(args, hosts: list) -> None:
+    """main's work, with the servers on ``hosts`` (namespaces, or None: 127.0.0.1)."""
     tokenized = args.model not in SYNTHETIC
     if args.model in SYNTHETIC:
         from generate import synthetic_moe  # (bench/generate.py, beside this script)
         path = synthetic_moe(SYNTHETIC[args.model])
-        if args.streams or args.compare_lanes:
-            ap.error(f"{args.model} has no tokenizer: no streams through pyggml-server")
     else:
         path = dense_1b() if args.model == "dense-1b" else hub.resolve(args.model)
-    servers = [pinned_server(0), pinned_server(1)]
+    servers = [pinned_server(0, hosts[0]), pinned_server(1, hosts[1])]
     if args.compare_lanes:
         try:
             compare_lanes(path, servers, args.compare_lanes, args.stream_tokens, args.rounds)

@@ -56,24 +56,30 @@ def network_namespace(rate: str | None = None):
             if r.returncode != 0:
                 raise NamespaceUnavailable(f"cannot set up the veth pair: ip {' '.join(step)}: {r.stderr.strip()}")
         if rate:
-            shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-            for cmd in (["tc", "qdisc", "add", "dev", f"{veth}c", *shape],
-                        ["ip", *inside, "tc", "qdisc", "add", "dev", f"{veth}s", *shape]):
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-                if r.returncode != 0:
-                    raise NamespaceUnavailable(f"cannot shape the link to {rate}: {' '.join(cmd)}: {r.stderr.strip()}")
+            _shape(veth, name, rate)
         yield name, f"10.77.{subnet}.2"
     finally:
         _ip("link", "del", f"{veth}c")
         _ip("netns", "del", name)
 
 
+def _shape(veth: str, namespace: str, rate: str) -> None:
+    """Both ends of a veth pair (``veth``c here, ``veth``s in ``namespace``) shaped to ``rate``
+    (tc's tbf, e.g. "1gbit"): traffic each way goes through one of them."""
+    shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+    for cmd in (["tc", "qdisc", "add", "dev", f"{veth}c", *shape],
+                ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", f"{veth}s", *shape]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise NamespaceUnavailable(f"cannot shape the link to {rate}: {' '.join(cmd)}: {r.stderr.strip()}")
+
+
 @contextmanager
-def bridged_namespaces(n: int):
+def bridged_namespaces(n: int, rate: str | None = None):
     """``n`` other hosts on one LAN with this one: a network namespace each, joined to a bridge
-    here by a veth pair (multicast flows over it, as mDNS needs).  Yields [(namespace, its
-    address)]; this namespace is on the bridge at .1.  Raises NamespaceUnavailable with the
-    reason where it cannot be made."""
+    here by a veth pair (multicast flows over it, as mDNS needs), each pair shaped to ``rate``
+    if given.  Yields [(namespace, its address)]; this namespace is on the bridge at .1.
+    Raises NamespaceUnavailable with the reason where it cannot be made."""
     pid = os.getpid()
     subnet = 10 + pid % 200
     bridge = f"pgbr{pid % 100000}"
@@ -104,6 +110,8 @@ def bridged_namespaces(n: int):
                 if r.returncode != 0:
                     raise NamespaceUnavailable(f"cannot join namespace {i} to the bridge: ip {' '.join(step)}: "
                                                f"{r.stderr.strip()}")
+            if rate:
+                _shape(veth, name, rate)
         yield [(name, f"10.78.{subnet}.{i + 2}") for i, (name, _) in enumerate(made)]
     finally:
         for name, veth in made:
