@@ -246,6 +246,7 @@ class Context:
         self._log_tokens = 0
         self._graphs: OrderedDict[tuple[int, ...], GraphBuilder] = OrderedDict()
         self._copy_graphs: dict[int, tuple] = {}  # seq_cp's, by cells copied
+        self._copy_split: tuple[list, list] | None = None  # seq_cp's caches: in host memory, elsewhere
         self.max_graphs = MAX_CACHED_GRAPHS
         self.timings = Timings()
         self.n_micro = pipeline_micro_batch(model)
@@ -295,9 +296,15 @@ class Context:
         return True
 
     def _copy_cells(self, source: np.ndarray, target: np.ndarray) -> None:
-        """Every layer's keys and values at cells ``source`` written to cells ``target``, on the
-        devices that hold them: GET_ROWS then SET_ROWS (F16 to F32 and back is exact), in one
-        graph per page-rounded count (the rest copies the scratch cell onto itself)."""
+        """Every layer's keys and values at cells ``source`` written to cells ``target``: in host
+        memory by numpy (a graph's ops would cost more than the copy), on other devices by a
+        graph of GET_ROWS then SET_ROWS (F16 to F32 and back is exact), one per page-rounded
+        count (its padding copies the scratch cell onto itself)."""
+        host, devices = self._copy_targets()
+        for rows in host:
+            rows[target] = rows[source]
+        if not devices:
+            return
         page = self.kv.page
         n = -(-len(source) // page) * page
         fill = np.full(n - len(source), self.kv.scratch, np.int32)
@@ -307,9 +314,24 @@ class Context:
         tensor_set(dst_idx, np.concatenate([target, fill]).astype(np.int32))
         self.sched.graph_compute(graph)
 
+    def _copy_targets(self) -> tuple[list[np.ndarray], list[Any]]:
+        """The caches seq_cp copies in: host memory's as [cells, row] arrays, the others' tensors."""
+        if self._copy_split is None:
+            from pyggml.cpu.buffer import CPUBuffer, tensor_view
+            host, devices = [], []
+            for t in [*self.kv.k, *self.kv.v, *(t for part in self.kv.parts for t in part.k + part.v)]:
+                if isinstance(t.buffer, CPUBuffer):
+                    host.append(tensor_view(t).reshape(t.ne[1], t.ne[0]))
+                else:
+                    devices.append(t)
+            self._copy_split = host, devices
+        return self._copy_split
+
     def prepare_copy(self, n_cells: int) -> bool:
         """Build and plan seq_cp's graph for ``n_cells`` cells (rounded up to pages) now, unless
-        it is kept: True if it was built."""
+        it is kept or every cache is in host memory: True if it was built."""
+        if not self._copy_targets()[1]:
+            return False
         page = self.kv.page
         n = -(-n_cells // page) * page
         built = n not in self._copy_graphs
@@ -322,7 +344,7 @@ class Context:
             graph = Graph()
             src_idx = new_tensor(Type.I32, (n,), "cp_src").set_input()
             dst_idx = new_tensor(Type.I32, (n,), "cp_dst").set_input()
-            for cache in [*self.kv.k, *self.kv.v, *(t for part in self.kv.parts for t in part.k + part.v)]:
+            for cache in self._copy_targets()[1]:
                 graph.build_forward_expand(ops.set_rows(cache, ops.get_rows(cache, src_idx), dst_idx))
             got = self._copy_graphs[n] = (graph, src_idx, dst_idx)
         return got
