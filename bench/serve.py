@@ -8,6 +8,7 @@ llama-server's aggregate.
 
     python bench/serve.py [--model smollm2 --model gemma3-270m] [--tokens 64] [--llama-server BIN]
     python bench/serve.py --model smollm2 --profile   # and where pyggml's steps spent their time
+    python bench/serve.py --rounds 3 --llama-server BIN # each figure's median over 3 rounds
 
 ``--profile`` reads pyggml-server's /metrics before and after each level and prints, per step:
 admission and batching, decoding (of which graphs of new batch shapes), sampling and text,
@@ -91,9 +92,10 @@ def one_stream(url: str, prompt: str, n: int, out: list) -> None:
     out.append((t0, times, tokens))
 
 
-def measure(url: str, concurrency: int, n: int) -> dict:
+def measure(url: str, concurrency: int, n: int, tag: str = "") -> dict:
+    """``concurrency`` streams of ``n`` tokens at once, the i-th asking PROMPTS[i] (+ ``tag``)."""
     results: list = []
-    threads = [threading.Thread(target=one_stream, args=(url, PROMPTS[i % len(PROMPTS)], n, results))
+    threads = [threading.Thread(target=one_stream, args=(url, PROMPTS[i % len(PROMPTS)] + tag, n, results))
                for i in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
@@ -156,29 +158,50 @@ def graphs_built(url: str, timeout: float = 120) -> None:
 
 
 def run(name: str, url: str, levels: list[int], n: int, profile: bool = False, log: Path | None = None,
-        pyggml: bool = False) -> dict[int, dict]:
+        pyggml: bool = False, rounds: int = 1) -> dict[int, dict]:
+    """Each level measured ``rounds`` times in turn (1, 2, 4, 8, then again): per level, the
+    median of each figure over the rounds.  Every round asks prompts of its own (a tag after
+    each: a round after the first would find them all cached) after a warm-up of its own, so
+    that each round sees what the first sees: the first prompt cached, the others new."""
     if pyggml:
         graphs_built(url)
-    measure(url, 1, 8)  # warm-up: kernels compiled, graphs built
-    rows = {}
-    for c in levels:
-        before = scrape(url) if profile else {}
-        log_start = log.stat().st_size if profile and log else 0
-        r = rows[c] = measure(url, c, n)
-        print(f"{name:<13} {c:>3} streams: {r['tok_s']:7.1f} tok/s aggregate ({r['tokens']} tokens)  "
-              f"TTFT p50 {r['ttft50'] * 1e3:6.0f} ms p99 {r['ttft99'] * 1e3:6.0f} ms  "
-              f"ITL p50 {r['itl50'] * 1e3:6.1f} ms p99 {r['itl99'] * 1e3:6.1f} ms", flush=True)
-        if profile:
-            print(profile_line(before, scrape(url)), flush=True)
-            if log is not None:  # the server's own account of its slow steps (--log-level debug)
-                with open(log, errors="replace") as f:
-                    f.seek(log_start)
-                    slow = [line.split("slow step: ", 1)[1].rstrip() for line in f if "slow step: " in line]
-                for line in slow[:8]:
-                    print(f"    {line}")
-                if len(slow) > 8:
-                    print(f"    ... {len(slow) - 8} more slow steps")
+    runs: dict[int, list[dict]] = {}
+    for k in range(rounds):
+        tag = f" (take {k + 1})" if k else ""
+        measure(url, 1, 8, tag)  # warm-up: kernels compiled, graphs built, the first prompt read
+        for c in levels:
+            runs.setdefault(c, []).append(level(name, url, c, n, profile, log, tag))
+    if rounds == 1:
+        return {c: rs[0] for c, rs in runs.items()}
+    rows = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
+    for c, r in rows.items():
+        print_level(f"{name} median", c, r)
     return rows
+
+
+def print_level(name: str, c: int, r: dict) -> None:
+    print(f"{name:<13} {c:>3} streams: {r['tok_s']:7.1f} tok/s aggregate ({r['tokens']:.0f} tokens)  "
+          f"TTFT p50 {r['ttft50'] * 1e3:6.0f} ms p99 {r['ttft99'] * 1e3:6.0f} ms  "
+          f"ITL p50 {r['itl50'] * 1e3:6.1f} ms p99 {r['itl99'] * 1e3:6.1f} ms", flush=True)
+
+
+def level(name: str, url: str, c: int, n: int, profile: bool, log: Path | None, tag: str = "") -> dict:
+    """One level: ``c`` concurrent streams of ``n`` tokens; printed, with the profile if asked."""
+    before = scrape(url) if profile else {}
+    log_start = log.stat().st_size if profile and log else 0
+    r = measure(url, c, n, tag)
+    print_level(name, c, r)
+    if profile:
+        print(profile_line(before, scrape(url)), flush=True)
+        if log is not None:  # the server's own account of its slow steps (--log-level debug)
+            with open(log, errors="replace") as f:
+                f.seek(log_start)
+                slow = [line.split("slow step: ", 1)[1].rstrip() for line in f if "slow step: " in line]
+            for line in slow[:8]:
+                print(f"    {line}")
+            if len(slow) > 8:
+                print(f"    ... {len(slow) - 8} more slow steps")
+    return r
 
 
 def main() -> None:
@@ -192,6 +215,9 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary")
     ap.add_argument("--profile", action="store_true", help="print where pyggml's steps spent their time")
     ap.add_argument("--prompt-chunk", type=int, default=None, help="pyggml-server's --prompt-chunk (default: its own)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure the levels in turn this many times and compare "
+                                                          "each figure's median (this machine's speed drifts, and "
+                                                          "both servers' latencies move between runs)")
     perfdoc.add_argument(ap)
     args = ap.parse_args()
     perfdoc.start(args)
@@ -208,7 +234,8 @@ def main() -> None:
                        *(["--log-level", "debug"] if args.profile else [])],
                       f"http://127.0.0.1:{port}", logs / f"pyggml-{path.stem}.log")
         try:
-            mine = run("pyggml", ours.url, levels, args.tokens, args.profile, ours.log, pyggml=True)
+            mine = run("pyggml", ours.url, levels, args.tokens, args.profile, ours.log, pyggml=True,
+                       rounds=args.rounds)
         finally:
             ours.stop()
         base = mine[levels[0]]["tok_s"]
@@ -220,11 +247,12 @@ def main() -> None:
                              "--kv-unified"],
                             f"http://127.0.0.1:{port}", logs / f"llama-{path.stem}.log")
             try:
-                ref = run("llama-server", theirs.url, levels, args.tokens)
+                ref = run("llama-server", theirs.url, levels, args.tokens, rounds=args.rounds)
             finally:
                 theirs.stop()
-            print("pyggml / llama-server aggregate: " +
-                  ", ".join(f"{c}: {mine[c]['tok_s'] / ref[c]['tok_s']:.2f}" for c in levels))
+            for label, key in (("aggregate", "tok_s"), ("ITL p99", "itl99"), ("TTFT p50", "ttft50")):
+                print(f"pyggml / llama-server {label}: " +
+                      ", ".join(f"{c}: {mine[c][key] / ref[c][key]:.2f}" for c in levels))
     print(f"server logs: {logs}")
 
 
