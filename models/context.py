@@ -370,13 +370,22 @@ class Context:
 
     def _prune(self, seq: int, p0: int) -> bool:
         """Drop from the log the runs of ``seq``'s rows whose cells (positions from ``p0`` on)
-        were all freed; True if a run was freed only in part (the seq_rm must then be logged)."""
+        were all freed, and the copies into ``seq`` whose cells were; True if one was freed
+        only in part (the seq_rm must then be logged).  What a later copy (seq_cp) read from
+        ``seq`` stays: a replay writes it again before it copies it."""
         if self.log is None:
             return False
-        if any(op[0] == "cp" and op[1] == seq for op in self.log):
-            return True  # a copy read its cells: the batches that wrote them stay, with the seq_rm
+        reads = [(i, op[3], op[4]) for i, op in enumerate(self.log) if op[0] == "cp" and op[1] == seq]
+
+        def read_later(i: int, pos: np.ndarray) -> bool:
+            return any(j > i and ((pos >= lo) & (pos < hi)).any() for j, lo, hi in reads)
         kept, partial = [], False
-        for op in self.log:
+        for i, op in enumerate(self.log):
+            if op[0] == "cp" and op[2] == seq and op[4] > p0:  # a copy into seq, its cells freed in part or all
+                if op[3] < p0 or read_later(i, np.arange(op[3], op[4])):
+                    kept.append(op)
+                    partial = True
+                continue
             if op[0] != "b":
                 kept.append(op)
                 continue
@@ -385,7 +394,7 @@ class Context:
             dead = mine & (batch.pos >= p0)
             if not dead.any():
                 kept.append(op)
-            elif (mine & ~dead).any():  # (a sequence's rows in a batch are one run)
+            elif (mine & ~dead).any() or read_later(i, batch.pos[dead]):  # (a sequence's rows are one run)
                 kept.append(op)
                 partial = True
             elif not mine.all():

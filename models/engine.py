@@ -642,7 +642,7 @@ class Engine:
         generates), as a burst read in one batch would - its first token a little later, and no
         stream of the burst stopped after its first token for the others' prompts."""
         admitted = self.scheduler.admit(self.queue, self._answered)
-        reading = [slot for slot, _, _ in admitted if not slot.answering]
+        reading = [(slot, req) for slot, req, _ in admitted if not slot.answering]
         for slot, _, _ in admitted:
             slot.held_by = reading if slot.answering else []
         for slot, req, cached in admitted:
@@ -678,7 +678,7 @@ class Engine:
             if s.req is not None and s.req.cancelled and not s.in_flight:
                 self._release(s)
         for s in self.slots:
-            if s.req is not None and s.answering and not any(o.req is not None and o.prefilling for o in s.held_by):
+            if s.req is not None and s.answering and not any(o.req is r and o.prefilling for o, r in s.held_by):
                 s.held_by = []  # its prompt's output is stored: no token read
                 self.stats.prompts_answered += 1
                 self._take(s, *self.runner.draw_answer(s.answer, s.gen))

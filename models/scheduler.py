@@ -43,7 +43,7 @@ class Slot:
         self.pending: int | None = None   # sampled, to be decoded in the next step
         self.answer: Any = None           # the output row of the last prompt it read whole (runner.PromptAnswer)
         self.in_flight = False            # its step is on the servers, not yet read back (Engine's lanes)
-        self.held_by: list[Slot] = []     # answering: the slots admitted with it whose prompts are read first
+        self.held_by: list[tuple[Slot, Any]] = []  # answering: the (slot, request)s admitted with it, read first
 
     @property
     def prefilling(self) -> bool:

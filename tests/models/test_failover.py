@@ -205,3 +205,35 @@ def test_the_cache_history_keeps_only_live_cells():
         fresh.close()
     finally:
         m.close()
+
+
+def test_a_copy_keeps_what_it_read_in_the_history_and_goes_with_its_cells():
+    """A copy of cells between sequences (Context.seq_cp) is in the history: the batch that
+    wrote what it read stays after its own sequence lets those cells go (a replay writes them
+    again, then copies them); once the copied cells are freed too, the copy leaves the history,
+    and the donor's batch at its sequence's next seq_rm (a slot taken again) - a donor's
+    batches do not stay for ever.  The replayed cache answers as the first does, bit for bit."""
+    from pyggml.models.context import Batch
+    m = pg.Model("smollm2", n_ctx=512, progress=False)
+    fresh = pg.Model("smollm2", n_ctx=512, progress=False)
+    try:
+        ctx = m.context
+        ctx.clear_cache()
+        ctx.decode_batch(Batch.of(list(range(10, 50)), 0, seq=3))  # the donor's prompt
+        ctx.decode_batch(Batch.of(list(range(60, 80)), 0, seq=7))  # another sequence, alive throughout
+        assert ctx.seq_cp(3, 5, 0, 24)
+        ctx.decode_batch(Batch.of(list(range(90, 106)), 24, seq=5))
+        ctx.seq_rm(3, 0)  # the donor lets go: its batch stays, for the copy
+        assert ("cp", 3, 5, 0, 24) in ctx.log and any(op[0] == "b" and (op[1].seq == 3).all() for op in ctx.log)
+        fresh.context.replay(ctx.log, [])
+        probe = Batch(np.array([7, 7], np.int32), np.array([40, 20], np.int32), np.array([5, 7], np.int32),
+                      np.ones(2, bool))
+        assert np.array_equal(fresh.context.decode_batch(probe), ctx.decode_batch(probe))
+        ctx.seq_rm(5, 0)  # the copied cells go too: the copy with them
+        assert not any(op[0] == "cp" for op in ctx.log)
+        assert {int(s) for op in ctx.log if op[0] == "b" for s in op[1].seq} == {3, 7}
+        ctx.seq_rm(3, 0)  # the donor's slot taken again (Scheduler.admit): now nothing reads its batch
+        assert {int(s) for op in ctx.log if op[0] == "b" for s in op[1].seq} == {7}
+    finally:
+        fresh.close()
+        m.close()
