@@ -210,22 +210,6 @@ def streams(path: Path, endpoints: list[str], mode: str, n_streams: int, n_token
         server.stop()
 
 
-def exchanged_per_token(model) -> list[int]:
-    """Bytes each server of a tensor split (``model``: its LoadedModel) receives from the others
-    per decoded token: four gathers per layer of float32 rows (the other devices' heads,
-    projection rows, hidden rows and feed-forward rows), and the lead's embedding row for the
-    others."""
-    hp, shards = model.hp, model.shards
-    out = []
-    for i, s in enumerate(shards):
-        heads = hp.n_head - (s.q_heads[1] - s.q_heads[0])
-        hidden = hp.n_expert_used * (hp.n_ff_exp - (s.ff_exp_rows[1] - s.ff_exp_rows[0])) if hp.n_expert \
-            else hp.n_ff - (s.ff_rows[1] - s.ff_rows[0])  # (a token's experts' hidden rows, of a mixture)
-        rows = heads * hp.n_embd_head_v + 2 * (hp.n_embd - (s.embd_rows[1] - s.embd_rows[0])) + hidden
-        out.append(4 * (rows * hp.n_layer + (hp.n_embd if i else 0)))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, dense-1b, moe-1b (qwen3moe), "
@@ -292,7 +276,7 @@ def run(args, hosts: list) -> None:
                 with placed(path, [s.endpoint for s in used], mode, args.prompt, tokenized) as (ctx, model, ids):
                     row = measure(ctx, ids, args.tokens)
                     if mode == "tensor":
-                        row["exchanged"] = exchanged_per_token(model)
+                        row["exchanged"] = ctx.exchanged_bytes()
                 if args.streams:
                     row["streams_tps"] = streams(path, [s.endpoint for s in used], mode, args.streams,
                                                  args.stream_tokens)
@@ -316,8 +300,8 @@ def run(args, hosts: list) -> None:
         for label, r in rows.items():
             print(f"{label:<28} {r['streams_tps']:>15.2f} {r['streams_tps'] / base['streams_tps']:>7.2f}")
     ex = rows["two servers, tensor split"]["exchanged"]
-    print("tensor split, bytes each server receives from the other per decoded token: "
-          + ", ".join(f"{b / 1024:.0f} KiB" for b in ex))
+    print("tensor split, bytes each server receives from the others per decoded token: "
+          + ", ".join(f"{b / 1024:.0f} KiB" for b in ex) + " (slices that feed a product in its blocks: Q8_0/Q8_1/Q8_K)")
     if args.rounds > 1:
         spread = {label: max(r["decode_tps"] for r in runs) / min(r["decode_tps"] for r in runs)
                   for label, runs in rounds.items()}

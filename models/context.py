@@ -27,7 +27,7 @@ from pyggml.backend import Backend, tensor_arrays_async
 from .blocks import GraphBuilder, mask_type
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .tensor_split import build_split_graph, local_hparams
+from .tensor_split import build_split_graph, local_hparams, takes_blocks
 
 MAX_CACHED_GRAPHS = 12  # prompt and decode shapes, top-k and whole-row outputs, a server's batch sizes
 MAX_LOG_TOKENS = 1 << 20
@@ -430,7 +430,8 @@ class Context:
         model = self.model
         if model.shards:
             b = build_split_graph(model.arch, self.hp, model.shards, model.shard_weights, self.kv.parts,
-                                  [self._backend_of[s.device] for s in model.shards], **shape)
+                                  [self._backend_of[s.device] for s in model.shards],
+                                  blocks=all(takes_blocks(model.devices[s.device]) for s in model.shards), **shape)
         else:
             b = GraphBuilder(self.hp, model.weights, self.kv, **shape)
             model.arch.build(b)
@@ -439,6 +440,12 @@ class Context:
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return b
+
+    def exchanged_bytes(self) -> list[int] | None:
+        """Split mode tensor: the bytes each device receives from the others in a one-token step
+        (tensor_split.Exchange); None without a tensor split or before such a step was built."""
+        step = next((b for shape, b in self._graphs.items() if shape[0] == 1), None)
+        return list(step.exchange.received) if step is not None and hasattr(step, "exchange") else None
 
     def keep_graphs(self, n: int) -> None:
         """Keep the graphs (and their scheduler partitions) of ``n`` shapes, not fewer than the

@@ -11,9 +11,10 @@ changes the order of the additions, and so the bits.  Here every product is spli
 *output* rows, so each output element is computed by the same kernel over the same K as on one
 device; the slices are then gathered (concatenated) on every device, in device order.  Four
 gathers per layer: the attention's heads before the output projection, the projection's rows,
-the feed-forward's hidden rows before the down projection, and its rows.  The norms and the
-residual stream are computed on every device (replicated), the embedding on the first device
-(the lead).  The output head is split by vocabulary rows and not gathered: the caller reads
+the feed-forward's hidden rows before the down projection, and its rows.  The first and third
+go in the blocks their product quantizes them to anyway (PRODUCT_OF), the others as float32.
+The norms and the residual stream are computed on every device (replicated), the embedding on
+the first device (the lead).  The output head is split by vocabulary rows and not gathered: the caller reads
 each device's logits (or its top k, merged exactly: :meth:`ShardBuilder.results`).
 
 A mixture of experts is divided the same way: every device holds its rows of every expert (gate
@@ -43,6 +44,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pyggml import Graph, Tensor, ops
+from pyggml.backend import DeviceType
+from pyggml.types import Type
 from pyggml.opdefs import VIEW_OPS
 
 from .blocks import GraphBuilder, GraphInputs
@@ -85,10 +88,23 @@ class FileSlice(NamedTuple):
     stride: int = 0
 
 
-def cuts(n: int, weights: list[float]) -> list[Range]:
-    """[first, end) of ``n`` units shared in proportion to ``weights``, every share at least one
-    unit (largest remainders), in order."""
+# Rows of a product are cut in whole eights: llama.cpp repacks a Q4_K matrix of a multiple of 8
+# rows and multiplies it with other kernels than one of other rows (cpu/qmatmul.product_format),
+# so a share of, say, 214 of 640 rows would not give the whole's bits.  The feed-forward's hidden
+# rows are cut in whole 32s, which also makes them whole Q8_0 / Q8_1 blocks on the wire.  (A
+# width that is not a multiple of its unit is cut row by row.)
+ROW_UNIT = 8
+FF_UNIT = 32
+
+
+def cuts(n: int, weights: list[float], unit: int = 1) -> list[Range]:
+    """[first, end) of ``n`` rows shared in proportion to ``weights`` in whole ``unit``s of rows
+    where ``n`` is whole units (else single rows), every share at least one unit (largest
+    remainders), in order."""
     k = len(weights)
+    if unit > 1:
+        whole = n % unit == 0 and n // unit >= k
+        return [(a * unit, b * unit) for a, b in cuts(n // unit, weights)] if whole else cuts(n, weights)
     if n < k:
         raise SplitError(f"{n} units cannot be shared among {k} devices")
     total = sum(weights)
@@ -122,8 +138,8 @@ def plan_tensor_split(hp: HParams, devices: list[int], weights: list[float]) -> 
             if b - a > g:
                 raise SplitError(f"{n} devices cannot share {hp.n_head} query heads in {hp.n_head_kv} groups of {g}")
             q += [(kv * g + x, kv * g + y) for x, y in cuts(g, weights[a:b])]
-    ff, embd, vocab = cuts(hp.n_ff, weights), cuts(hp.n_embd, weights), cuts(hp.n_vocab, weights)
-    ff_exp = cuts(hp.n_ff_exp, weights) if hp.n_expert else [(0, 0)] * n
+    ff, embd, vocab = cuts(hp.n_ff, weights, FF_UNIT), cuts(hp.n_embd, weights, ROW_UNIT), cuts(hp.n_vocab, weights, ROW_UNIT)
+    ff_exp = cuts(hp.n_ff_exp, weights, ROW_UNIT) if hp.n_expert else [(0, 0)] * n
     return [Shard(dev, q[i], (q[i][0] // g, (q[i][1] - 1) // g + 1), ff[i], embd[i], vocab[i], ff_exp[i])
             for i, dev in enumerate(devices)]
 
@@ -177,15 +193,45 @@ def local_hparams(hp: HParams, shard: Shard) -> HParams:
 
 # -- the graph ---------------------------------------------------------------------------------------
 
+# the gathers that a product reads whole, and its weight: sent in the blocks that product
+# quantizes its activations to anyway (ggml's vec_dot_type), where every device's rows are whole
+# blocks - each block is quantized alone, so a device's rows give the bytes of those rows of the
+# whole, and the product takes them as they are (ops.mul_mat).  Q8_0 is 34 bytes per 32 values
+# where float32 is 128.  (An expert's hidden rows go to MUL_MAT_ID, which takes floats only.)
+PRODUCT_OF = {"kqv_out": "attn_output", "ffn_act": "ffn_down"}
+BLOCKS = (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+
+
+def takes_blocks(device) -> bool:
+    """Whether a device's products take activations in blocks (ops.mul_mat) and it joins blocks
+    (ops.concat): our CPU, here or behind our RPC server - not a GPU (its kernels quantize to
+    their own q8_1), nor llama.cpp's server (whose CONCAT takes plain types only)."""
+    conn = getattr(device, "conn", None)
+    return device.get_type() == DeviceType.CPU and (conn is None or conn.pyggml_extensions)
+
+
 @dataclass
 class Exchange:
-    """The slices the builders gather: what each one made, and the placeholders the others took."""
+    """The slices the builders gather: what each one made, the placeholders the others took, and
+    the bytes each device receives in a step.  ``blocks``: slices that feed a product may go in
+    its activations' blocks (PRODUCT_OF; the devices' kernels take them: Context)."""
     shards: list[Shard]
+    blocks: bool = False
     made: list[dict[str, Tensor]] = field(default_factory=list)
     wanted: list[tuple[Tensor, int, str]] = field(default_factory=list)  # (placeholder, shard, key)
+    received: list[int] = field(default_factory=list)  # bytes of the other devices' slices, per device
 
     def __post_init__(self) -> None:
         self.made = [{} for _ in self.shards]
+        self.received = [0] * len(self.shards)
+
+    def wire_type(self, key: str, weight: Tensor | None, hp: HParams) -> Type | None:
+        """The blocks a gathered slice goes in (None: as it is): those its product's weight takes,
+        where every device's rows are whole blocks of them."""
+        kind = weight.type.vec_dot_type if self.blocks and weight is not None else None
+        if kind not in BLOCKS or any(self.rows(key, j, hp) % kind.block_size for j in range(len(self.shards))):
+            return None
+        return kind
 
     def rows(self, key: str, j: int, hp: HParams) -> int:
         s = self.shards[j]
@@ -200,9 +246,10 @@ class Exchange:
             return s.embd_rows[1] - s.embd_rows[0]
         raise KeyError(key)
 
-    def placeholder(self, like: Tensor, j: int, key: str, rows: int) -> Tensor:
+    def placeholder(self, like: Tensor, j: int, key: str, rows: int, reader: int) -> Tensor:
         t = Tensor(like.type, (rows, *like.ne[1:]), name=f"{key}@{j}")
         self.wanted.append((t, j, key))
+        self.received[reader] += t.nbytes()
         return t
 
 
@@ -223,10 +270,13 @@ class ShardBuilder(GraphBuilder):
     def gathered(self, t: Tensor, name: str, il: int | None = None) -> Tensor:
         key = f"{name}-{il}"
         ex = self.exchange
+        kind = ex.wire_type(key, self.w(f"{PRODUCT_OF[name]}.weight", il), self.global_hp) if name in PRODUCT_OF else None
+        if kind is not None:
+            t = self.cb(ops.cast(t, kind), f"{name}_{kind.name.lower()}", il)
         ex.made[self.index][key] = t
         out = None
         for j in range(len(ex.shards)):
-            part = t if j == self.index else ex.placeholder(t, j, key, ex.rows(key, j, self.global_hp))
+            part = t if j == self.index else ex.placeholder(t, j, key, ex.rows(key, j, self.global_hp), self.index)
             out = part if out is None else ops.concat(out, part, 0)
         return self.cb(out, f"{name}_all", il)
 
@@ -237,6 +287,7 @@ class ShardBuilder(GraphBuilder):
             return t
         t = Tensor(self.exchange.made[0]["inp_embd"].type, (self.hp.n_embd, self.n_tokens), name="inp_embd@0")
         self.exchange.wanted.append((t, 0, "inp_embd"))
+        self.exchange.received[self.index] += t.nbytes()
         return t
 
     @property
@@ -332,12 +383,13 @@ def merge_by_stage(orders: list[list[Tensor]], owner: dict[int, int]) -> list[Te
 
 
 def build_split_graph(arch, hp: HParams, shards: list[Shard], weights: list[dict[str, Tensor]], kv: list,
-                      backend_of: list[int], **shape) -> GraphBuilder:
+                      backend_of: list[int], blocks: bool = False, **shape) -> GraphBuilder:
     """The one graph of a step over every shard: the lead's builder (its inputs are the graph's,
     its outputs the step's), with ``graph`` holding every device's nodes, ordered by exchange
     and device, and ``graph.pinned`` naming each node's scheduler backend (``backend_of[i]``
-    for shard i)."""
-    ex = Exchange(shards)
+    for shard i); ``exchange`` its Exchange.  ``blocks``: the devices' products take activations
+    in blocks (Exchange)."""
+    ex = Exchange(shards, blocks)
     builders = []
     shared: GraphInputs | None = None
     for i, shard in enumerate(shards):

@@ -195,6 +195,11 @@ def rope_ext(a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, m
 def mul_mat(a: Tensor, b: Tensor, runs: Tensor | None = None) -> Tensor:
     """a: [K, M, ...] (weights, any type), b: [K, N, ...] -> [M, N, ...] F32; b broadcasts a.
 
+    b may also be in the weights' ``vec_dot_type`` already, as ggml allows: the product then
+    takes its blocks as they are instead of converting b's rows.  Q8_0, Q8_1 or Q8_K (of the
+    quantized weight types): what a tensor split sends between devices (models/tensor_split.py),
+    rows a device quantized giving the bytes the whole would have.
+
     ``runs`` (pyggml's, not ggml's): I32 [n_runs + 1], the first column of each run of b's
     columns and N last.  Each run is multiplied as a product of its columns alone would be:
     ggml's kernels for a batch depend on its number of columns (their roundings too), so a
@@ -204,7 +209,9 @@ def mul_mat(a: Tensor, b: Tensor, runs: Tensor | None = None) -> Tensor:
     _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, "MUL_MAT",
            "a's batch dims must divide b's", a, b)
     _check(not (a.nb[0] > a.nb[1]), "MUL_MAT", "first operand must not be transposed", a, b)
-    _check(_is_float(b), "MUL_MAT", "second operand must be a float tensor", a, b)
+    _check(_is_float(b) or (b.type == a.type.vec_dot_type in (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+                            and b.nb[0] == b.type.type_size), "MUL_MAT",
+           "second operand must be a float tensor, or in the blocks the weights' products take", a, b)
     if runs is None:
         return _result(Op.MUL_MAT, Type.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
     _check(runs.type == Type.I32 and runs.ne[0] >= 2 and runs.ne[1:] == (1, 1, 1) and runs.nb[0] == 4, "MUL_MAT",
@@ -246,6 +253,16 @@ def cpy(a: Tensor, b: Tensor) -> Tensor:
     _check(a.nelements() == b.nelements(), "CPY", "element counts differ", a, b)
     t = Tensor(b.type, b.ne, b.nb, op=Op.CPY, src=[a, b], view_src=b.data_root(), view_offs=_offs(b))
     t.name = f"{b.name} (copy of {a.name})" if b.name else ""
+    return t
+
+
+def cast(a: Tensor, type: Type) -> Tensor:
+    """a's values converted to ``type`` in a new tensor (ggml_cast: a CPY, whose destination
+    ggml makes the result itself, src[1]; here the CPY has that one source).  F32 to Q8_0, Q8_1
+    or Q8_K is ggml's CPU ``from_float``, the quantization its products give their activations."""
+    _check(a.ne[0] % type.block_size == 0, "CPY", f"rows of {a.ne[0]} cannot be cut into {type.name} blocks", a)
+    t = _result(Op.CPY, type, a.ne, [a])
+    t.name = f"{a.name} ({type.name})" if a.name else ""
     return t
 
 
@@ -298,6 +315,8 @@ def transpose(a: Tensor) -> Tensor:
 
 
 def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """a and b joined along ``dim``.  Of any type: rows of a quantized type are whole blocks, so
+    joining them along dim 0 joins their bytes (ggml's CPU concat takes plain types only)."""
     _check(0 <= dim < MAX_DIMS, "CONCAT", f"dim {dim} out of range", a, b)
     _check(a.type == b.type, "CONCAT", "types differ", a, b)
     _check(all(a.ne[i] == b.ne[i] for i in range(MAX_DIMS) if i != dim), "CONCAT",

@@ -55,6 +55,13 @@ class Type(enum.IntEnum):
         return self.is_quantized or self == Type.F16
 
     @property
+    def vec_dot_type(self) -> Type:
+        """The form a product with weights of this type takes its activations in (ggml's
+        type_traits_cpu ``vec_dot_type``): every activation row is converted to it first, and
+        a MUL_MAT whose second operand is already of it takes that operand as it is."""
+        return _VEC_DOT.get(self, Type.F32)
+
+    @property
     def np_dtype(self) -> np.dtype | None:
         """numpy dtype of one element, or None for block-quantized types."""
         return _PLAIN_DTYPES.get(self)
@@ -93,6 +100,14 @@ _TRAITS: dict[Type, tuple[int, int]] = {
     Type.IQ4_NL: (32, 2 + 16),
     Type.IQ4_XS: (QK_K, 2 + 2 + 4 + 128),
     Type.MXFP4: (32, 1 + 16),
+}
+
+_VEC_DOT: dict[Type, Type] = {
+    Type.Q4_0: Type.Q8_0, Type.Q5_0: Type.Q8_0, Type.Q8_0: Type.Q8_0, Type.IQ4_NL: Type.Q8_0, Type.MXFP4: Type.Q8_0,
+    Type.Q4_1: Type.Q8_1, Type.Q5_1: Type.Q8_1,
+    Type.Q2_K: Type.Q8_K, Type.Q3_K: Type.Q8_K, Type.Q4_K: Type.Q8_K, Type.Q5_K: Type.Q8_K, Type.Q6_K: Type.Q8_K,
+    Type.IQ4_XS: Type.Q8_K,
+    Type.F16: Type.F16,
 }
 
 _PLAIN_DTYPES: dict[Type, np.dtype] = {

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import lz4.block
 import numpy as np
 
-PROTOCOL_VERSION = 6  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other;
-                      # 5: devices tell their measured speed (DEVICE_INFO); 6: ggml 7.0.0's op numbers
+PROTOCOL_VERSION = 7  # 3: our own framing over TCP (ZeroMQ before); 4: servers pass tensors to each other;
+                      # 5: devices tell their measured speed (DEVICE_INFO); 6: ggml 7.0.0's op numbers;
+                      # 7: activations in blocks (MUL_MAT's second operand, CONCAT, a CPY of one source)
 MAGIC = b"PYGM"
 
 

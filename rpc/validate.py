@@ -102,6 +102,11 @@ def _binary(op: Op) -> Callable[[Tensor], Tensor]:
     return lambda n: ops._binary(op, n.src[0], n.src[1])
 
 
+def _copies_into(n: Tensor) -> bool:
+    """A CPY into its second source (ops.cpy), not one whose result is a tensor of its own (ops.cast)."""
+    return len(n.src) > 1 and n.src[1] is not None
+
+
 REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.ADD: _binary(Op.ADD),
     Op.SUB: _binary(Op.SUB),
@@ -119,7 +124,7 @@ REBUILD: dict[Op, Callable[[Tensor], Tensor]] = {
     Op.MUL_MAT: lambda n: ops.mul_mat(n.src[0], n.src[1], n.src[2] if len(n.src) > 2 else None),
     Op.GET_ROWS: lambda n: ops.get_rows(n.src[0], n.src[1]),
     Op.SET_ROWS: lambda n: ops.set_rows(n.src[2], n.src[0], n.src[1]),
-    Op.CPY: lambda n: ops.cpy(n.src[0], n.src[1]),
+    Op.CPY: lambda n: ops.cpy(n.src[0], n.src[1]) if _copies_into(n) else ops.cast(n.src[0], n.type),
     Op.CONT: lambda n: ops.cont(n.src[0], *n.ne),
     Op.DUP: lambda n: ops.cont(n.src[0], *n.ne),
     Op.CONCAT: lambda n: ops.concat(n.src[0], n.src[1], *ConcatParams.of(n).values()),
@@ -154,7 +159,7 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
                             f"{want.type.name}{list(want.ne)}")
     if not np.array_equal(want.op_params, node.op_params):  # slots its op's record does not use are 0
         raise ProtocolError(f"{label}: op parameters {node.op_params.tolist()} are not ones the op builds")
-    if node.op in (Op.SET_ROWS, Op.CPY):  # the result is the destination itself
+    if node.op == Op.SET_ROWS or (node.op == Op.CPY and _copies_into(node)):  # the result is the destination itself
         dst = node.src[2] if node.op == Op.SET_ROWS else node.src[1]
         if node.buffer is not dst.buffer or node.offset != dst.offset or node.nb != dst.nb:
             raise ProtocolError(f"{label}: the result must be its destination tensor")

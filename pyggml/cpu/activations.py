@@ -24,7 +24,7 @@ from numba import carray, njit
 from .kinds import Act
 from .parts import LAYERS, part, sample_x
 from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, run_calls, serial_call
-from .simd import KERNEL, pointer, round_f16
+from .simd import KERNEL, f16_bits, half_to_float, pointer, round_f16
 
 
 @njit(inline="always", **KERNEL)
@@ -92,6 +92,139 @@ def quantize_q8(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np
 def quantize_q8_serial(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray) -> None:
     """quantize_q8 in this thread: for a row or two, less than waking the others."""
     run_calls([quantize_call(x, kind, yq, yd, ys)])
+
+
+# -- the activations as blocks: what a tensor split sends between devices ---------------------
+# ggml's CPU quantizes each activation row block by block (from_float) before a product, so a
+# device's rows of an activation, quantized alone, are the bytes of those rows of the whole.
+# models/tensor_split.py sends those (ops.cast), and the product takes them as they are
+# (ops.mul_mat's second operand in its vec_dot type).  Their bytes, as ggml's block structs:
+#   Q8_0 (34 bytes per 32):  d F16, q int8[32]
+#   Q8_1 (36 bytes per 32):  d F16, s F16 (= d * sum q), q int8[32]
+#   Q8_K (292 bytes per 256): d F32, q int8[256], bsums int16[16] (sums of q per 16)
+# Every field lies on its own width's boundary (a block's size is a multiple of it), so a
+# kernel views a row's bytes as uint16 / float32 / int16 arrays as well.
+BLOCK_BYTES = {Act.Q8_0: 34, Act.Q8_1: 36, Act.Q8_K: 292}
+
+
+def _pack_rows(start, end, x_at, k, out_at, kind, i4, i5, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of F32 x [rows, k] as blocks of ``kind`` (uint8 [rows, row bytes]): the
+    integers, scales and sums quantize_q8 gives a product, as ggml stores them."""
+    block = 256 if kind == Act.Q8_K else 32
+    size = 292 if kind == Act.Q8_K else 36 if kind == Act.Q8_1 else 34
+    blocks = k // block
+    x = carray(pointer(x_at, np.float32), (end, k))
+    out = carray(pointer(out_at, np.uint8), (end, blocks * size))
+    halves = carray(pointer(out_at, np.uint16), (end, blocks * size // 2))
+    yq = np.empty((1, k), dtype=np.float32)
+    yd = np.empty((1, blocks), dtype=np.float32)
+    ys = np.empty((1, k // 16 if kind == Act.Q8_K else blocks), dtype=np.float32)
+    for r in range(start, end):
+        _quantize_row(x[r:r + 1], 0, kind, yq, yd, ys)
+        for b in range(blocks):
+            at = b * size
+            if kind == Act.Q8_K:
+                carray(pointer(out_at, np.float32), (end, blocks * size // 4))[r, at // 4] = yd[0, b]
+                sums = carray(pointer(out_at, np.int16), (end, blocks * size // 2))
+                for j in range(16):
+                    sums[r, (at + 4 + 256) // 2 + j] = np.int16(ys[0, b * 16 + j])
+                first = at + 4
+            else:
+                halves[r, at // 2] = f16_bits(yd[0, b])
+                if kind == Act.Q8_1:
+                    halves[r, at // 2 + 1] = f16_bits(ys[0, b])
+                first = at + (4 if kind == Act.Q8_1 else 2)
+            for i in range(block):
+                out[r, first + i] = np.uint8(np.int32(yq[0, b * block + i]) & 0xFF)
+
+
+def _unpack_rows(start, end, q_at, k, yq_at, yd_at, ys_at, kind, i6, i7, i8, i9, f0, f1):
+    """Rows start..end of blocks of ``kind`` (uint8 [rows, row bytes]) as quantize_q8's arrays:
+    what it gives for the values the blocks were made from."""
+    block = 256 if kind == Act.Q8_K else 32
+    size = 292 if kind == Act.Q8_K else 36 if kind == Act.Q8_1 else 34
+    blocks = k // block
+    q = carray(pointer(q_at, np.int8), (end, blocks * size))
+    halves = carray(pointer(q_at, np.uint16), (end, blocks * size // 2))
+    yq = carray(pointer(yq_at, np.float32), (end, k))
+    yd = carray(pointer(yd_at, np.float32), (end, blocks))
+    ys = carray(pointer(ys_at, np.float32), (end, k // 16 if kind == Act.Q8_K else blocks))
+    for r in range(start, end):
+        for b in range(blocks):
+            at = b * size
+            if kind == Act.Q8_K:
+                yd[r, b] = carray(pointer(q_at, np.float32), (end, blocks * size // 4))[r, at // 4]
+                sums = carray(pointer(q_at, np.int16), (end, blocks * size // 2))
+                for j in range(16):
+                    ys[r, b * 16 + j] = np.float32(sums[r, (at + 4 + 256) // 2 + j])
+                first = at + 4
+            else:
+                yd[r, b] = half_to_float(halves[r, at // 2])
+                first = at + (4 if kind == Act.Q8_1 else 2)
+            qsum = np.float32(0.0)
+            for i in range(block):
+                v = np.float32(q[r, first + i])
+                qsum += v
+                yq[r, b * block + i] = v
+            if kind == Act.Q8_1:
+                ys[r, b] = half_to_float(halves[r, at // 2 + 1])
+            elif kind == Act.Q8_0:
+                ys[r, b] = qsum
+
+
+PackArgs = row_args(_pack_rows)
+UnpackArgs = row_args(_unpack_rows)
+
+
+@functools.cache
+def pack_rows_at() -> int:
+    return row_kernel(_pack_rows)
+
+
+@functools.cache
+def unpack_rows_at() -> int:
+    return row_kernel(_unpack_rows)
+
+
+def block_row_bytes(k: int, kind: int) -> int:
+    return k // (256 if kind == Act.Q8_K else 32) * BLOCK_BYTES[Act(kind)]
+
+
+def pack_call(x: np.ndarray, kind: int, out: np.ndarray, threads: bool = False) -> RowCall:
+    """F32 rows x [N, K] into blocks of ``kind`` (Q8_0, Q8_1 or Q8_K) ``out`` (uint8 [N, row
+    bytes]), as a call."""
+    if not (x.ndim == 2 and c_rows(np.float32, x) and c_rows(np.uint8, out) and kind in BLOCK_BYTES
+            and x.shape[1] % (256 if kind == Act.Q8_K else 32) == 0 and out.shape == (x.shape[0], block_row_bytes(x.shape[1], kind))):
+        raise ValueError("pack: x must be C-contiguous float32 rows of whole blocks, out their uint8 blocks")
+    return (rows_call if threads else serial_call)(
+        pack_rows_at(), x.shape[0], PackArgs(x_at=address_of(x), k=x.shape[1], out_at=address_of(out), kind=int(kind)))
+
+
+def unpack_call(q: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray, ys: np.ndarray, threads: bool = False) -> RowCall:
+    """Blocks of ``kind`` q (uint8 [N, row bytes]) into quantize_q8's arrays, as a call."""
+    n, k = yq.shape
+    if not (kind in BLOCK_BYTES and c_rows(np.uint8, q) and c_rows(np.float32, yq, yd, ys)
+            and q.shape == (n, block_row_bytes(k, kind)) and (yq.shape, yd.shape, ys.shape) == activation_shapes(n, k, kind)):
+        raise ValueError("unpack: q must be C-contiguous blocks, yq, yd and ys of activation_arrays' shapes")
+    return (rows_call if threads else serial_call)(
+        unpack_rows_at(), n, UnpackArgs(q_at=address_of(q), k=k, yq_at=address_of(yq), yd_at=address_of(yd),
+                                        ys_at=address_of(ys), kind=int(kind)))
+
+
+def pack(x: np.ndarray, kind: int) -> np.ndarray:
+    """F32 rows [N, K] as blocks of ``kind`` (uint8 [N, row bytes]), as a product would quantize them."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], block_row_bytes(x.shape[1], kind)), dtype=np.uint8)
+    run_calls([pack_call(x, kind, out, threads=x.shape[0] > SERIAL_ROWS)])
+    return out
+
+
+def unpack(q: np.ndarray, k: int, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of ``kind`` (uint8 [N, row bytes]) as quantize_q8's (integers, scales, sums)."""
+    q = np.ascontiguousarray(q, dtype=np.uint8)
+    yq, yd, ys = activation_arrays(q.shape[0], k, kind)
+    run_calls([unpack_call(q, kind, yq, yd, ys, threads=q.shape[0] > SERIAL_ROWS)])
+    return yq, yd, ys
 
 
 SERIAL_ROWS = 2  # activations of up to this many rows are quantized in the calling thread

@@ -64,13 +64,7 @@ class Fmt(enum.IntEnum):
     MXFP4 = 13         # gpt-oss's experts: E2M1 codes, an E8M0 scale per 32
 
 
-VEC_DOT = {
-    Type.Q4_0: Act.Q8_0, Type.Q5_0: Act.Q8_0, Type.Q8_0: Act.Q8_0, Type.IQ4_NL: Act.Q8_0, Type.MXFP4: Act.Q8_0,
-    Type.Q4_1: Act.Q8_1, Type.Q5_1: Act.Q8_1,
-    Type.Q2_K: Act.Q8_K, Type.Q3_K: Act.Q8_K, Type.Q4_K: Act.Q8_K, Type.Q5_K: Act.Q8_K, Type.Q6_K: Act.Q8_K,
-    Type.IQ4_XS: Act.Q8_K,
-    Type.F16: Act.F16,
-}
+VEC_DOT = {t: Act[t.vec_dot_type.name] for t in Type if t.vec_dot_type != Type.F32}
 """The activations' form for each weight type's product (the others: F32)."""
 
 DECODER = {Type[d.name]: d for d in Dec}

@@ -50,6 +50,9 @@ def supports(node: Tensor) -> bool:
     writable = (*PLAIN, Type.I32, *((Type.Q8_0,) if node.op in (Op.CPY, Op.DUP, Op.CONT) else ()))
     if not (all(s is None or s.type in readable for s in node.src) and node.type in writable):
         return False
+    if node.op in (Op.MUL_MAT, Op.MUL_MAT_ID) and len(node.src) > 1 and node.src[1] is not None \
+            and node.src[1].type not in PLAIN:
+        return False  # (activations already in blocks: the CPU's; these kernels quantize to q8_1)
     if node.op == Op.UNARY:  # (a bare probe's zero parameters are ABS)
         try:
             return UnaryParams.of(node).op in UNARY

@@ -225,3 +225,44 @@ def test_products_a_column_at_a_time_give_the_tiled_bits_and_take_the_tiled_rows
         table()  # the same calls, now the tiled rows
         assert np.array_equal(out, tiled), (qtype.name, runs.tolist())
         assert qdot.product_calls(fmt, raw, *acts, yb, out, runs)[-1].form == PRODUCT
+
+
+BLOCK_WEIGHTS = [Type.Q4_0, Type.Q5_0, Type.Q8_0, Type.Q4_1, Type.Q5_1, Type.Q4_K, Type.Q5_K, Type.Q6_K]
+
+
+@pytest.mark.parametrize("n_cols", [1, 3, 12], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("qtype", BLOCK_WEIGHTS, ids=lambda t: t.name)
+def test_activations_sent_in_blocks_give_the_products_bits(qtype, n_cols):
+    """A tensor split's gather (models/tensor_split.py): each device quantizes its rows of an
+    activation to the weights' vec_dot type alone (ops.cast), the blocks are joined (ops.concat)
+    and the product takes them as they are - bit for bit the product of the float activation,
+    with runs of columns too; a cast is ggml's from_float, the blocks ggml's layout."""
+    k, m = 512, 40  # (40 rows: Q4_K's repacked kernels)
+    w, _, _ = weight(qtype, m, k, seed=3)
+    kind = qtype.vec_dot_type
+    xv = np.random.default_rng(2).standard_normal((n_cols, k)).astype(np.float32)
+    xv[:, :32] *= 1e-3  # blocks of very different scales
+    x = pg.new_tensor(Type.F32, (k, n_cols), "x").set_input()
+    want = run_graph(ops.mul_mat(w, x), {x: xv})
+    halves = [pg.new_tensor(Type.F32, (k // 2, n_cols), f"x{i}").set_input() for i in range(2)]
+    blocks = ops.concat(ops.cast(halves[0], kind), ops.cast(halves[1], kind), 0)
+    assert blocks.type == kind and blocks.ne[:2] == (k, n_cols)
+    got = run_graph(ops.mul_mat(w, blocks), {halves[0]: xv[:, :k // 2], halves[1]: xv[:, k // 2:]})
+    assert np.array_equal(got, want)
+    runs = pg.new_tensor(Type.I32, (3,), "runs").set_input()
+    cast = ops.cast(x, kind)
+    split = run_graph(ops.mul_mat(w, cast, runs), {x: xv, runs: np.array([0, n_cols // 2, n_cols], np.int32)})
+    assert np.array_equal(split, run_graph(ops.mul_mat(w, x, runs), {x: xv, runs: np.array([0, n_cols // 2, n_cols], np.int32)}))
+    # the blocks are ggml's: its own dequantization reads them back to within a block's step
+    values = run_graph(ops.cast(cast, Type.F32), {x: xv})[0, 0]
+    assert np.abs(values - xv).max() <= np.abs(xv).max() / 127
+
+
+def test_a_product_takes_only_its_own_blocks():
+    w, _, _ = weight(Type.Q4_K, 8, 256, seed=1)
+    x = pg.new_tensor(Type.F32, (256, 2), "x")
+    with pytest.raises(ValueError, match="blocks the weights' products take"):
+        ops.mul_mat(w, ops.cast(x, Type.Q8_0))  # Q4_K's products take Q8_K
+    ops.mul_mat(w, ops.cast(x, Type.Q8_K))
+    with pytest.raises(ValueError, match="cannot be cut into Q8_K blocks"):
+        ops.cast(pg.new_tensor(Type.F32, (96, 2), "y"), Type.Q8_K)

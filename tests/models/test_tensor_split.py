@@ -32,6 +32,11 @@ def test_cuts_share_in_proportion_and_give_everyone_one():
     assert cuts(3, [3, 1]) == [(0, 2), (2, 3)]
     assert cuts(4, [100, 1, 1]) == [(0, 2), (2, 3), (3, 4)]  # at least one each, however small the share
     assert cuts(1536, [3, 1]) == [(0, 1152), (1152, 1536)]
+    # in whole units where the rows are whole units (Q4_K's repacked eights; the hidden rows'
+    # 32s), row by row where they are not
+    assert cuts(640, [1, 1, 1], 8) == [(0, 216), (216, 432), (432, 640)]
+    assert cuts(2048, [1, 1, 1], 32) == [(0, 704), (704, 1376), (1376, 2048)]
+    assert cuts(20, [1, 1], 8) == [(0, 10), (10, 20)]
     with pytest.raises(SplitError, match="2 units cannot be shared among 3"):
         cuts(2, [1, 1, 1])
 
@@ -45,7 +50,8 @@ def test_heads_split_on_whole_groups_or_share_a_kv_head():
     # Gemma 3 270M: 4 query heads and one KV head - every device holds it
     gemma = plan_tensor_split(hparams(4, 1, 640, 2048), [0, 1, 2], [1, 1, 1])
     assert [(s.q_heads, s.kv_heads) for s in gemma] == [((0, 2), (0, 1)), ((2, 3), (0, 1)), ((3, 4), (0, 1))]
-    assert [s.ff_rows for s in gemma] == [(0, 683), (683, 1366), (1366, 2048)]
+    assert [s.ff_rows for s in gemma] == [(0, 704), (704, 1376), (1376, 2048)]
+    assert [s.embd_rows for s in gemma] == [(0, 216), (216, 432), (432, 640)]
     with pytest.raises(SplitError, match="cannot share 4 query heads"):
         plan_tensor_split(hparams(4, 1, 640, 2048), list(range(5)), [1.0] * 5)
     # a mixture of experts: every expert's hidden rows, in the same shares
@@ -90,6 +96,40 @@ def test_a_stack_of_experts_is_cut_in_one_piece_per_expert():
     assert part.ne[0] == 3 and where == FileSlice(sinks.name, 8, 12)
 
 
+def decode_step(m: pg.Model):
+    """The split graph of a one-token step that the model's context built."""
+    return next(b for shape, b in m.context._graphs.items() if shape[0] == 1)
+
+
+def wire_bytes(hp, shard, blocks: dict[str, pg.Type]) -> int:
+    """What a device that is not the lead receives per token, reckoned from the shapes: the
+    other devices' rows of each gathered slice (in ``blocks``' type where given, else float32),
+    and the embedding's row."""
+    def size(kind: str, rows: int) -> int:
+        t = blocks.get(kind, pg.Type.F32)
+        return rows // t.block_size * t.type_size
+    heads = (hp.n_head - (shard.q_heads[1] - shard.q_heads[0])) * hp.n_embd_head_v
+    ff = hp.n_ff - (shard.ff_rows[1] - shard.ff_rows[0])
+    embd = hp.n_embd - (shard.embd_rows[1] - shard.embd_rows[0])
+    return hp.n_layer * (size("kqv_out", heads) + size("ffn_act", ff) + 2 * size("", embd)) + 4 * hp.n_embd
+
+
+def assert_sent_in_blocks(m: pg.Model, expect_blocks: set[str]) -> None:
+    """The slices that feed a product (``expect_blocks``: which of kqv_out, ffn_act) go in the
+    blocks that product's weight quantizes them to, the others as float32, and a device
+    receives the bytes the shapes give."""
+    step, weights, hp = decode_step(m), m.model.shard_weights[0], m.model.hp
+    sent = {key: t.type for t, _, key in step.exchange.wanted}
+    reads = {"kqv_out": "attn_output", "ffn_act": "ffn_down"}
+    for il in range(hp.n_layer):
+        for kind, product in reads.items():
+            want = weights[f"blk.{il}.{product}.weight"].type.vec_dot_type if kind in expect_blocks else pg.Type.F32
+            assert sent[f"{kind}-{il}"] == want, (kind, il)
+        assert sent[f"attn_out-{il}"] == sent[f"ffn_out-{il}"] == pg.Type.F32
+    blocks = {kind: weights[f"blk.0.{reads[kind]}.weight"].type.vec_dot_type for kind in expect_blocks}
+    assert m.context.exchanged_bytes()[1] == wire_bytes(hp, m.model.shards[1], blocks)
+
+
 @pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
 def test_two_servers_give_the_local_logits_and_text(alias, rpc_pair):
     local = shared_model(alias)
@@ -114,6 +154,9 @@ def test_two_servers_give_the_local_logits_and_text(alias, rpc_pair):
             tops.append(model.context.eval_prefix(ids, n_top=40, hist=hist))
         for part in ("ids", "values", "hist_values"):
             assert np.array_equal(getattr(tops[0], part), getattr(tops[1], part)), part
+        # the heads' outputs and the hidden rows went in the blocks their products take
+        # (SmolLM2's Q4_1: Q8_1; Gemma's K-quants: Q8_K), the logits above bit-identical
+        assert_sent_in_blocks(m, {"kqv_out", "ffn_act"})
 
 
 def test_three_servers_and_uneven_shares(rpc_pair, start_server):
@@ -130,6 +173,18 @@ def test_three_servers_and_uneven_shares(rpc_pair, start_server):
                   progress=False) as m:
         assert [s.ff_rows for s in m.model.shards] == [(0, 1152), (1152, 1536)]
         assert np.array_equal(m.logits(ids), want)
+    # Gemma 3 over three: four query heads over one KV head (2, 1, 1 of them, each a whole Q8_K
+    # block of 256 values), its 2048 hidden rows as 704, 672 and 672 - not whole Q8_K blocks, so
+    # those go as float32; its 640 rows of the projections in eights (216, 216, 208: Q4_K's
+    # repacked kernels, as the whole's)
+    gemma, ids = shared_model("gemma3-270m"), prompt_ids("gemma3-270m")
+    with pg.Model("gemma3-270m", n_ctx=256, rpc=endpoints, split_mode="tensor", progress=False) as m:
+        assert [s.ff_rows for s in m.model.shards] == [(0, 704), (704, 1376), (1376, 2048)]
+        assert np.array_equal(m.logits(ids), gemma.logits(ids))
+        m.context.clear()
+        m.context.decode(ids[:4])
+        m.context.decode([ids[4]])
+        assert_sent_in_blocks(m, {"kqv_out"})
 
 
 def test_failover_mid_generation_gives_the_same_text(start_server, caplog):

@@ -8,6 +8,8 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import Type
+from ..activations import BLOCK_BYTES, pack
+from ..kinds import Act
 from ..buffer import tensor_rows, tensor_view
 from ..qdecode import F16_TABLE, f16_values
 
@@ -58,6 +60,13 @@ def writer(dst: Tensor) -> Callable[[np.ndarray], None]:
             view[...] = x.reshape(shape)
         return write
     rows, qtype = tensor_rows(dst), dst.type
+    if Act.__members__.get(qtype.name) in BLOCK_BYTES:
+        # Q8_0, Q8_1, Q8_K: ggml's CPU from_float, what its products make of their activations
+        kind = Act[qtype.name]
+
+        def write_activations(x: np.ndarray) -> None:
+            rows[...] = pack(np.asarray(x, dtype=f32).reshape(-1, dst.ne[0]), kind).reshape(rows.shape)
+        return write_activations
 
     def write_quantized(x: np.ndarray) -> None:
         rows[...] = quants.quantize(np.ascontiguousarray(x, dtype=f32).reshape(shape), qtype)

@@ -9,7 +9,9 @@ import numpy as np
 from ...opdefs import (ClampParams, ConcatParams, GluOp, GluParams, ScaleParams, UnaryOp, UnaryParams)
 from ...tensor import Tensor
 from .. import nn
-from ..buffer import tensor_view
+from ..activations import BLOCK_BYTES, SERIAL_ROWS, pack_call
+from ..kinds import Act
+from ..buffer import tensor_rows, tensor_view
 from ..parts import GATES, part
 from ..plan import TableStep
 from ..rows import RowCall
@@ -162,12 +164,20 @@ def bind_cpy(node: Tensor, shared: dict) -> Step:
         if flat is not None and np.may_share_memory(flat, view):  # a view of the source, not a copy of it now
             return lambda: out.__setitem__(Ellipsis, flat)
         return lambda: out.__setitem__(Ellipsis, np.ascontiguousarray(view).reshape(shape))
+    x_rows = _row_view(src)
+    kind = Act.__members__.get(node.type.name)
+    if kind in BLOCK_BYTES and x_rows is not None and node.is_contiguous():  # (ops.cast: a tensor split's slice)
+        blocks = tensor_rows(node).reshape(x_rows.shape[0], -1)
+        return TableStep(lambda: [pack_call(x_rows, kind, blocks, threads=x_rows.shape[0] > SERIAL_ROWS)])
     x, write = reader(src), writer(node)
     return lambda: write(x())
 
 
 def bind_concat(node: Tensor, shared: dict) -> Step:
     axis = 3 - ConcatParams.of(node).dim
+    if node.type.is_quantized:  # whole blocks: their bytes joined (ops.concat)
+        qa, qb, q_out = tensor_rows(node.src[0]), tensor_rows(node.src[1]), tensor_rows(node)
+        return lambda: q_out.__setitem__(Ellipsis, np.concatenate([qa, qb], axis=axis))
     a, b, out = reader(node.src[0]), reader(node.src[1]), tensor_view(node)
     return lambda: out.__setitem__(Ellipsis, np.concatenate([a(), b()], axis=axis))
 

@@ -8,7 +8,7 @@ import numpy as np
 from ...tensor import Tensor
 from ...types import Type
 from ..buffer import tensor_rows, tensor_view
-from ..activations import SERIAL_ROWS, activation_shapes, quantize_call
+from ..activations import SERIAL_ROWS, activation_shapes, quantize_call, unpack, unpack_call
 from ..plan import ArrayPool, TableStep
 from ..qdot import activation_bytes_width, exact_quant_matmul_id, lane_sums, product_calls
 from ..qmatmul import Layout, ProductStep, QuantProduct, choose_product, frozen, whole
@@ -25,10 +25,27 @@ def float_rows(t: Tensor) -> np.ndarray:
     return tensor_view(t).reshape(-1, t.ne[0])
 
 
+def in_blocks(t: Tensor) -> bool:
+    """Whether t holds activations already in a product's form (Q8_0, Q8_1, Q8_K: ops.mul_mat)."""
+    return t.type in (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+
+
+def block_rows(t: Tensor) -> np.ndarray:
+    """Activations in blocks (in_blocks) as rows [rows, row_bytes] when their rows lie one after
+    another, else an empty array."""
+    if not in_blocks(t) or not t.is_contiguous():
+        return np.empty((0, 0), dtype=np.uint8)
+    return tensor_rows(t).reshape(-1, t.row_size())
+
+
 def _shared_activations(shared: dict, b: Tensor, product: QuantProduct, x: Read) -> Callable[[], object]:
     """The activations of b for ``product``, converted once per step for every product of the
-    plan that reads b in the same form."""
+    plan that reads b in the same form: taken from b's blocks where b already is in it."""
     width = b.ne[0]
+    if in_blocks(b) and product.exact:
+        rows, kind = tensor_rows(b), product.kind
+        return _shared_value(shared, ("activations", id(b), product.activation_key),
+                             lambda: unpack(rows.reshape(-1, rows.shape[-1]), width, kind))
     return _shared_value(shared, ("activations", id(b), product.activation_key),
                          lambda: product.activations(x().reshape(-1, width)))
 
@@ -57,8 +74,8 @@ def quant_table_step(shared: dict, product: QuantProduct, node: Tensor, b: Tenso
     plan's (plan.ArrayPool) that the others read; the activations' bytes; the rows; then
     ``then(out)``'s calls.  None where the calls cannot take it (other weights, b not rows one
     after another, runs computed in the graph)."""
-    x = float_rows(b)
-    n_cols, k = x.shape
+    x, blocks = float_rows(b), block_rows(b)
+    n_cols, k = (blocks.shape[0], b.ne[0]) if in_blocks(b) else x.shape
     if not (product.exact and product.m_rows > 0 and n_cols > 0 and product.qtype.row_size(k) == product.w.shape[1]):
         return None
     pool = shared.setdefault("activation pool", ArrayPool())
@@ -71,7 +88,9 @@ def quant_table_step(shared: dict, product: QuantProduct, node: Tensor, b: Tenso
 
     def calls() -> list[RowCall]:
         (yq, yd, ys), (y_bytes,), result = acts(), yb(), out()
-        quantize = [quantize_call(x, product.kind, yq, yd, ys, threads=n_cols > SERIAL_ROWS)] if quantizes else []
+        convert = unpack_call(blocks, product.kind, yq, yd, ys, threads=n_cols > SERIAL_ROWS) if in_blocks(b) else \
+            quantize_call(x, product.kind, yq, yd, ys, threads=n_cols > SERIAL_ROWS)
+        quantize = [convert] if quantizes else []
         return [*quantize, *product_calls(product.fmt, product.w, yq, yd, ys, y_bytes, result, runs),
                 *(then(result) if then is not None else [])]
     return TableStep(calls, prepare, reads=(runs_t,) if runs_t is not None else (), hold=(pool, x, product, hold))
@@ -100,7 +119,8 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
     runs = column_runs(node, runs_t, b.ne[1]) if runs_t is not None else None
     w = tensor_rows(a) if a.type.has_vec_dot else None  # [a3, a2, M, row_bytes]
     one_matrix = a.ne[2] == 1 and a.ne[3] == 1 and (w is None or w[0, 0].flags.c_contiguous)
-    layout = Layout(one_matrix, out.flags.c_contiguous, float_rows(b).shape[0] == b.ne[1] * b.ne[2] * b.ne[3])
+    x_rows = (block_rows(b) if in_blocks(b) else float_rows(b)).shape[0]
+    layout = Layout(one_matrix, out.flags.c_contiguous, x_rows == b.ne[1] * b.ne[2] * b.ne[3])
     plan = choose_product(a.type, a.ne[1], layout, b.ne[1], runs is not None)
     if plan.step == ProductStep.TABLE:
         out_rows = out.reshape(-1, a.ne[1])
@@ -129,12 +149,18 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
         # a matrix whose rows lie apart is gathered at every step: a copy made now would go stale
         products = {key: QuantProduct(rows, a.type) for key, rows in slices.items() if rows.flags.c_contiguous}
 
+        b_blocks = tensor_rows(b) if in_blocks(b) else None  # [b3, b2, N, row_bytes]
+
         def step_per_matrix() -> None:
             xv = x()
             for (i3, i2), rows in slices.items():
                 product = products.get((i3, i2)) or QuantProduct(np.ascontiguousarray(rows), a.type)
                 res = np.empty(out.shape[2:], dtype=f32)
-                product(product.activations(xv[i3, i2]), res, runs() if runs is not None else None)
+                if b_blocks is not None and product.exact:  # (blocks already: as they are)
+                    acts = unpack(b_blocks[i3, i2], b.ne[0], product.kind)
+                else:
+                    acts = product.activations(xv[i3, i2])
+                product(acts, res, runs() if runs is not None else None)
                 out[i3, i2] = res
         return step_per_matrix
     wa = reader(a)            # [a3, a2, M, K]
