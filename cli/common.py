@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,16 @@ class LineEndingHandler(logging.StreamHandler):
             Terminal.mid_line = False
             self.stream.write("\n")
         super().emit(record)
+
+
+SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
+
+
+def set_poll(poll: int) -> None:
+    """OpenMP workers spin for a while after each parallel region before they sleep (llama.cpp's
+    --poll): ``poll`` * SPINS_PER_POLL spins.  GOMP_SPINCOUNT in the environment wins.  Must be
+    set before numba loads libgomp (when the first backend starts its threads)."""
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPINS_PER_POLL * poll))
 
 
 def setup_logging(level: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
 import signal
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .common import fail, setup_logging, version_option
+from .common import fail, set_poll, setup_logging, version_option
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 DEFAULT_CACHE = Path("~/.cache/pyggml/rpc").expanduser()
@@ -72,9 +71,6 @@ def generate_key(path: str) -> None:
     click.echo(f"server key: {server_path} (keep it on the server: --key {server_path})\n"
                f"client key: {client_path} (give it to clients: --rpc-key {client_path})\n"
                f"both are secrets: whoever holds the client key can use this server")
-
-
-SPINS_PER_POLL = 6000  # --poll 50: libgomp's own default of 300000 spins
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -156,9 +152,8 @@ def main(listen, device_specs, host, port, mem, cache_dir, use_cache, cache_max,
     # --poll).  Spinning keeps a decode step's ~200 kernels from paying a wake-up each (one
     # server on 2 cores: 1.2 ms/token added over loopback at 50, 3.4 ms at 3), but servers that
     # share cores take them from each other while idle (two on 2 cores: 6.5 ms/token added per
-    # server at 50, 2.0 at 3).  GOMP_SPINCOUNT in the environment wins.  Must be set before
-    # numba loads libgomp.
-    os.environ.setdefault("GOMP_SPINCOUNT", str(SPINS_PER_POLL * poll))
+    # server at 50, 2.0 at 3).
+    set_poll(poll)
     if gen_key:
         generate_key(gen_key)
         return

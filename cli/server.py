@@ -9,7 +9,7 @@ import threading
 
 import click
 
-from .common import (fail, freeze_loaded_objects, load_model_or_exit, model_options, setup_logging,
+from .common import (fail, freeze_loaded_objects, load_model_or_exit, model_options, set_poll, setup_logging,
                      show_devices_option, version_option)
 from .common import show_devices as list_devices
 from .rpc_server import LOCAL_HOSTS
@@ -40,9 +40,14 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
 @click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="A request's headers must arrive within this time (of the connection, or of the previous "
                    "response); else 408 and the connection is closed.")
+@click.option("--poll", type=click.IntRange(0, 1000), default=500, show_default=True,
+              help="How long idle compute threads busy-wait for the next kernel, on pyggml-rpc-server's scale "
+                   "(50: OpenMP's default). The default keeps them awake for a fraction of a second after each "
+                   "step, so that a request that comes soon after another does not wait for sleeping threads to "
+                   "wake (tens of ms on some VMs); 0 lets them sleep at once.")
 @show_devices_option
 def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, port, n_parallel, n_batch, prompt_chunk,
-         max_queue, api_key, alias, header_timeout, show_devices) -> None:
+         max_queue, api_key, alias, header_timeout, poll, show_devices) -> None:
     """Serve a GGUF model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health, /metrics (Prometheus),
     /tokenize and /detokenize.
@@ -57,6 +62,7 @@ def main(model, ctx_size, ngl, rpc, rpc_key, threads, log_level, loading, host, 
            -d '{"messages": [{"role": "user", "content": "Hello"}]}'
     """
     setup_logging(log_level)
+    set_poll(poll)  # (a request's first step after an idle spell: the threads are still awake)
     if show_devices:
         return list_devices(rpc, rpc_key, loading)
     try:

@@ -1,6 +1,7 @@
 """pyggml-chat and pyggml-perplexity as real processes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,17 @@ def test_rpc_server_listen_forms():
     assert parse_listen("8080@1") == (None, 8080, 1)
     assert parse_listen("127.0.0.1:9000@1") == ("127.0.0.1", 9000, 1)
     assert parse_size("512") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("1.5GiB") == 3 << 29
+
+
+def test_poll_sets_how_long_idle_threads_spin(monkeypatch):
+    """--poll (pyggml-server's, pyggml-rpc-server's) becomes libgomp's spin count, set before
+    numba starts its threads (libgomp reads it once); a GOMP_SPINCOUNT of the user's own wins."""
+    from pyggml.cli.common import SPINS_PER_POLL, set_poll
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    set_poll(500)
+    assert os.environ["GOMP_SPINCOUNT"] == str(500 * SPINS_PER_POLL)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    set_poll(0)
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    helptext = subprocess.run([sys.executable, "-m", "pyggml.cli.server", "--help"], capture_output=True, text=True).stdout
+    assert "--poll" in helptext and "[default:" in helptext and "500;" in " ".join(helptext.split())
