@@ -113,10 +113,18 @@ class Padding:
     top: int  # the top k a piece with no output row asked for computes (nobody reads it)
 
     @classmethod
-    def for_server(cls, n_batch: int, n_seqs: int, top: int) -> Padding:
+    def for_server(cls, n_batch: int, n_seqs: int, top: int, head_rows_per_token: float = 0.0) -> Padding:
         """Pieces of up to ``n_batch`` tokens of up to ``n_seqs`` sequences: output rows at
-        least min(n_seqs, 8) (the head's product of a few rows more is cheap), more in powers of two."""
-        return cls(padded_sizes(n_batch), n_seqs + 1, min(n_seqs, 8), top)
+        least min(n_seqs, 8), more in powers of two - or at least min(n_seqs, 2) where a row of
+        the output head costs more than half a token of the layers (``head_rows_per_token``:
+        hp.head_share; Gemma 3's 262144-row head, 1.7 tokens' worth): padding a step of one
+        stream and a prompt's last token to 8 rows of that head would take longer than the
+        step."""
+        return cls(padded_sizes(n_batch), n_seqs + 1, min(n_seqs, 2 if head_rows_per_token > 0.5 else 8), top)
+
+    def output_counts(self, n_seqs: int) -> list[int]:
+        """Every output row count a piece of up to ``n_seqs`` sequences is padded to."""
+        return sorted({self.outputs(n) for n in range(1, n_seqs + 1)})
 
     def n_tokens(self, n: int) -> int | None:
         return next((size for size in self.tokens if size >= n), None)
@@ -610,14 +618,17 @@ class Context:
         return Piece((n, n_kv, n_out, n_top, n_hist if n_top else 0, pad.runs, pad.runs), batch, len(ub), wanted,
                      runs, out_ids)
 
-    def prompt_shape(self, n_tokens: int, n_kv: int, n_top: int = 0, n_hist: int = 0) -> tuple[int, ...] | None:
-        """The padded shape of a piece that reads prompts, of up to ``n_tokens`` tokens and as
-        many outputs as ``padding`` gives the fewest (what Engine builds ahead), or None."""
+    def prompt_shape(self, n_tokens: int, n_kv: int, n_top: int = 0, n_hist: int = 0,
+                     n_outputs: int | None = None) -> tuple[int, ...] | None:
+        """The padded shape of a piece that reads prompts, of up to ``n_tokens`` tokens and
+        ``n_outputs`` output rows as ``padding`` pads them (the fewest it gives by default: what
+        Engine builds ahead), or None."""
         pad = self.padding
         if pad is None or pad.n_tokens(n_tokens) is None:
             return None
         n_top = min(n_top, self.hp.n_vocab)
-        return (pad.n_tokens(n_tokens), min(n_kv, self.n_ctx), pad.min_outputs, n_top, n_hist if n_top else 0,
+        outputs = pad.min_outputs if n_outputs is None else pad.outputs(n_outputs)
+        return (pad.n_tokens(n_tokens), min(n_kv, self.n_ctx), outputs, n_top, n_hist if n_top else 0,
                 pad.runs, pad.runs)
 
     def batch_shapes(self, batch: Batch, n_top: int = 0, hist: np.ndarray | None = None) -> list[tuple[int, ...]]:

@@ -342,9 +342,10 @@ class Engine:
         n_kvs = dict.fromkeys(min(self.n_ctx, kv_padded(cells)) for cells in range(1, KV_PAD_MAX + 1, KV_PAD))
         # and the padded shapes of steps that read prompts (Context.padding), beside streams or not
         sizes = self.ctx.padding.tokens if self.ctx.padding is not None else ()
+        outputs = self.ctx.padding.output_counts(self.n_parallel) if self.ctx.padding is not None else ()
         shapes = (shape for n_kv in n_kvs for top in tops
                   for shape in [*(self.ctx.decode_shape(g, n_kv, top) for g in range(1, self.n_parallel + 1)),
-                                *(self.ctx.prompt_shape(n, n_kv, top) for n in sizes)])
+                                *(self.ctx.prompt_shape(n, n_kv, top, n_outputs=k) for k in outputs for n in sizes)])
         # first the largest step (every token of the batch, every cell, whole rows of logits):
         # the compute buffers take its size at once, as llama.cpp's scheduler reserves them;
         # a buffer that grew later would leave every kept graph to be planned again
@@ -629,7 +630,7 @@ class Engine:
         # pieces that read prompts padded to the shapes built ahead (not over pipelined servers:
         # a step's pieces are groups of its sequences there)
         greedy = self._top_of(SamplingParams(temperature=0.0))
-        ctx.padding = (Padding.for_server(self.n_batch, self.n_parallel, greedy)
+        ctx.padding = (Padding.for_server(self.n_batch, self.n_parallel, greedy, ctx.hp.head_share)
                        if PAD_PROMPT_SHAPES and not ctx.n_micro else None)
         # (prefixes are copied between slots where steps are not pipelined over servers)
         self.scheduler = Scheduler(self.slots, ctx.kv, self.rules, self.n_batch, ctx.n_ubatch, ctx.seq_rm,

@@ -61,6 +61,15 @@ class HParams:
     def n_embd_v_gqa(self) -> int:
         return self.n_embd_head_v * self.n_head_kv
 
+    @property
+    def head_share(self) -> float:
+        """A row of the output head's multiply-adds over a token's through the layers (their
+        products; a mixture's used experts): what one output row more adds to a step, in tokens."""
+        attn = self.n_embd * (self.n_head * self.n_embd_head_k + self.n_embd_k_gqa + self.n_embd_v_gqa) \
+            + self.n_head * self.n_embd_head_v * self.n_embd
+        ffn = 3 * self.n_embd * (self.n_ff_exp * self.n_expert_used if self.n_expert else self.n_ff)
+        return self.n_vocab * self.n_embd / max(1, self.n_layer * (attn + ffn))
+
     def is_swa(self, il: int) -> bool:
         """Sliding-window layer?  With a pattern of 6, layers 5, 11, 17 ... are global."""
         return self.n_swa > 0 and self.swa_pattern > 0 and il % self.swa_pattern < self.swa_pattern - 1
