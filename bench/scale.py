@@ -177,20 +177,23 @@ def placed(path: Path, endpoints: list[str], mode: str, n_prompt: int, tokenized
 
 def measure(ctx, ids: list[int], n_tokens: int) -> dict:
     """Prompt tokens/s (a warm prompt of ``ids``) and decode tokens/s (greedy, ``n_tokens``
-    steps after it), and the logits of the prompt's last token."""
-    ctx.clear()
-    ctx.decode(ids[:8])  # graphs built and sent once
-    ctx.decode([ids[8]])
-    ctx.clear()
-    t0 = time.perf_counter()
-    logits = ctx.decode(ids)
-    prompt_s = time.perf_counter() - t0
-    token = int(np.argmax(logits[-1]))
-    t0 = time.perf_counter()
-    for _ in range(n_tokens):
-        token = int(np.argmax(ctx.decode([token])[-1]))
-    decode_s = time.perf_counter() - t0
-    return {"prompt_tps": len(ids) / prompt_s, "decode_tps": n_tokens / decode_s, "logits": logits[-1]}
+    steps after it), and the logits of the prompt's last token.  As llama-bench measures: the
+    same prompt and steps once before, so that every shape measured has its graph built and
+    sent, and its step kept on the servers (a split's first steps of a shape go request by
+    request: rpc/steps.py)."""
+    def once() -> dict:
+        ctx.clear()
+        t0 = time.perf_counter()
+        logits = ctx.decode(ids)
+        prompt_s = time.perf_counter() - t0
+        token = int(np.argmax(logits[-1]))
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            token = int(np.argmax(ctx.decode([token])[-1]))
+        decode_s = time.perf_counter() - t0
+        return {"prompt_tps": len(ids) / prompt_s, "decode_tps": n_tokens / decode_s, "logits": logits[-1]}
+    once()
+    return once()
 
 
 def streams(path: Path, endpoints: list[str], mode: str, n_streams: int, n_tokens: int) -> float:
