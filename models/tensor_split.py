@@ -45,7 +45,7 @@ import numpy as np
 
 from pyggml import Graph, Tensor, ops
 from pyggml.backend import DeviceType
-from pyggml.types import Type
+from pyggml.types import ACTIVATION_BLOCKS, Type
 from pyggml.opdefs import VIEW_OPS
 
 from .blocks import GraphBuilder, GraphInputs
@@ -199,7 +199,6 @@ def local_hparams(hp: HParams, shard: Shard) -> HParams:
 # whole, and the product takes them as they are (ops.mul_mat).  Q8_0 is 34 bytes per 32 values
 # where float32 is 128.  (An expert's hidden rows go to MUL_MAT_ID, which takes floats only.)
 PRODUCT_OF = {"kqv_out": "attn_output", "ffn_act": "ffn_down"}
-BLOCKS = (Type.Q8_0, Type.Q8_1, Type.Q8_K)
 
 
 def takes_blocks(device) -> bool:
@@ -229,7 +228,7 @@ class Exchange:
         """The blocks a gathered slice goes in (None: as it is): those its product's weight takes,
         where every device's rows are whole blocks of them."""
         kind = weight.type.vec_dot_type if self.blocks and weight is not None else None
-        if kind not in BLOCKS or any(self.rows(key, j, hp) % kind.block_size for j in range(len(self.shards))):
+        if kind not in ACTIVATION_BLOCKS or any(self.rows(key, j, hp) % kind.block_size for j in range(len(self.shards))):
             return None
         return kind
 

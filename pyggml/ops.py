@@ -13,7 +13,7 @@ from .opdefs import (VIEW_OPS, ArgsortParams, ClampParams, ConcatParams, FlashAt
                      NormParams, Op, PermuteParams, RopeMode, RopeParams, ScaleParams, SoftMaxParams, SortOrder,
                      UnaryOp, UnaryParams)
 from .tensor import MAX_DIMS, Tensor, can_repeat, contiguous_strides
-from .types import Type
+from .types import ACTIVATION_BLOCKS, Type
 
 
 def _shapes(*ts: Tensor) -> str:
@@ -209,7 +209,7 @@ def mul_mat(a: Tensor, b: Tensor, runs: Tensor | None = None) -> Tensor:
     _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, "MUL_MAT",
            "a's batch dims must divide b's", a, b)
     _check(not (a.nb[0] > a.nb[1]), "MUL_MAT", "first operand must not be transposed", a, b)
-    _check(_is_float(b) or (b.type == a.type.vec_dot_type in (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+    _check(_is_float(b) or (b.type == a.type.vec_dot_type in ACTIVATION_BLOCKS
                             and b.nb[0] == b.type.type_size), "MUL_MAT",
            "second operand must be a float tensor, or in the blocks the weights' products take", a, b)
     if runs is None:

@@ -110,6 +110,10 @@ _VEC_DOT: dict[Type, Type] = {
     Type.F16: Type.F16,
 }
 
+ACTIVATION_BLOCKS = (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+"""The vec_dot types of the quantized weights: activations a product takes as they are
+(ops.mul_mat), and what a tensor split sends between devices (models/tensor_split.py)."""
+
 _PLAIN_DTYPES: dict[Type, np.dtype] = {
     Type.F32: np.dtype(np.float32),
     Type.F16: np.dtype(np.float16),

@@ -21,6 +21,7 @@ import functools
 import numpy as np
 from numba import carray, njit
 
+from ..types import ACTIVATION_BLOCKS, Type
 from .kinds import Act
 from .parts import LAYERS, part, sample_x
 from .rows import RowCall, address_of, c_rows, row_args, row_kernel, rows_call, run_calls, serial_call
@@ -107,6 +108,11 @@ def quantize_q8_serial(x: np.ndarray, kind: int, yq: np.ndarray, yd: np.ndarray,
 BLOCK_BYTES = {Act.Q8_0: 34, Act.Q8_1: 36, Act.Q8_K: 292}
 
 
+def block_kind(t: Type) -> Act | None:
+    """The kind of activations blocks of type ``t`` hold (types.ACTIVATION_BLOCKS), else None."""
+    return Act[t.name] if t in ACTIVATION_BLOCKS else None
+
+
 def _pack_rows(start, end, x_at, k, out_at, kind, i4, i5, i6, i7, i8, i9, f0, f1):
     """Rows start..end of F32 x [rows, k] as blocks of ``kind`` (uint8 [rows, row bytes]): the
     integers, scales and sums quantize_q8 gives a product, as ggml stores them."""
@@ -116,6 +122,8 @@ def _pack_rows(start, end, x_at, k, out_at, kind, i4, i5, i6, i7, i8, i9, f0, f1
     x = carray(pointer(x_at, np.float32), (end, k))
     out = carray(pointer(out_at, np.uint8), (end, blocks * size))
     halves = carray(pointer(out_at, np.uint16), (end, blocks * size // 2))
+    shorts = carray(pointer(out_at, np.int16), (end, blocks * size // 2))
+    floats = carray(pointer(out_at, np.float32), (end, blocks * size // 4))
     yq = np.empty((1, k), dtype=np.float32)
     yd = np.empty((1, blocks), dtype=np.float32)
     ys = np.empty((1, k // 16 if kind == Act.Q8_K else blocks), dtype=np.float32)
@@ -124,10 +132,9 @@ def _pack_rows(start, end, x_at, k, out_at, kind, i4, i5, i6, i7, i8, i9, f0, f1
         for b in range(blocks):
             at = b * size
             if kind == Act.Q8_K:
-                carray(pointer(out_at, np.float32), (end, blocks * size // 4))[r, at // 4] = yd[0, b]
-                sums = carray(pointer(out_at, np.int16), (end, blocks * size // 2))
+                floats[r, at // 4] = yd[0, b]
                 for j in range(16):
-                    sums[r, (at + 4 + 256) // 2 + j] = np.int16(ys[0, b * 16 + j])
+                    shorts[r, (at + 4 + 256) // 2 + j] = np.int16(ys[0, b * 16 + j])
                 first = at + 4
             else:
                 halves[r, at // 2] = f16_bits(yd[0, b])
@@ -146,6 +153,8 @@ def _unpack_rows(start, end, q_at, k, yq_at, yd_at, ys_at, kind, i6, i7, i8, i9,
     blocks = k // block
     q = carray(pointer(q_at, np.int8), (end, blocks * size))
     halves = carray(pointer(q_at, np.uint16), (end, blocks * size // 2))
+    shorts = carray(pointer(q_at, np.int16), (end, blocks * size // 2))
+    floats = carray(pointer(q_at, np.float32), (end, blocks * size // 4))
     yq = carray(pointer(yq_at, np.float32), (end, k))
     yd = carray(pointer(yd_at, np.float32), (end, blocks))
     ys = carray(pointer(ys_at, np.float32), (end, k // 16 if kind == Act.Q8_K else blocks))
@@ -153,10 +162,9 @@ def _unpack_rows(start, end, q_at, k, yq_at, yd_at, ys_at, kind, i6, i7, i8, i9,
         for b in range(blocks):
             at = b * size
             if kind == Act.Q8_K:
-                yd[r, b] = carray(pointer(q_at, np.float32), (end, blocks * size // 4))[r, at // 4]
-                sums = carray(pointer(q_at, np.int16), (end, blocks * size // 2))
+                yd[r, b] = floats[r, at // 4]
                 for j in range(16):
-                    ys[r, b * 16 + j] = np.float32(sums[r, (at + 4 + 256) // 2 + j])
+                    ys[r, b * 16 + j] = np.float32(shorts[r, (at + 4 + 256) // 2 + j])
                 first = at + 4
             else:
                 yd[r, b] = half_to_float(halves[r, at // 2])

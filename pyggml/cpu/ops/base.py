@@ -8,8 +8,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import Type
-from ..activations import BLOCK_BYTES, pack
-from ..kinds import Act
+from ..activations import block_kind, pack
 from ..buffer import tensor_rows, tensor_view
 from ..qdecode import F16_TABLE, f16_values
 
@@ -60,10 +59,8 @@ def writer(dst: Tensor) -> Callable[[np.ndarray], None]:
             view[...] = x.reshape(shape)
         return write
     rows, qtype = tensor_rows(dst), dst.type
-    if Act.__members__.get(qtype.name) in BLOCK_BYTES:
-        # Q8_0, Q8_1, Q8_K: ggml's CPU from_float, what its products make of their activations
-        kind = Act[qtype.name]
-
+    kind = block_kind(qtype)
+    if kind is not None:  # Q8_0, Q8_1, Q8_K: ggml's CPU from_float, what its products make of their activations
         def write_activations(x: np.ndarray) -> None:
             rows[...] = pack(np.asarray(x, dtype=f32).reshape(-1, dst.ne[0]), kind).reshape(rows.shape)
         return write_activations

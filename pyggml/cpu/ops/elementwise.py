@@ -9,8 +9,7 @@ import numpy as np
 from ...opdefs import (ClampParams, ConcatParams, GluOp, GluParams, ScaleParams, UnaryOp, UnaryParams)
 from ...tensor import Tensor
 from .. import nn
-from ..activations import BLOCK_BYTES, SERIAL_ROWS, pack_call
-from ..kinds import Act
+from ..activations import SERIAL_ROWS, block_kind, pack_call
 from ..buffer import tensor_rows, tensor_view
 from ..parts import GATES, part
 from ..plan import TableStep
@@ -165,8 +164,8 @@ def bind_cpy(node: Tensor, shared: dict) -> Step:
             return lambda: out.__setitem__(Ellipsis, flat)
         return lambda: out.__setitem__(Ellipsis, np.ascontiguousarray(view).reshape(shape))
     x_rows = _row_view(src)
-    kind = Act.__members__.get(node.type.name)
-    if kind in BLOCK_BYTES and x_rows is not None and node.is_contiguous():  # (ops.cast: a tensor split's slice)
+    kind = block_kind(node.type)
+    if kind is not None and x_rows is not None and node.is_contiguous():  # (ops.cast: a tensor split's slice)
         blocks = tensor_rows(node).reshape(x_rows.shape[0], -1)
         return TableStep(lambda: [pack_call(x_rows, kind, blocks, threads=x_rows.shape[0] > SERIAL_ROWS)])
     x, write = reader(src), writer(node)

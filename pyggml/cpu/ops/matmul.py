@@ -6,7 +6,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...tensor import Tensor
-from ...types import Type
+from ...types import ACTIVATION_BLOCKS, Type
 from ..buffer import tensor_rows, tensor_view
 from ..activations import SERIAL_ROWS, activation_shapes, quantize_call, unpack, unpack_call
 from ..plan import ArrayPool, TableStep
@@ -26,8 +26,8 @@ def float_rows(t: Tensor) -> np.ndarray:
 
 
 def in_blocks(t: Tensor) -> bool:
-    """Whether t holds activations already in a product's form (Q8_0, Q8_1, Q8_K: ops.mul_mat)."""
-    return t.type in (Type.Q8_0, Type.Q8_1, Type.Q8_K)
+    """Whether t holds activations already in a product's form (ops.mul_mat)."""
+    return t.type in ACTIVATION_BLOCKS
 
 
 def block_rows(t: Tensor) -> np.ndarray:
