@@ -2,6 +2,7 @@
 tensor lives (``-ngl``), and load the weights into those devices' buffers."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -56,12 +57,15 @@ class LoadedModel:
 
     @property
     def batch_rules(self) -> BatchRules:
-        """The batch widths every device holding the model computes by (pyggml.batch_rules)."""
-        rules = {self.devices[i].batch_rules() for i in self.used_devices()}
-        if len(rules) != 1:
-            raise PlacementError(f"the devices compute with different batch rules ({rules}): "
-                                 "a sequence's bits would depend on its device")
-        return rules.pop()
+        """The batch widths every device holding the model computes by (pyggml.batch_rules),
+        for the weights a prompt's every token meets: the layers' (not the head's, which
+        multiplies the outputs alone)."""
+        products = {w.type for name, w in self.weights.items() if name.startswith("blk.") and w.ne[1] > 1}
+        rules = [self.devices[i].batch_rules(products) for i in self.used_devices()]
+        try:
+            return functools.reduce(BatchRules.joined, rules)
+        except ValueError as e:
+            raise PlacementError(f"the devices compute with different batch rules: {e}") from None
 
     def layer_device(self, il: int) -> Device:
         return self.devices[self.placement.layers[il]]

@@ -86,10 +86,10 @@ class Scheduler:
         a prompt sharing a prefix with another slot's (a system prompt) is read from there.  ``prompt_budget``: prompt tokens a step reads beside
         generating sequences (None: up to n_batch), so that a long prompt arriving does not stop
         the streams for the time it takes to read it whole (chunked prefill); at least
-        2 * piece_align, the least with which every prompt_cut makes progress."""
+        rules.min_budget, the least with which every prompt_cut makes progress."""
         self.slots, self.kv, self.rules = list(slots), kv, rules
         self.n_batch, self.n_ubatch = n_batch, n_ubatch
-        self.prompt_budget = None if prompt_budget is None else max(prompt_budget, 2 * rules.piece_align)
+        self.prompt_budget = None if prompt_budget is None else max(prompt_budget, rules.min_budget)
         self.seq_rm = seq_rm
         self.seq_cp = seq_cp
 
@@ -196,7 +196,7 @@ class Scheduler:
             # positions that fit: the rest of the page holding `done`, if the slot owns it, and free pages
             room = free * page + ((page - done % page) if done % page else 0)
             n = self.rules.prompt_cut(done, len(s.req.ids), min(budget, room), self.n_ubatch)
-            if n == 0 and len(parts) == len(generating):  # a budget under 16: progress before bits
+            if n == 0 and len(parts) == len(generating):  # a budget under min_budget: progress before bits
                 n = min(budget, left, room)
             if n <= 0:
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 import numpy as np
@@ -264,8 +264,9 @@ class Device(abc.ABC):
         or None when nothing is to be done (``say`` hears one line when something is)."""
         return None
 
-    def batch_rules(self) -> BatchRules:
-        """The batch widths that decide this device's kernels (pyggml.batch_rules)."""
+    def batch_rules(self, products: Collection[Type] = ()) -> BatchRules:
+        """The batch widths that decide this device's kernels for products of weights of these
+        types (pyggml.batch_rules): by default those that hold for any."""
         return BATCH_RULES
 
     def connection(self) -> Connection | None:

@@ -10,14 +10,22 @@ of a sum is kept the same for a sequence in every case, and these are all of the
   width times its unrolling): a page is a multiple of 64.
 - ``piece_align``: a prompt read in pieces starts and ends them on multiples of this within
   the ubatch grid: repacked Q4_K multiplies columns in fours from its ubatch's start.
-- ``tiled_min_cols``: from this many columns in a ubatch, K-quant products are tiled (as
-  llama.cpp's are): a piece never leaves fewer than this of its ubatch to read after it.
+- ``tiled_min_cols``: from this many columns in a ubatch, products and the attention compute
+  as a batch (K-quant products tiled from 8, as llama.cpp's are; the attention of a sequence
+  takes its single-token path for one column only): a piece never leaves fewer than this of
+  its ubatch to read after it.
 
-A device says its rules (Device.batch_rules); the CPU's kernels, the KV cache, the context's
+The widths depend on the weights as well as the device: where every product's weights compute
+each column alike however many columns it has (the CPU's Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 ...:
+pyggml.cpu.kinds.COLUMNWISE), only the attention's single token is left, and a prompt may be
+cut anywhere but one token from its ubatch's end (COLUMNWISE_RULES): a prompt that shares all
+but a few tokens with a cached one reads those few, as llama-server does.  A device says its
+rules for a model's weights (Device.batch_rules); the CPU's kernels, the KV cache, the context's
 prompt cuts and the engine's page bookkeeping all read them from here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,14 +39,19 @@ class BatchRules:
         """How many of a prompt's tokens to read now, from position ``done`` of ``total``, at
         most ``budget``, so that every token meets the kernels it meets when the prompt is read
         whole in ubatches of ``ubatch``: 0 when no such piece fits (never with a budget of
-        2 * piece_align or more)."""
+        min_budget or more)."""
         end = min(total, (done // ubatch + 1) * ubatch)  # the end of the ubatch that holds `done`
         if end - done <= budget:
             return max(0, end - done)
         n = (done + budget) // self.piece_align * self.piece_align - done
         if end - (done + n) < self.tiled_min_cols:
             n -= self.piece_align
-        return max(n, 0)
+        return n if n >= self.tiled_min_cols else 0  # (a piece of fewer computes as fewer do)
+
+    @property
+    def min_budget(self) -> int:
+        """The least budget with which every prompt_cut reads something."""
+        return 2 * max(self.piece_align, self.tiled_min_cols)
 
     def reusable_prefix(self, cached: int, total: int, ubatch: int) -> int:
         """The part of a cached prefix of ``cached`` tokens that the rest of a ``total``-token
@@ -52,5 +65,15 @@ class BatchRules:
             c -= self.piece_align
         return c
 
+    def joined(self, other: BatchRules) -> BatchRules:
+        """The rules whose cuts keep both ``self``'s and ``other``'s (a model over devices of
+        each): pieces aligned to both, leaving at least what either needs."""
+        if self.kv_page != other.kv_page:
+            raise ValueError(f"KV pages of {self.kv_page} and {other.kv_page} cells: a sequence's cells would "
+                             "sit at other offsets on each device")
+        return BatchRules(self.kv_page, math.lcm(self.piece_align, other.piece_align),
+                          max(self.tiled_min_cols, other.tiled_min_cols))
 
-BATCH_RULES = BatchRules()  # every device's today (the CPU's kernels, CUDA's, an RPC server's)
+
+BATCH_RULES = BatchRules()  # every device's for any weights (the CPU's K-quants, CUDA's kernels)
+COLUMNWISE_RULES = BatchRules(piece_align=1, tiled_min_cols=2)  # the CPU's for COLUMNWISE weights

@@ -15,15 +15,17 @@ import os
 import ssl
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from operator import attrgetter
 
 import numpy as np
 
 from pyggml.backend import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, TensorSource
+from pyggml.batch_rules import BATCH_RULES, BatchRules
 from pyggml.graph import Graph
 from pyggml.opdefs import Op
 from pyggml.tensor import Tensor
+from pyggml.types import Type
 
 from . import protocol as P
 from . import steps
@@ -443,6 +445,14 @@ class RPCDevice(Device):
 
     def get_type(self) -> DeviceType:
         return self.type
+
+    def batch_rules(self, products: Collection[Type] = ()) -> BatchRules:
+        """A pyggml server's CPU computes with our CPU's kernels (the protocol's version says
+        which); anything else by the rules that hold for any weights."""
+        if self.conn.pyggml_extensions and self.type == DeviceType.CPU:
+            from pyggml.cpu.device import cpu_batch_rules
+            return cpu_batch_rules(products)
+        return BATCH_RULES
 
     def init_backend(self) -> RPCBackend:
         return RPCBackend(self)

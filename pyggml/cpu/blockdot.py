@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quants.layouts import KVALUES_MXFP4
-from .kinds import Fmt, literal_kind
+from .kinds import BATCH_FORMAT, Fmt, literal_kind
 from .simd import (KERNEL, dot4, fold_halves, hsum8_ir, integer_dots, loop_begin, loop_end, pair_products, pair_sums,
                    scaled_dot4, splat)
 
@@ -754,11 +754,6 @@ assert list(FORMATS) == list(Fmt)
 
 # the columns a tile takes at once (fewer take row_pair_dots)
 TILE_WIDE, TILE_MID, TILE_NARROW = 8, 4, 2
-
-# the format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
-# (column_format says which columns)
-BATCH_FORMAT = {Fmt.Q4_K_X8: Fmt.Q4_K_X8_GEMM, Fmt.Q4_K: Fmt.Q4_K_TILED, Fmt.Q5_K: Fmt.Q5_K_TILED,
-                Fmt.Q6_K: Fmt.Q6_K_TILED}
 
 _jit = njit(inline="always", **KERNEL)
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..backend import Backend, BufferType, Device, DeviceType
+from ..batch_rules import BATCH_RULES, COLUMNWISE_RULES, BatchRules
 from ..graph import Graph
 from ..opdefs import VIEW_OPS, Op, UnaryParams
 from ..tensor import Tensor
 from ..types import Type
 from .buffer import CPUBufferType
 from .fusion import fused_plan
+from .kinds import COLUMNWISE
 from .ops import OP_TABLE, UNARY, Step
 from .plan import plan_runs
 
@@ -67,6 +69,12 @@ def _host_memory() -> tuple[int, int]:
         return pages * size, pages * size
 
 
+def cpu_batch_rules(products: Collection[Type]) -> BatchRules:
+    """The CPU's batch rules for products of weights of these types (a pyggml server's CPU
+    too): a prompt cut anywhere where no product tiles its columns (kinds.COLUMNWISE)."""
+    return COLUMNWISE_RULES if products and COLUMNWISE.issuperset(products) else BATCH_RULES
+
+
 class CPUDevice(Device):
     """The host CPU.  Several instances with different names may exist (tests use two to
     stand in for two machines); each has its own buffer type, so the scheduler treats
@@ -88,6 +96,9 @@ class CPUDevice(Device):
 
     def get_type(self) -> DeviceType:
         return DeviceType.CPU
+
+    def batch_rules(self, products: Collection[Type] = ()) -> BatchRules:
+        return cpu_batch_rules(products)
 
     def init_backend(self) -> CPUBackend:
         return CPUBackend(self)

@@ -73,6 +73,15 @@ DECODER = {Type[d.name]: d for d in Dec}
 EXACT = {Type[f.name]: f for f in Fmt if f <= Fmt.Q6_K or f == Fmt.MXFP4}
 """The weight types multiplied with ggml's exact arithmetic from their blocks."""
 
+BATCH_FORMAT = {Fmt.Q4_K_X8: Fmt.Q4_K_X8_GEMM, Fmt.Q4_K: Fmt.Q4_K_TILED, Fmt.Q5_K: Fmt.Q5_K_TILED,
+                Fmt.Q6_K: Fmt.Q6_K_TILED}
+"""The format llama.cpp's kernel for a batch gives the columns of each weight kind that has one
+(blockdot.column_format says which columns)."""
+
+COLUMNWISE = frozenset(t for t, f in EXACT.items() if f not in BATCH_FORMAT)
+"""The weight types whose products compute every column alike however many columns they have:
+a prompt cut into pieces anywhere gives them a whole read's bits (batch_rules.COLUMNWISE_RULES)."""
+
 
 def literal_kind(kind, what: str) -> int:
     """The value of a kernel's kind argument as numba types it (an ``IntegerLiteral``), for the

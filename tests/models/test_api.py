@@ -27,15 +27,14 @@ def test_completion_dict(m):
                           "prompt_tokens_details": {"cached_tokens": 0}}
     again = m.create_completion("The capital of France is", max_tokens=8, temperature=0)
     assert again["choices"][0]["text"] == choice["text"]
-    # a cached prefix is reused only where the rest reads as in a fresh run (models/context.py
-    # reusable_prefix: 8 to 15 tokens from a multiple of 8, or all of a short prompt)
-    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # a cached prefix is reused where the rest reads as in a fresh run (pyggml.batch_rules: for
+    # SmolLM2's Q4_1 anywhere that leaves two tokens, the last one never read alone)
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
     long_prompt = "The capital of France is Paris, the capital of Italy is Rome, and the capital of Spain is"
     first = m.create_completion(long_prompt, max_tokens=4, temperature=0)
     n = first["usage"]["prompt_tokens"]
     again = m.create_completion(long_prompt, max_tokens=4, temperature=0)
-    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert n > 16 and cached % 8 == 0 and 8 <= n - cached <= 15
+    assert n > 16 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 2
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 

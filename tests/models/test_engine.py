@@ -15,14 +15,13 @@ import pyggml as pg
 from pyggml.models import Engine
 from pyggml.cpu.blockdot import column_format
 from pyggml.cpu.kinds import Fmt
-from pyggml.batch_rules import BATCH_RULES
+from pyggml.batch_rules import BATCH_RULES, COLUMNWISE_RULES
 from pyggml.models.context import Batch
 from pyggml.models.engine import QueueFullError
 from pyggml.server.openai import submit
 
 from tests.conftest import shared_model
 
-prompt_cut, reusable_prefix = BATCH_RULES.prompt_cut, BATCH_RULES.reusable_prefix
 
 PROMPTS = ["The capital of France is", "Once upon a time there was", "def fib(n):", "Water is made of"]
 
@@ -123,7 +122,7 @@ def test_engine_from_threads_equals_the_model_alone(small):
         assert r["choices"][0]["text"] == want[PROMPTS[0]]
         # the slot still holds this prompt and the output its read gave: nothing is read again
         # (re-reading only its last token would take the attention's single-token path, not a
-        # fresh read's: reusable_prefix reuses nothing of 5 tokens)
+        # fresh read's: reusable_prefix would read the last two again)
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
     assert small.create_completion(PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"] == want[PROMPTS[1]]
 
@@ -378,28 +377,67 @@ def kernels_of(pieces: list[tuple[int, int]]) -> dict[int, tuple]:
             for s, e in pieces for p in range(s, e)}
 
 
-@settings(max_examples=300, deadline=None)
-@given(total=st.integers(1, 700), ubatch=st.sampled_from([16, 64, 256]), cached=st.integers(0, 700),
-       budgets=st.lists(st.integers(16, 300), min_size=1, max_size=40))
-def test_a_prompt_read_in_pieces_gets_the_kernels_of_a_whole_read(total, ubatch, cached, budgets):
-    """The engine reads a prompt in pieces that fit each step's budget, after whatever prefix a
-    slot has cached; every token must still meet the kernels it meets when the prompt is read
-    whole in ubatches (Context.decode), or its bits - and a greedy answer - would depend on
-    what ran beside it."""
-    start = reusable_prefix(cached, total, ubatch)
+def read_after_cache(rules, total: int, ubatch: int, cached: int, budgets: list[int]) -> tuple[int, list]:
+    """Where the engine starts a ``total``-token prompt of which ``cached`` tokens are in a
+    slot's cells, and the pieces it reads the rest in, each step's budget the next of
+    ``budgets`` (BatchRules.reusable_prefix, prompt_cut)."""
+    start = rules.reusable_prefix(cached, total, ubatch)
     assert 0 <= start <= min(cached, total - 1)
     pieces, done = [], start
     for step in range(total + 1):
         if done == total:
             break
         budget = budgets[step % len(budgets)]
-        n = prompt_cut(done, total, budget, ubatch)
+        n = rules.prompt_cut(done, total, budget, ubatch)
         assert 0 < n <= budget
         pieces.append((done, done + n))
         done += n
-    whole = kernels_of([(s, min(s + ubatch, total)) for s in range(0, total, ubatch)])
-    got = kernels_of(pieces)
+    return start, pieces
+
+
+def whole_read(total: int, ubatch: int) -> list[tuple[int, int]]:
+    return [(s, min(s + ubatch, total)) for s in range(0, total, ubatch)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 700), ubatch=st.sampled_from([16, 64, 256]), cached=st.integers(0, 700),
+       budgets=st.lists(st.integers(BATCH_RULES.min_budget, 300), min_size=1, max_size=40))
+def test_a_prompt_read_in_pieces_gets_the_kernels_of_a_whole_read(total, ubatch, cached, budgets):
+    """The engine reads a prompt in pieces that fit each step's budget, after whatever prefix a
+    slot has cached; every token must still meet the kernels it meets when the prompt is read
+    whole in ubatches (Context.decode), or its bits - and a greedy answer - would depend on
+    what ran beside it."""
+    start, pieces = read_after_cache(BATCH_RULES, total, ubatch, cached, budgets)
+    whole, got = kernels_of(whole_read(total, ubatch)), kernels_of(pieces)
     assert all(got[p] == whole[p] for p in range(start, total))
+
+
+def kernels_columnwise(pieces: list[tuple[int, int]]) -> dict[int, bool]:
+    """What decides a position's arithmetic where every product computes its columns alike
+    (kinds.COLUMNWISE: SmolLM2's Q4_1): whether its piece is a single token only."""
+    return {p: e - s == 1 for s, e in pieces for p in range(s, e)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 700), ubatch=st.sampled_from([16, 64, 256]), cached=st.integers(0, 700),
+       budgets=st.lists(st.integers(COLUMNWISE_RULES.min_budget, 300), min_size=1, max_size=40))
+def test_columnwise_weights_let_a_prompt_be_cut_anywhere_but_one_token_alone(total, ubatch, cached, budgets):
+    """Where no product tiles its columns, a prompt's pieces may start and end anywhere: a
+    cached prefix is reused but for at most one token, and no token of a longer ubatch is ever
+    read alone (the attention's single-token path)."""
+    start, pieces = read_after_cache(COLUMNWISE_RULES, total, ubatch, cached, budgets)
+    assert start >= min(cached, total - 1) - 1  # all that is cached, but a token to read beside the last
+    whole, got = kernels_columnwise(whole_read(total, ubatch)), kernels_columnwise(pieces)
+    assert all(got[p] == whole[p] for p in range(start, total))
+
+
+def test_a_models_rules_follow_its_layers_weights():
+    """SmolLM2's layers are Q4_1: its prompts may be cut anywhere but one token alone; Gemma 3's
+    hold K-quants, tiled from 8 columns: pieces in eights (the head, which multiplies only the
+    outputs, does not count)."""
+    assert shared_model("smollm2").context.rules == COLUMNWISE_RULES
+    assert shared_model("gemma3-270m").context.rules == BATCH_RULES
+    assert BATCH_RULES.joined(COLUMNWISE_RULES) == BATCH_RULES == COLUMNWISE_RULES.joined(BATCH_RULES)
 
 
 SYSTEM = "You are a careful assistant for a lighthouse museum. Answer in one short sentence, plainly."

@@ -120,8 +120,11 @@ def test_decode_graph_is_reused(any_model):
 
 
 def test_prefix_reuse(any_model):
-    """A cached prefix is reused up to where the rest reads as in a fresh run (a multiple of 8
-    that leaves 8 to 15 tokens: context.reusable_prefix), and the logits are a fresh run's."""
+    """A cached prefix is reused up to where the rest reads as in a fresh run, and the logits
+    are a fresh run's: SmolLM2's Q4_1 products compute each column alike however many there
+    are, so only the new tokens are read (at least two: one alone would take the attention's
+    single-token path); Gemma's K-quants are tiled from 8 columns and repacked in fours, so it
+    reads 8 to 15 from a multiple of 8 (pyggml.batch_rules)."""
     m = any_model
     a = m.tokenize("One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen, "
                    "sixteen, seventeen, eighteen")
@@ -130,7 +133,11 @@ def test_prefix_reuse(any_model):
     before = m.timings.prompt_tokens
     got = m.context.eval_prefix(b)
     evaluated = m.timings.prompt_tokens - before
-    assert len(b) > 16 and 8 <= evaluated <= 15 and (len(b) - evaluated) % 8 == 0
+    assert len(b) > 16
+    if m.model.arch.name == "gemma3":
+        assert 8 <= evaluated <= 15 and (len(b) - evaluated) % 8 == 0
+    else:
+        assert evaluated == max(2, len(b) - len(a))
     m.context.clear()
     assert np.array_equal(got, m.context.decode(b))
 

@@ -190,7 +190,12 @@ def test_cached_prompt_tokens(server):
     messages = [{"role": "user", "content": "Describe a cat in one sentence, please, with stripes."}]
     other = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
     cached, n = other.usage.prompt_tokens_details.cached_tokens, other.usage.prompt_tokens
-    assert cached % 8 == 0 and 8 <= n - cached  # the rest reads as in a fresh run (reusable_prefix)
+    # the rest reads as in a fresh run (pyggml.batch_rules): for SmolLM2's Q4_1 from where the
+    # prompts part (" stripes" against " colour"), two tokens at the least
+    ids = [shared_model("smollm2").apply_chat_template(messages) for messages in (
+        [{"role": "user", "content": "Describe a cat in one sentence, please, with colour."}], messages)]
+    shared = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
+    assert len(ids[1]) == n and cached == min(shared, n - 2)
 
 
 def test_models_health_tokenize(server):
