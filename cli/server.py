@@ -31,7 +31,9 @@ CTX_PAD = 256  # the context is rounded up to whole KV_PAD cells, as llama.cpp p
 @click.option("--prompt-chunk", type=click.IntRange(min=0), default=16, show_default=True, metavar="N",
               help="Prompt tokens a step reads while other slots generate, so that their streams do not stop "
                    "for a long prompt (0: up to -b, the prompt's first token sooner and the streams stopped "
-                   "while it is read). Prompts arriving at an idle server are read in whole steps.")
+                   "while it is read). Prompts arriving at an idle server are read in whole steps; a "
+                   "request answered from a slot's stored row goes first when the prompts arriving with it "
+                   "fit N.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond that the server answers 503.")
 @click.option("--api-key", default=None, metavar="KEY",

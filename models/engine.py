@@ -638,14 +638,20 @@ class Engine:
 
     def _admit(self) -> None:
         """Move queued requests into idle slots, in arrival order (called holding the lock).
-        Requests admitted together start together: one answered from its stored row waits
-        while the prompts admitted with it are read (in one step where no other stream
-        generates), as a burst read in one batch would - its first token a little later, and no
-        stream of the burst stopped after its first token for the others' prompts."""
+        One answered from its stored row takes its first token at once, and the prompts
+        admitted with it are read beside its stream - as they would be had they come a moment
+        later - where the prompt budget bounds that read: a step of one chunk at most, the stop
+        in a stream this server accepts for any prompt that joins it (--prompt-chunk).  Beyond
+        that (or with no budget) requests admitted together start together: it waits while the
+        others' prompts are read, in steps where no stream generates, as a burst read in one
+        batch would, and no stream of the burst stops after its first token for the others'."""
         admitted = self.scheduler.admit(self.queue, self._answered)
         reading = [(slot, req) for slot, req, _ in admitted if not slot.answering]
+        to_read = sum(len(req.ids) - cached for slot, req, cached in admitted if not slot.answering)
+        budget = self.scheduler.prompt_budget
+        held_by = reading if budget is None or to_read > budget else []
         for slot, _, _ in admitted:
-            slot.held_by = reading if slot.answering else []
+            slot.held_by = held_by if slot.answering else []
         for slot, req, cached in admitted:
             o = req.options
             slot.gen = Generation(slot.seq, req.ids, Sampler(o.sampling, o.seed), self.model.tokenizer, o.stop,

@@ -480,22 +480,26 @@ def test_a_prompt_sharing_another_slots_prefix_is_read_after_a_copy_of_its_cells
         assert [out[2], out[3]] == want[2:] and engine.stats.copied_tokens > copied
 
 
-def test_a_request_answered_from_its_row_starts_with_the_prompts_admitted_with_it(small, monkeypatch):
-    """Requests admitted together start together: one answered from its stored row takes its
-    first token once the prompt admitted with it is read, so that read is no stall in its
-    stream (no step reads a prompt beside a generating stream), as in a burst read in one
-    batch; the answers are the model's alone."""
+@pytest.mark.parametrize("budget, other", [(None, PROMPTS[1]), (16, LONG), (16, PROMPTS[1])])
+def test_a_request_answered_from_its_row_waits_for_a_burst_beyond_the_prompt_budget(small, monkeypatch,
+                                                                                   budget, other):
+    """Requests admitted together: one answered from its stored row takes its first token once
+    the prompt admitted with it is read - no step reads a prompt beside a generating stream, as
+    in a burst read in one batch - unless that prompt fits the prompt budget (--prompt-chunk):
+    then it is answered at once and the prompt read beside its stream, a stop of one chunk, as
+    when that prompt comes a moment later.  The answers are the model's alone either way."""
     from pyggml.models import engine as engine_module
     monkeypatch.setattr(engine_module, "ADMIT_QUIET_S", 0.5)  # (generous: a loaded machine's threads)
     monkeypatch.setattr(engine_module, "ADMIT_WINDOW_S", 3.0)
-    want = {p: small.create_completion(p, max_tokens=6, temperature=0)["choices"][0]["text"] for p in PROMPTS[:2]}
-    with Engine(small, n_parallel=3, n_batch=64) as engine:
+    want = {p: small.create_completion(p, max_tokens=6, temperature=0)["choices"][0]["text"]
+            for p in (PROMPTS[0], other)}
+    with Engine(small, n_parallel=3, n_batch=64, prompt_budget=budget) as engine:
         out: dict[str, str] = {}
 
         def ask(p: str) -> None:
             out[p] = "".join(c["choices"][0]["text"] for c in submit(engine, p, max_tokens=6, temperature=0))
         ask(PROMPTS[0])  # read whole: its slot keeps the answer
-        threads = [threading.Thread(target=ask, args=(p,)) for p in (PROMPTS[1], PROMPTS[0])]
+        threads = [threading.Thread(target=ask, args=(p,)) for p in (other, PROMPTS[0])]
         for t in threads:  # the new prompt first, so that the engine gathers the two
             t.start()
             time.sleep(0.05)
@@ -503,4 +507,5 @@ def test_a_request_answered_from_its_row_starts_with_the_prompts_admitted_with_i
             t.join(300)
         st = engine.stats
     assert out == want
-    assert st.prompts_answered == 1 and st.mixed_steps == 0, st
+    fits = budget is not None and len(small.tokenize(other)) <= budget
+    assert st.prompts_answered == 1 and (st.mixed_steps >= 1 if fits else st.mixed_steps == 0), st
