@@ -91,8 +91,9 @@ class FileSlice(NamedTuple):
 # Rows of a product are cut in whole eights: llama.cpp repacks a Q4_K matrix of a multiple of 8
 # rows and multiplies it with other kernels than one of other rows (cpu/qmatmul.product_format),
 # so a share of, say, 214 of 640 rows would not give the whole's bits.  The feed-forward's hidden
-# rows are cut in whole 32s, which also makes them whole Q8_0 / Q8_1 blocks on the wire.  (A
-# width that is not a multiple of its unit is cut row by row.)
+# rows are cut in whole 32s, which also makes them whole Q8_0 / Q8_1 blocks on the wire (in
+# eights where they are not whole 32s).  A width that is not a multiple of 8 is cut row by row,
+# and then no share is a multiple of 8 either: it would be repacked where the whole is not.
 ROW_UNIT = 8
 FF_UNIT = 32
 
@@ -103,8 +104,11 @@ def cuts(n: int, weights: list[float], unit: int = 1) -> list[Range]:
     remainders), in order."""
     k = len(weights)
     if unit > 1:
-        whole = n % unit == 0 and n // unit >= k
-        return [(a * unit, b * unit) for a, b in cuts(n // unit, weights)] if whole else cuts(n, weights)
+        for u in sorted({unit, ROW_UNIT}, reverse=True):
+            if n % u == 0 and n // u >= k:
+                return [(a * u, b * u) for a, b in cuts(n // u, weights)]
+        rows = cuts(n, weights)
+        return rows if n % ROW_UNIT == 0 else none_in_eights(rows)
     if n < k:
         raise SplitError(f"{n} units cannot be shared among {k} devices")
     total = sum(weights)
@@ -115,6 +119,25 @@ def cuts(n: int, weights: list[float], unit: int = 1) -> list[Range]:
     while sum(counts) < n:
         counts[max(range(k), key=lambda i: exact[i] - counts[i])] += 1
     out, at = [], 0
+    for c in counts:
+        out.append((at, at + c))
+        at += c
+    return out
+
+
+def none_in_eights(rows: list[Range]) -> list[Range]:
+    """``rows`` (of a width that is not a multiple of ROW_UNIT) moved by a row here and there so
+    that no share is a multiple of ROW_UNIT: each share takes the kernels the whole takes."""
+    counts = [b - a for a, b in rows]
+    for i in range(len(counts) - 1):  # each share but the last gives a row to the next
+        if counts[i] % ROW_UNIT == 0:
+            counts[i] -= 1
+            counts[i + 1] += 1
+    if len(counts) > 1 and counts[-1] % ROW_UNIT == 0:  # the last trades with the one before it
+        step = 1 if (counts[-2] + 1) % ROW_UNIT else -1  # (one of the two keeps it off a multiple)
+        counts[-2] += step
+        counts[-1] -= step
+    out, at = [], rows[0][0]
     for c in counts:
         out.append((at, at + c))
         at += c

@@ -37,8 +37,31 @@ def test_cuts_share_in_proportion_and_give_everyone_one():
     assert cuts(640, [1, 1, 1], 8) == [(0, 216), (216, 432), (432, 640)]
     assert cuts(2048, [1, 1, 1], 32) == [(0, 704), (704, 1376), (1376, 2048)]
     assert cuts(20, [1, 1], 8) == [(0, 10), (10, 20)]
+    assert cuts(2056, [1, 1, 1], 32) == [(0, 688), (688, 1376), (1376, 2056)]  # not 32s: in eights
     with pytest.raises(SplitError, match="2 units cannot be shared among 3"):
         cuts(2, [1, 1, 1])
+
+
+@pytest.mark.parametrize("n, weights", [(17, [1, 1]), (100, [1, 1, 1, 1, 1]), (161, [3, 1]), (1001, [1, 1, 1])])
+def test_rows_not_in_eights_are_cut_into_shares_not_in_eights(n, weights):
+    """A Q4_K matrix whose rows are not a multiple of 8 is not repacked, and a share of it that
+    is would be (other kernels, other bits): such rows are cut with no share a multiple of 8,
+    and each share's product then gives the whole's rows, bit for bit."""
+    from tests.cpu.test_mul_mat import weight
+    shares = cuts(n, weights, 8)
+    assert shares[0][0] == 0 and shares[-1][1] == n and all(b - a >= 1 and (b - a) % 8 for a, b in shares)
+    if n > 200:
+        return
+    w, _, raw = weight(pg.Type.Q4_K, n, 256, seed=n)
+    x = pg.new_tensor(pg.Type.F32, (256, 3), "x").set_input()
+    xv = np.random.default_rng(n).standard_normal((3, 256)).astype(np.float32)
+    from tests.conftest import run_graph
+    whole = run_graph(pg.ops.mul_mat(w, x), {x: xv})[0, 0]
+    for a, b in shares:
+        part = pg.new_tensor(pg.Type.Q4_K, (256, b - a), "part")
+        pg.alloc_tensors([part], pg.cpu_device().get_buffer_type())
+        pg.tensor_set(part, np.ascontiguousarray(raw[a:b]))
+        assert np.array_equal(run_graph(pg.ops.mul_mat(part, x), {x: xv})[0, 0], whole[:, a:b])
 
 
 def test_heads_split_on_whole_groups_or_share_a_kv_head():
