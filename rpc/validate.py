@@ -149,7 +149,9 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
         return
     rebuild = REBUILD.get(node.op)
     if rebuild is None or not supported(node):
-        raise ProtocolError(f"{label}: op not supported by this server")
+        converts = node.op in CONVERTING and node.src and node.src[0] is not None and node.src[0].type != node.type
+        what = f"{node.src[0].type.name} to {node.type.name}" if converts else "op"
+        raise ProtocolError(f"{label}: {what} not supported by this server")
     try:
         want = rebuild(node)
     except (ValueError, TypeError, AttributeError, IndexError, ArithmeticError) as e:
@@ -165,15 +167,27 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
             raise ProtocolError(f"{label}: the result must be its destination tensor")
 
 
+# What writing one element of another type than its source's costs, in multiply-adds: a copy
+# into a quantized type runs its quantizer (pyggml.quants), and a K-quant's or MXFP4's searches
+# each sub-block's scales over candidates - the time of thousands of a product's multiply-adds,
+# which an element counted as one would let a graph of such copies run for hours.
+QUANTIZE_WORK = {Type.Q4_K: 8192, Type.Q5_K: 8192, Type.Q6_K: 8192, Type.MXFP4: 8192, Type.F16: 64}
+QUANTIZE_WORK_OTHER = 512  # the 32-element types' and BF16's quantizers
+CONVERTING = (Op.CPY, Op.DUP, Op.CONT, Op.SET_ROWS)
+
+
 def node_cost(node: Tensor) -> tuple[int, int]:
     """(multiply-adds, bytes of float32 scratch) that computing ``node`` may take on the CPU.
 
     Scratch: every source that is not already float32 becomes a float32 copy, and so does the
     result; quantized and F16 weights of a product are read as stored, and a row lookup
-    decodes only the rows it picks."""
+    decodes only the rows it picks.  Elements written in another type than their source's
+    cost their quantizer's work (QUANTIZE_WORK)."""
     srcs = [s for s in node.src if s is not None]
     elements = node.nelements() + sum(s.nelements() for s in srcs)
     work, scratch = elements, 4 * node.nelements()
+    if node.op in CONVERTING and srcs and node.type not in (srcs[0].type, Type.F32):
+        work += srcs[0].nelements() * QUANTIZE_WORK.get(node.type, QUANTIZE_WORK_OTHER)
     converted = srcs
     if node.op == Op.MUL_MAT:
         work = node.nelements() * srcs[0].ne[0]

@@ -205,6 +205,42 @@ def test_the_work_of_a_graph_is_bounded_by_the_bytes_its_session_owns():
         validate.check_cost(g, owned=1 << 40, free=1 << 20)
 
 
+def test_a_copy_into_a_quantized_type_costs_its_quantizer():
+    """A K-quant's quantizer takes the time of thousands of multiply-adds per element: a graph
+    of copies into Q4_K counted one per element could keep a server busy for hours within the
+    bound; counted at its quantizer's cost it is refused where the same copies in F32 pass."""
+    import pyggml as pg
+    from pyggml import ops
+    from pyggml.graph import Graph
+    from pyggml.rpc import validate
+    src = pg.new_tensor(Type.F32, (4096, 256), "src")
+    owned = src.nbytes() + 4096 * 256 * 4
+    for dst_type, passes in ((Type.F32, True), (Type.Q4_K, False), (Type.Q8_0, True)):
+        dst = pg.new_tensor(dst_type, (4096, 256), "dst")
+        g = Graph()
+        g.nodes = [ops.cpy(src, dst) for _ in range(64)]
+        if passes:
+            validate.check_cost(g, owned=owned, free=1 << 40)
+        else:
+            with pytest.raises(P.ProtocolError, match="multiply-adds"):
+                validate.check_cost(g, owned=owned, free=1 << 40)
+    assert validate.node_cost(ops.cpy(src, pg.new_tensor(Type.Q4_K, (4096, 256), "q")))[0] >= 8192 * src.nelements()
+
+
+def test_a_copy_into_a_type_with_no_quantizer_is_refused_up_front(client, server):
+    """Q2_K has no quantizer here: a copy into it is refused when the graph arrives, saying
+    which conversion, and the server goes on serving."""
+    h = alloc(client)
+    src = tensor(Type.F32, (256, 1, 1, 1), buffer=h, id=1)
+    dst = tensor(Type.Q2_K, (256, 1, 1, 1), buffer=h, id=2, offset=1024)
+    node = tensor(Type.Q2_K, (256, 1, 1, 1), buffer=h, id=3, offset=1024, op=Op.CPY, src=[1, 2], view_src=2)
+    refused(client, server, C.GRAPH_COMPUTE, graph([3], [src, dst, node]), match="F32 to Q2_K not supported")
+    ok = tensor(Type.Q8_0, (256, 1, 1, 1), buffer=h, id=4, offset=2048)
+    node = tensor(Type.Q8_0, (256, 1, 1, 1), buffer=h, id=5, offset=2048, op=Op.CPY, src=[1, 4], view_src=4)
+    status, body, _ = client.call(C.GRAPH_COMPUTE, graph([5], [src, ok, node]))
+    assert status == P.Status.OK, body
+
+
 def test_the_message_cap_bounds_the_whole_request(client, server):
     """Eight frames each under --max-message were read whole (4x the cap) and answered."""
     h = alloc(client)
