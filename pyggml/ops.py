@@ -266,6 +266,15 @@ def cast(a: Tensor, type: Type) -> Tensor:
     return t
 
 
+CONVERTING = frozenset({Op.CPY, Op.DUP, Op.CONT, Op.SET_ROWS})  # the ops that may write another type
+
+
+def converts(t: Tensor) -> bool:
+    """Whether ``t`` writes its first source's values in another type than theirs: a copy that
+    quantizes or decodes (whose device needs a quantizer for the one, a decoder for the other)."""
+    return t.op in CONVERTING and bool(t.src) and t.src[0] is not None and t.type != t.src[0].type
+
+
 def cont(a: Tensor, *ne: int) -> Tensor:
     """A contiguous copy of a, optionally with a new shape of the same size (ggml_cont_Nd)."""
     shape = tuple(ne) if ne else a.ne

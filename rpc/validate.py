@@ -149,8 +149,7 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
         return
     rebuild = REBUILD.get(node.op)
     if rebuild is None or not supported(node):
-        converts = node.op in CONVERTING and node.src and node.src[0] is not None and node.src[0].type != node.type
-        what = f"{node.src[0].type.name} to {node.type.name}" if converts else "op"
+        what = f"{node.src[0].type.name} to {node.type.name}" if ops.converts(node) else "op"
         raise ProtocolError(f"{label}: {what} not supported by this server")
     try:
         want = rebuild(node)
@@ -173,7 +172,6 @@ def check_node(node: Tensor, supported: Callable[[Tensor], bool]) -> None:
 # which an element counted as one would let a graph of such copies run for hours.
 QUANTIZE_WORK = {Type.Q4_K: 8192, Type.Q5_K: 8192, Type.Q6_K: 8192, Type.MXFP4: 8192, Type.F16: 64}
 QUANTIZE_WORK_OTHER = 512  # the 32-element types' and BF16's quantizers
-CONVERTING = (Op.CPY, Op.DUP, Op.CONT, Op.SET_ROWS)
 
 
 def node_cost(node: Tensor) -> tuple[int, int]:
@@ -186,7 +184,7 @@ def node_cost(node: Tensor) -> tuple[int, int]:
     srcs = [s for s in node.src if s is not None]
     elements = node.nelements() + sum(s.nelements() for s in srcs)
     work, scratch = elements, 4 * node.nelements()
-    if node.op in CONVERTING and srcs and node.type not in (srcs[0].type, Type.F32):
+    if ops.converts(node) and node.type != Type.F32:  # (decoding to float32 costs what a copy does)
         work += srcs[0].nelements() * QUANTIZE_WORK.get(node.type, QUANTIZE_WORK_OTHER)
     converted = srcs
     if node.op == Op.MUL_MAT:

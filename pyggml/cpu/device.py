@@ -12,6 +12,7 @@ from ..backend import Backend, BufferType, Device, DeviceType
 from ..batch_rules import BATCH_RULES, COLUMNWISE_RULES, BatchRules
 from ..graph import Graph
 from ..opdefs import VIEW_OPS, Op, UnaryParams
+from ..ops import converts
 from ..quants import DEQUANTIZABLE, QUANTIZABLE
 from ..tensor import Tensor
 from ..types import Type
@@ -76,9 +77,6 @@ def cpu_batch_rules(products: Collection[Type]) -> BatchRules:
     return COLUMNWISE_RULES if products and COLUMNWISE.issuperset(products) else BATCH_RULES
 
 
-CONVERTING = (Op.CPY, Op.DUP, Op.CONT, Op.SET_ROWS)  # the ops that may write another type than their source's
-
-
 class CPUDevice(Device):
     """The host CPU.  Several instances with different names may exist (tests use two to
     stand in for two machines); each has its own buffer type, so the scheduler treats
@@ -116,8 +114,7 @@ class CPUDevice(Device):
                 return UnaryParams.of(op).op in UNARY
             except ValueError:
                 return False
-        if op.op in CONVERTING and op.src and op.src[0] is not None and op.type != op.src[0].type:
-            # another type written: a quantizer for it and a decoder for the source (pyggml.quants)
+        if converts(op):  # a quantizer for the type written, a decoder for the source's (pyggml.quants)
             return op.type in QUANTIZABLE and op.src[0].type in DEQUANTIZABLE and op.op in OP_TABLE
         return op.op in VIEW_OPS or op.op in OP_TABLE
 
