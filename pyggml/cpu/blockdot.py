@@ -126,7 +126,7 @@ class Legacy(NamedTuple):
 
 
 def lane_sums_at(builder, nb):
-    """IR: where, in an activation row of nb 32-value blocks as bytes (qdot._activation_bytes),
+    """IR: where, in an activation row of nb 32-value blocks as bytes (qdot._activation_bytes_row),
     the blocks' lane sums begin: after the values, padded to whole 64 bytes."""
     return builder.shl(builder.ashr(builder.add(nb, ir.Constant(I64, 1)), ir.Constant(I64, 1)), ir.Constant(I64, 6))
 

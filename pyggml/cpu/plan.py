@@ -15,6 +15,10 @@ table runs the prepares of all its steps first: a graph's inputs are set before 
 this is the same as running each before its step - unless an earlier step of the same table
 writes what a prepare reads; the plan then starts a new table there (``reads``).
 
+What the kernels find wrong in data the step itself computed (an expert id outside the
+weights: experts.py) cannot raise inside the table: the kernel notes it and reads nothing out of
+bounds, and the step's ``check`` raises once the table has run.
+
 Run alone (op by op, or timed by OpProfile), a table step runs its prepare and its own calls:
 the same kernels on the same arrays, so a plan gives the bits of the op-by-op path.
 """
@@ -53,12 +57,13 @@ class TableStep:
     tables are made or at the step's first run: every step of the plan is bound by then, and
     scratch shared between steps is sized); ``prepare``: Python run before them at every run;
     ``reads``: the tensors ``prepare`` reads; ``hold``: arrays the calls read that nothing
-    else holds."""
-    __slots__ = ("make_calls", "_calls", "prepare", "reads", "hold", "_table")
+    else holds; ``check``: Python run after the calls (raises for what they found wrong)."""
+    __slots__ = ("make_calls", "_calls", "prepare", "reads", "hold", "check", "_table")
 
     def __init__(self, make_calls: Callable[[], Sequence[RowCall]], prepare: Callable[[], None] | None = None,
-                 reads: Sequence[Tensor] = (), hold: tuple = ()) -> None:
+                 reads: Sequence[Tensor] = (), hold: tuple = (), check: Callable[[], None] | None = None) -> None:
         self.make_calls, self._calls, self.prepare, self.reads, self.hold = make_calls, None, prepare, reads, hold
+        self.check = check
         self._table = None
 
     @property
@@ -73,15 +78,19 @@ class TableStep:
         if self._table is None:
             self._table = Table(self.calls)
         self._table()
+        if self.check is not None:
+            self.check()
 
 
 class TableRun:
-    """Consecutive table steps of a plan: every prepare, then one table of all their calls."""
-    __slots__ = ("steps", "prepares", "_table")
+    """Consecutive table steps of a plan: every prepare, then one table of all their calls,
+    then every check."""
+    __slots__ = ("steps", "prepares", "checks", "_table")
 
     def __init__(self, steps: list[TableStep]) -> None:
         self.steps = steps
         self.prepares = [s.prepare for s in steps if s.prepare is not None]
+        self.checks = [s.check for s in steps if s.check is not None]
         # made with the plan (every step is bound by now), so that its first run is as quick as the next
         self._table = Table([call for step in self.steps for call in step.calls])
 
@@ -89,6 +98,8 @@ class TableRun:
         for prepare in self.prepares:
             prepare()
         self._table()
+        for check in self.checks:
+            check()
 
 
 def plan_runs(steps: Sequence[Callable[[], None]], outputs: Sequence[Sequence[Tensor]]) -> list[Callable[[], None]]:

@@ -28,16 +28,14 @@ from typing import NamedTuple
 
 import numpy as np
 import numba
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 
 from ..batch_rules import BATCH_RULES
 from .blockdot import FORMATS, LANE_SUMS, TILE_MID, TILE_NARROW, TILE_WIDE, column_format, row_pair_dots, tile_dots
-from ..types import Type
-from .activations import activation_arrays
-from .kinds import VEC_DOT, Fmt, kernel_of_kind
-from .parts import K, kind_part, part, sample_weights
+from .kinds import Fmt, kernel_of_kind
+from .parts import kind_part
 from .rows import RowCall, address_of, c_rows, product_call, row_args, row_kernel, run_calls, serial_call
-from .simd import KERNEL, address, call_address, pointer
+from .simd import KERNEL, pointer
 
 
 # from this many columns on llama.cpp multiplies K-quant weights (not repacked ones) in tiles
@@ -102,13 +100,15 @@ def _chunks(m_rows, n_chunks):
 
 
 def activation_bytes_width(k: int, offset: int) -> int:
-    """The width of _activation_bytes' rows for k activations."""
+    """The width of the activations' rows as bytes (_activation_bytes_rows) for k activations."""
     return (k + 63) // 64 * 64 + (k if offset else 0)
 
 
 @_jit
 def _activation_bytes_row(yq, n, offset, yb):
-    """Row n of _activation_bytes into yb's row n (every byte of it written)."""
+    """Row n of the quantized activations yq as bytes into yb's row n (every byte of it
+    written): int8 zero-padded to whole 64s; with an ``offset`` (not 0), the row then holds its
+    32-value blocks' lane sums times -offset, as int32 (blockdot.LANE_SUMS)."""
     k = yq.shape[1]
     padded = (k + 63) // 64 * 64
     for i in range(k):
@@ -121,21 +121,9 @@ def _activation_bytes_row(yq, n, offset, yb):
             sums[j] = -offset * np.int32(yq[n, 4 * j] + yq[n, 4 * j + 1] + yq[n, 4 * j + 2] + yq[n, 4 * j + 3])
 
 
-@njit(**KERNEL)
-def _activation_bytes(yq, offset):
-    """The quantized activations as int8 rows zero-padded to whole 64s; with an ``offset`` (not
-    0), each row then holds its 32-value blocks' lane sums times -offset, as int32
-    (blockdot.LANE_SUMS).  In the calling thread: a pass over the activations, a small part of a
-    product's time, and a parallel loop here took a second more to compile than all of this."""
-    n_cols, k = yq.shape
-    yb = np.empty((n_cols, (k + 63) // 64 * 64 + (k if offset else 0)), dtype=np.int8)
-    for n in range(n_cols):
-        _activation_bytes_row(yq, n, offset, yb)
-    return yb
-
-
 def _activation_bytes_rows(start, end, yq_at, k, yb_at, width, offset, i5, i6, i7, i8, i9, f0, f1):
-    """Rows start..end of _activation_bytes (a row kernel: rows.py)."""
+    """Rows start..end of the activations as bytes (_activation_bytes_row; a row kernel: rows.py),
+    in the calling thread: a pass over the activations, a small part of a product's time."""
     yq = carray(pointer(yq_at, np.float32), (end, k))
     yb = carray(pointer(yb_at, np.int8), (end, width))
     for n in range(start, end):
@@ -166,15 +154,14 @@ def product_calls(kind: int, w: np.ndarray, yq: np.ndarray, yd: np.ndarray, ys: 
             and yd.shape[0] == ys.shape[0] == n_cols and out.shape[0] == n_cols and out.shape[1] >= m_rows
             and yb.shape == (n_cols, activation_bytes_width(k, sums))):
         raise ValueError("a product's arrays must be C-contiguous, of agreeing shapes")
-    n_chunks, per = _chunks.py_func(m_rows, THREADS if n_cols == 1 else 64)
+    n_chunks, per = row_chunks(m_rows, n_cols)
     ints = (address_of(w), m_rows, row_bytes, 0, 0, address_of(yb), n_cols, yb.shape[1], address_of(yd), yd.shape[1],
             address_of(ys), ys.shape[1], address_of(out), out.shape[1], address_of(runs), runs.size)
     if n_cols == 1:
         rows = product_call(column_rows(kind).rows_at, m_rows, n_chunks, per, ints)
-    elif kind in _DEFERRED:  # the kernel in the format's slot when the table runs
-        rows = product_call(address_of(_SLOTS[kind:kind + 1]), m_rows, n_chunks, per, ints, by_slot=True)
-    else:
-        rows = product_call(_batch_rows_at(kind), m_rows, n_chunks, per, ints)
+    else:  # (while the tiled rows are deferred: the kernel in the format's slot when the table runs)
+        at, by_slot = batch_rows(kind)
+        rows = product_call(at, m_rows, n_chunks, per, ints, by_slot=by_slot)
     return [serial_call(activation_bytes_at(), n_cols, ActivationBytesArgs(yq_at=address_of(yq), k=k, yb_at=address_of(yb),
                                                                           width=yb.shape[1], offset=sums)), rows]
 
@@ -189,15 +176,6 @@ def exact_quant_matmul(kind: int, w, yq, yd, ys, out, runs) -> None:
         raise ValueError("a product's runs must rise from 0 to its columns")
     yb = np.empty((yq.shape[0], activation_bytes_width(yq.shape[1], lane_sums(kind))), dtype=np.int8)
     run_calls(product_calls(kind, w, yq, yd, ys, yb, out, runs))
-
-
-def exact_quant_matmul_id(kind: int, w, yq, yd, ys, experts, starts, out) -> None:
-    """MUL_MAT_ID's products in one parallel loop: for each group g, the columns
-    starts[g]..starts[g + 1] of the activations (quantized, yq/yd/ys as exact_quant_matmul's)
-    times expert experts[g] of w (uint8 [n_expert, M, row_bytes]), into the same rows of out
-    [columns, M].  Each group is computed as exact_quant_matmul computes a product of its
-    columns alone (the kernels for a batch depend on its size)."""
-    quant_product_id(w, yq, yd, ys, experts, starts, out, _batch_rows_at(kind), lane_sums(kind))
 
 
 # the most threads a parallel loop uses (numba.set_num_threads may lower it, not raise it)
@@ -251,10 +229,19 @@ def tiles_ready(kind: int) -> None:
     _DEFERRED.discard(kind)
 
 
-def _batch_rows_at(kind: int) -> int:
-    """The address of the rows a product of several columns runs now: the tiled rows, or while
-    they are deferred the slot's (a call made now and run now; a table's reads the slot itself)."""
-    return int(_SLOTS[kind]) if kind in _DEFERRED else product_kernel(kind).rows_at
+def batch_rows(kind: int) -> tuple[int, bool]:
+    """Where a table's product of several columns finds its rows' C function: (the tiled rows'
+    address, False), or while they are deferred (the address of the format's slot, True: the
+    kernel there when the table runs)."""
+    if kind in _DEFERRED:
+        return address_of(_SLOTS[kind:kind + 1]), True
+    return product_kernel(kind).rows_at, False
+
+
+def row_chunks(m_rows: int, n_cols: int) -> tuple[int, int]:
+    """How a product's rows are cut for the threads: one chunk per thread for a single column
+    (a decoding step's), many for more (a fair share, and rows that stay in cache)."""
+    return _chunks.py_func(m_rows, THREADS if n_cols == 1 else 64)
 
 
 @functools.cache
@@ -281,7 +268,7 @@ def _kernel_of(kind: int) -> ProductKernel:
     format only: ``kind`` is a constant of it (the rows' code and the functions it calls choose
     their code when compiled), so a model compiles the formats it has, not all of them.
 
-    The parallel loops around it (rows.run_table, quant_product_id) are one kernel for every
+    The parallel loop around it (rows.run_table; experts.py's calls it too) is one kernel for every
     format, which calls it by its address, given at every call (a compiled kernel is cached on
     disk; an address is this process's): numba would copy a called function's code into each
     kernel that calls it, and optimize and compile it again there - twice for a parallel loop,
@@ -321,40 +308,6 @@ def _kernel_of(kind: int) -> ProductKernel:
     return ProductKernel(rows.address, lane_sums(kind))
 
 
-@njit(parallel=True, **KERNEL)
-def quant_product_id(w, yq, yd, ys, experts, starts, out, rows_at, lane_sums):
-    """exact_quant_matmul_id's parallel loop: every group's chunks of rows in one range."""
-    m_rows, n_groups = w.shape[1], experts.size
-    yb = _activation_bytes(yq, lane_sums)
-    _check_contiguous(w, yd, ys, out, starts)
-    n_chunks, per = _chunks(m_rows, 64)  # many, for a fair share
-    whole = _group_runs(starts)
-    for j in prange(n_groups * n_chunks):
-        g, c = j // n_chunks, j % n_chunks
-        s0, s1 = starts[g], starts[g + 1]
-        call_address(rows_at, (address(w[experts[g]]), m_rows, w.shape[2], c * per, min(m_rows, (c + 1) * per),
-                               address(yb[s0:s1]), s1 - s0, yb.shape[1], address(yd[s0:s1]), yd.shape[1],
-                               address(ys[s0:s1]), ys.shape[1], address(out[s0:s1]), out.shape[1],
-                               address(whole[g]), 2))
-
-
-@_jit
-def _check_contiguous(w, yd, ys, out, ints):
-    """The C function reads the arrays as C-contiguous (numba.carray)."""
-    if not (w.flags.c_contiguous and yd.flags.c_contiguous and ys.flags.c_contiguous and out.flags.c_contiguous
-            and ints.flags.c_contiguous):
-        raise ValueError("a product's arrays must be C-contiguous")
-
-
-@njit(**KERNEL)
-def _group_runs(starts):
-    """Each group of MUL_MAT_ID's one run of its own columns: [[0, columns of group g]...]."""
-    whole = np.zeros((starts.size - 1, 2), dtype=np.int64)
-    for g in range(starts.size - 1):
-        whole[g, 1] = starts[g + 1] - starts[g]
-    return whole
-
-
 # -- what warmup.py compiles of these kernels (pyggml/cpu/parts.py) -----------------------------
 @kind_part("product", Fmt, lambda f: 0.5 if f <= Fmt.Q8_0 else 0.9)  # a K-quant block is larger IR
 def _compile_product(fmt: Fmt) -> None:
@@ -369,14 +322,3 @@ def _compile_tiles(fmt: Fmt) -> None:
     """A format's tiled rows (about twice the column rows' compile): a first answer does not
     wait for them (warmup.Compiling.wait_for_first_answer)."""
     product_kernel(fmt)
-
-
-@part("experts", 1.8)
-def _compile_experts() -> None:
-    """quant_product_id, stacked experts' loop, with two columns of zeros as Q8_0's products take
-    them (not quantized: the quantizer is the activations' part)."""
-    yq, yd, ys = activation_arrays(2, K, int(VEC_DOT[Type.Q8_0]))
-    for a in (yq, yd, ys):
-        a.fill(0.0)
-    quant_product_id(sample_weights(Type.Q8_0, 0, experts=2), yq, yd, ys, np.array([1], dtype=np.int64),
-                     np.array([0, 2], dtype=np.int64), np.empty((2, 0), dtype=np.float32), 0, 0)

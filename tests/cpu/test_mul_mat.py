@@ -103,8 +103,8 @@ def experts(qtype: Type, n_expert: int, m: int, k: int, rng) -> tuple[pg.Tensor,
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
-    """MUL_MAT_ID computes every expert's product in one parallel call (qdot.exact_quant_matmul_id);
-    each must be the bits of that expert's own product of the tokens routed to it - a single
+    """MUL_MAT_ID computes every expert's product as calls of one table (cpu/experts.py); each
+    must be the bits of that expert's own product of the tokens routed to it - a single
     token, a batch of 5 (the 32-element types' unpacked path) and of 9 (the K-quants' tiled one)."""
     qtype, n_expert, m, k, n_tokens, n_used = Type[name], 6, 34, 256, 16, 2
     rng = np.random.default_rng(7)
@@ -120,6 +120,56 @@ def test_mul_mat_id_in_one_call_equals_each_experts_product(name):
         t_sel, u_sel = np.nonzero(ids == e)
         want = qmatmul.quant_matmul(raw[e], qtype, x[t_sel, 0])
         assert np.array_equal(got[t_sel, u_sel], want), f"expert {e}"
+
+
+def test_mul_mat_id_reads_its_ids_and_activations_through_strides_and_from_the_graph():
+    """The table's MUL_MAT_ID (cpu/experts.py) takes its ids as the step computes them - a
+    router's top k, here of a view whose rows lie apart - and activations whose rows lie apart
+    (a slot's row of b, a token's rows of b): each pair's row is that expert's product alone."""
+    qtype, n_expert, m, k, n_tokens, n_used = Type.Q4_0, 5, 24, 64, 6, 3
+    rng = np.random.default_rng(21)
+    w, raw = experts(qtype, n_expert, m, k, rng)
+    scores_v = rng.standard_normal((n_tokens, n_expert + 3)).astype(np.float32)
+    big_v = rng.standard_normal((n_tokens, n_used + 1, k + 32)).astype(np.float32)
+    scores = pg.new_tensor(Type.F32, (n_expert + 3, n_tokens), "scores").set_input()
+    big = pg.new_tensor(Type.F32, (k + 32, n_used + 1, n_tokens), "big").set_input()
+    routed = ops.view(ops.top_k(ops.view(scores, (n_expert, n_tokens), (scores.nb[1],)), n_used + 1),
+                      (n_used, n_tokens), ((n_used + 1) * 4,))       # slots 0..n_used-1 of a top k+1
+    b = ops.view(big, (k, n_used, n_tokens), (big.nb[1], big.nb[2]), offset=4 * 8)
+    got = run_graph(ops.mul_mat_id(w, b, routed), {scores: scores_v, big: big_v}).reshape(n_tokens, n_used, m)
+    ids = np.argsort(-scores_v[:, :n_expert], axis=1, kind="stable")[:, :n_used]
+    x = big_v[:, :n_used, 8:8 + k]
+    for t in range(n_tokens):
+        for u in range(n_used):
+            want = qmatmul.quant_matmul(raw[ids[t, u]], qtype, x[t, u][None])
+            assert np.array_equal(got[t, u], want[0]), (t, u)
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_an_expert_id_outside_the_quantized_experts_is_an_error_and_the_plan_runs_on(bad):
+    """An id outside the experts is found by the table's route (it reads expert 0 instead, so
+    nothing reads past the weights) and raised once the table has run; the same plan then
+    computes the next ids right."""
+    qtype, n_expert, m, k = Type.Q8_0, 6, 16, 64
+    rng = np.random.default_rng(5)
+    w, raw = experts(qtype, n_expert, m, k, rng)
+    b = pg.new_tensor(Type.F32, (k, 1, 2), "b").set_input()
+    idt = pg.new_tensor(Type.I32, (2, 2), "ids").set_input()
+    out = ops.mul_mat_id(w, b, idt)
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler([pg.cpu_device().init_backend()])
+    sched.alloc_graph(graph)
+    x = rng.standard_normal((2, 1, k)).astype(np.float32)
+    pg.tensor_set(b, x)
+    pg.tensor_set(idt, np.array([[1, 2], [bad, 3]], np.int32))
+    with pytest.raises(ValueError, match=f"MUL_MAT_ID: expert id {bad} outside 0..5"):
+        sched.graph_compute(graph)
+    pg.tensor_set(idt, np.array([[4, 0], [5, 3]], np.int32))
+    sched.graph_compute(graph)
+    got = pg.tensor_array(out).reshape(2, 2, m)
+    for t, row in enumerate([[4, 0], [5, 3]]):
+        for u, e in enumerate(row):
+            assert np.array_equal(got[t, u], qmatmul.quant_matmul(raw[e], qtype, x[t])[0])
 
 
 # runs of columns: a batch of several sequences, each computed as if alone (ops.mul_mat)

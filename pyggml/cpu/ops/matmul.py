@@ -10,7 +10,9 @@ from ...types import ACTIVATION_BLOCKS, Type
 from ..buffer import tensor_rows, tensor_view
 from ..activations import SERIAL_ROWS, activation_shapes, quantize_call, unpack, unpack_call
 from ..plan import ArrayPool, TableStep
-from ..qdot import activation_bytes_width, exact_quant_matmul_id, lane_sums, product_calls
+from ..experts import ExpertCalls, takes
+from ..kinds import EXACT
+from ..qdot import activation_bytes_width, lane_sums, product_calls
 from ..qmatmul import Layout, ProductStep, QuantProduct, choose_product, frozen, whole
 from ..rows import RowCall
 
@@ -182,21 +184,28 @@ def bind_mul_mat(node: Tensor, shared: dict) -> Step:
 
 def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     """Tokens grouped by expert: each expert's rows are read once per batch, for all the
-    tokens routed to it (as ggml groups them); with the exact block products, every expert's
-    product in one parallel call.  With runs of tokens, a group is an expert's tokens of one
-    run (each computed as that run alone would have it)."""
+    tokens routed to it (as ggml groups them).  With the exact block products, as calls of the
+    plan's table (experts.py: the grouping in compiled code, each group a product of its
+    columns alone); else in Python, a product per group.  With runs of tokens, a group is an
+    expert's tokens of one run (each computed as that run alone would have it)."""
     a, b, ids = node.src[:3]
-    runs = column_runs(node, node.src[3], b.ne[2]) if len(node.src) > 3 and node.src[3] is not None else None
+    runs_t = node.src[3] if len(node.src) > 3 else None
     index = tensor_view(ids)[0, 0]           # [n_tokens, n_used]
-    x = reader(b)                            # [1, n_tokens, n_b, K]
     out = tensor_view(node)[0]               # [n_tokens, n_used, M]
     n_expert, n_b, m_rows = a.ne[2], b.ne[1], a.ne[1]
     rows = tensor_rows(a)[0] if a.type.has_vec_dot else None  # [n_expert, M, row_bytes]
+    x_rows = tensor_view(b)[0] if b.type == Type.F32 else None  # [n_tokens, n_b, K]
+    runs_like = np.empty(2, np.int64) if runs_t is not None else None  # (for takes: what _checked_runs gives)
+    if rows is not None and a.type in EXACT and x_rows is not None and takes(rows, x_rows, index, runs_like, out):
+        product = QuantProduct(rows[0], a.type)
+        runs, prepare = _checked_runs(node, runs_t, b.ne[2], shared) if runs_t is not None else (None, None)
+        calls = ExpertCalls(product.fmt, product.kind, frozen(rows), x_rows, index, runs, out)
+        scratch = shared.setdefault("activation pool", ArrayPool()).use(object(), calls.specs)
+        return TableStep(lambda: calls.calls(scratch()), prepare, reads=(runs_t,) if runs_t is not None else (),
+                         hold=(calls,), check=calls.check)
+    runs = column_runs(node, runs_t, b.ne[2]) if runs_t is not None else None
+    x = reader(b)                            # [1, n_tokens, n_b, K]
     experts = reader(a) if rows is None else None
-    together = QuantProduct(rows[0], a.type) if rows is not None and rows.flags.c_contiguous else None
-    if together is not None and not together.exact:
-        together = None
-    weights = frozen(rows) if together is not None else None
 
     def step() -> None:
         idx = index.astype(np.int64)
@@ -208,17 +217,6 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
         run_of = np.zeros(idx.shape, np.int64) if runs is None else \
             np.broadcast_to((np.searchsorted(runs(), np.arange(idx.shape[0]), side="right") - 1)[:, None], idx.shape)
         key = (idx * (run_of.max() + 1) + run_of).reshape(-1)
-        if together is not None:
-            order = np.argsort(key, kind="stable")
-            t_sel, u_sel = np.divmod(order, idx.shape[1])
-            _, first, counts = np.unique(key[order], return_index=True, return_counts=True)
-            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-            yq, yd, ys = together.activations(xv[t_sel, u_sel % n_b])
-            res = np.empty((order.size, m_rows), dtype=f32)
-            used = idx.reshape(-1)[order][first]  # each group's expert
-            exact_quant_matmul_id(together.fmt, weights, yq, yd, ys, used.astype(np.int64), starts, res)
-            out[t_sel, u_sel] = res
-            return
         for group in np.unique(key):
             t_sel, u_sel = np.nonzero(key.reshape(idx.shape) == group)
             e = idx[t_sel[0], u_sel[0]]
