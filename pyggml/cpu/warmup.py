@@ -33,7 +33,7 @@ from pathlib import Path
 from ..types import Type
 from . import kernel_cache, qdot
 # the modules whose kernels register their parts (parts.py), imported for that
-from . import activations, fusion, nn, ops, qdecode, rows  # noqa: F401
+from . import activations, experts, fusion, nn, ops, qdecode, router, rows  # noqa: F401
 from .kinds import DECODER, EXACT, VEC_DOT, Dec, Fmt
 from .parts import GATES, KINDS, LAYERS, OTHERS
 from .qmatmul import product_format
@@ -62,7 +62,7 @@ def parts_for_tensors(tensors: Iterable[tuple[str, Type, tuple[int, ...]]], gate
     parts = dict.fromkeys([*LAYERS, *([gate] if gate else GATES)])
     for name, qtype, ne in tensors:
         if len(ne) == 3:
-            parts["softmax"] = None
+            parts["softmax"] = parts["router"] = None
         if qtype == Type.F16:
             parts["f16"] = None
         if name.startswith("token_embd") and qtype in DECODER:  # GET_ROWS decodes the rows it picks

@@ -91,7 +91,7 @@ def test_old_versions_of_the_cache_are_pruned(tmp_path):
 def test_a_model_compiles_the_formats_it_has_and_no_other():
     """A product compiles the code of its own weight format (qdot.product_kernel), so the parts a
     model needs name exactly the formats of its weights, and the loop around every format's
-    rows once (``products``; ``experts`` for stacked experts): SmolLM2 is Q4_1 with a Q8_0
+    rows once (``products``; ``experts``, and the router's kernels, for stacked experts): SmolLM2 is Q4_1 with a Q8_0
     embedding that is also its output; Gemma 3's Q4_K come in multiples of 8 rows (repacked).
     Of the feed-forward gates, the one its architecture names (both where it is not known)."""
     from pyggml.cpu.warmup import GATES, LAYERS, parts_for_tensors
@@ -102,8 +102,8 @@ def test_a_model_compiles_the_formats_it_has_and_no_other():
     other = [("blk.0.ffn_up.weight", Type.Q4_K, (2048, 640)), ("blk.0.ffn_down.weight", Type.Q4_K, (256, 9)),
              ("blk.0.ffn_gate_exps.weight", Type.Q6_K, (256, 64, 8)), ("blk.0.attn_v.weight", Type.F16, (64, 64))]
     assert parts_for_tensors(other) == [*LAYERS, *GATES, "product:Q4_K_X8", "tiles:Q4_K_X8", "products", "product:Q4_K",
-                                        "tiles:Q4_K", "softmax", "product:Q6_K", "tiles:Q6_K", "experts", "f16",
-                                        "fused:F16", "decoder:F16"]
+                                        "tiles:Q4_K", "softmax", "router", "product:Q6_K", "tiles:Q6_K", "experts",
+                                        "f16", "fused:F16", "decoder:F16"]
 
 
 LOADS_WITHOUT_COMPILING = """

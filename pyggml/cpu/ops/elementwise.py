@@ -8,7 +8,7 @@ import numpy as np
 
 from ...opdefs import (ClampParams, ConcatParams, GluOp, GluParams, ScaleParams, UnaryOp, UnaryParams)
 from ...tensor import Tensor
-from .. import nn
+from .. import nn, router
 from ..activations import SERIAL_ROWS, block_kind, pack_call
 from ..buffer import tensor_rows, tensor_view
 from ..parts import GATES, part
@@ -22,8 +22,11 @@ def _binary(fn: Callable[..., np.ndarray], op: int) -> Binder:
     def bind(node: Tensor, shared: dict) -> Step:
         a_rows, b_rows, out_rows = (_row_view(t) for t in (node.src[0], node.src[1], node))
         if (a_rows is not None and b_rows is not None and out_rows is not None and a_rows.shape == out_rows.shape
-                and b_rows.shape[1] == a_rows.shape[1] and b_rows.shape[0] in (1, a_rows.shape[0])):
-            return TableStep(lambda: [nn.elementwise_call(op, a_rows, b_rows, out_rows)])  # rows, or rows by one row
+                and b_rows.shape[0] in (1, a_rows.shape[0])):
+            if b_rows.shape[1] == a_rows.shape[1]:
+                return TableStep(lambda: [nn.elementwise_call(op, a_rows, b_rows, out_rows)])  # rows, or rows by one row
+            if b_rows.shape[1] == 1:  # a value of b for each row (an expert's output by its weight)
+                return TableStep(lambda: [router.row_value_call(op, a_rows, b_rows, out_rows)])
         a, b = reader(node.src[0]), reader(node.src[1])
         out = tensor_view(node)
         if _broadcasts(node.src[1].ne[::-1], out.shape):
@@ -183,12 +186,18 @@ def bind_concat(node: Tensor, shared: dict) -> Step:
 
 def bind_sum_rows(node: Tensor, shared: dict) -> Step:
     """Rows summed in double, then rounded (ggml_vec_sum_f32 accumulates in ggml_float)."""
+    x_rows, out_rows = _row_view(node.src[0]), _row_view(node)
+    if x_rows is not None and out_rows is not None and out_rows.shape == (x_rows.shape[0], 1):
+        return TableStep(lambda: [router.sum_rows_call(x_rows, out_rows)])
     x, out = reader(node.src[0]), tensor_view(node)
     return lambda: out.__setitem__(Ellipsis, x().sum(axis=-1, keepdims=True, dtype=np.float64).astype(f32))
 
 
 def bind_clamp(node: Tensor, shared: dict) -> Step:
     p = ClampParams.of(node)
+    x_rows, out_rows = _row_view(node.src[0]), _row_view(node)
+    if x_rows is not None and out_rows is not None and x_rows.shape == out_rows.shape:
+        return TableStep(lambda: [router.clamp_call(x_rows, out_rows, p.min, p.max)])
     x, out, lo, hi = reader(node.src[0]), tensor_view(node), f32(p.min), f32(p.max)
     return lambda: np.clip(x(), lo, hi, out=out)
 

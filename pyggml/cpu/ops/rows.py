@@ -8,7 +8,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import Type
-from .. import nn
+from .. import nn, router
 from ..buffer import tensor_rows, tensor_view
 from ..kinds import DECODER
 from ..plan import TableStep
@@ -59,6 +59,11 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
         w, (ids, prepare) = tensor_rows(a)[0, 0], _checked_ids(idx, a.ne[1], "GET_ROWS", shared)
         return TableStep(lambda: [decode_rows_call(DECODER[a.type], w, out_rows, F16_TABLE, ids[0, 0, 0])], prepare,
                          reads=(idx,))
+    if a.type == Type.F32 and idx.type == Type.I32 and tensor_view(node).flags.c_contiguous and a.nb[0] == 4:
+        # float rows (a layer's outputs, a router's chosen weights) by ids the step may compute itself
+        picks = router.PickedRows(tensor_view(a), tensor_view(idx)[0], tensor_view(node), "GET_ROWS",
+                                  idx.name or "indices")
+        return TableStep(lambda: [picks.call()], picks.clear, hold=(picks,), check=picks.check)
     index = _row_ids(idx, a.ne[1], "GET_ROWS", shared)  # [1, i2, i1, n]
     out = tensor_view(node)    # [i2, i1, n, ne0]
     src = (lambda rows=tensor_rows(a): rows) if a.type.is_quantized else reader(a)

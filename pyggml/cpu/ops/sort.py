@@ -7,10 +7,11 @@ import numpy as np
 from ... import ranking
 from ...opdefs import (ArgsortParams, SortOrder)
 from ...tensor import Tensor
-from .. import nn
+from .. import nn, router
+from ..plan import TableStep
 from ..buffer import tensor_view
 
-from .base import f32, Step, reader
+from .base import f32, Step, reader, _row_view
 
 
 # up to this k a pass keeping the k best ranked (nn.top_k_rows) beats a partition and a sort
@@ -41,6 +42,10 @@ def bind_argsort(node: Tensor, shared: dict) -> Step:
 def bind_top_k(node: Tensor, shared: dict) -> Step:
     x, out, k = reader(node.src[0]), tensor_view(node), node.ne[0]
     n = node.src[0].ne[0]
+    x_rows = _row_view(node.src[0])
+    if x_rows is not None and out.flags.c_contiguous and 0 < k <= min(n, HEAP_TOP_K):
+        out_rows = out.reshape(-1, k)
+        return TableStep(lambda: [router.top_k_call(x_rows, out_rows)])  # an experts' router's
 
     def step() -> None:
         v = x()
