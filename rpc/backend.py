@@ -136,9 +136,8 @@ class RPCBuffer(Buffer):
         (``--gguf``), else uploaded."""
         if self.conn.server_files:
             identity = file_identity(source.path)
-            if self.holds_file(identity, source.path.name) and all(
-                    self.set_tensor_from_file(tensor, identity, offset, size, at)
-                    for at, offset, size in source.pieces()):
+            if self.holds_file(identity, source.path.name) and self.set_tensor_from_file(tensor, identity,
+                                                                                        source.pieces()):
                 return
         self.set_tensor(tensor, source.read())
 
@@ -152,16 +151,19 @@ class RPCBuffer(Buffer):
             log.warning("%s holds another version of %s: its tensors are uploaded", self.buft.get_name(), name)
         return False
 
-    def set_tensor_from_file(self, tensor: Tensor, identity: bytes, file_offset: int, size: int,
-                             offset: int = 0) -> bool:
-        """Fill ``size`` bytes of ``tensor`` from the server's own copy of the file: nothing
-        but the request travels (the server checks the range against the file's tensors).
-        False if the server refused (its copy changed on its disk): said once, and the file is
-        not asked of it again - the caller uploads the bytes."""
-        self._check(tensor, offset, size)
+    def set_tensor_from_file(self, tensor: Tensor, identity: bytes, pieces: list[tuple[int, int, int]]) -> bool:
+        """Fill ``tensor`` from the server's own copy of the file, piece by piece ((offset in
+        the tensor, offset in the file, size): a split's rows of every expert are a piece each):
+        nothing but the requests travels, all of them in one round trip (the server checks
+        each range against the file's tensors).  False if the server refused (its copy changed
+        on its disk): said once, and the file is not asked of it again - the caller uploads
+        the bytes."""
+        for at, _, size in pieces:
+            self._check(tensor, at, size)
+        head = self._packed(tensor)
         try:
-            self.conn.request(Command.SET_TENSOR_FILE,
-                              self._packed(tensor) + P.SET_TENSOR_FILE.pack(offset, size, identity, file_offset))
+            self.conn.request_many([(Command.SET_TENSOR_FILE, head + P.SET_TENSOR_FILE.pack(at, size, identity, file_offset),
+                                     ()) for at, file_offset, size in pieces])
         except RPCError as e:
             if self.conn.closed_reason is not None:
                 raise
@@ -169,7 +171,7 @@ class RPCBuffer(Buffer):
             log.warning("%s cannot read %s from its disk (%s): its tensors are uploaded", self.buft.get_name(),
                         name, e)
             return False
-        self.conn.loaded["disk"] = self.conn.loaded.get("disk", 0) + size
+        self.conn.loaded["disk"] = self.conn.loaded.get("disk", 0) + sum(size for _, _, size in pieces)
         return True
 
     def _packed(self, tensor: Tensor) -> bytes:

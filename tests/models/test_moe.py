@@ -128,19 +128,32 @@ def test_tensor_split_as_locally(moe, rpc_pair, start_server, tmp_path):
                     d.conn.close()
 
 
-def test_tensor_split_servers_read_their_expert_rows_from_their_files(start_server, tmp_path):
+def test_tensor_split_servers_read_their_expert_rows_from_their_files(start_server, tmp_path, monkeypatch):
     """--gguf: each server reads its rows of every expert from its own copy of the file (a
-    piece per expert), nothing of them sent."""
+    piece per expert, all of a tensor's pieces asked for in one round trip), nothing of them
+    sent."""
+    from pyggml.rpc import connect
+    from pyggml.rpc.client import Connection
+    from pyggml.rpc.protocol import Command
     ref = REFERENCE["models"]["gpt-oss-mxfp4"]
     path = write_moe(ref, tmp_path / "gpt-oss.gguf", "Q8_0")
     want = Context(load_model(path), n_ctx=64).decode(ref["tokens"], all_logits=True)
-    from pyggml.rpc import connect
+    trips: dict[int, list[int]] = {}  # per connection: the file pieces asked for in each round trip
+    many = Connection.request_many
+
+    def counted(conn, requests, *args, **kw):
+        pieces = sum(cmd == Command.SET_TENSOR_FILE for cmd, _, _ in requests)
+        if pieces:
+            trips.setdefault(id(conn), []).append(pieces)
+        return many(conn, requests, *args, **kw)
+    monkeypatch.setattr(Connection, "request_many", counted)
     devices = connect([start_server("--gguf", str(path)).endpoint for _ in range(2)]) + [pg.cpu_device()]
     try:
         model = load_model(path, "all", devices, split_mode="tensor")
         for dev, mine in zip(devices, model.shard_weights):
             assert dev.conn.loaded["wire"] == 0
             assert dev.conn.loaded["disk"] == sum(t.nbytes() for t in mine.values())
+            assert len(trips[id(dev.conn)]) == len(mine) and max(trips[id(dev.conn)]) == model.hp.n_expert
         assert np.array_equal(Context(model, n_ctx=64).decode(ref["tokens"], all_logits=True), want)
         model.free()
     finally:
