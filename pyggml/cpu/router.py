@@ -12,13 +12,14 @@ ggml's):
 - clamp as ggml's ``MAX(MIN(x, max), min)``;
 - top k as nn.top_k_rows (largest first, equal values lowest index first, NaN last);
 - a binary op with one value per row of b (ggml broadcasts b's single column);
-- rows picked by ids that the step itself computes: an id outside the rows is noted by the
-  kernel (which writes zeros there, reading nothing out of bounds) and raised by the step after
-  the table (plan.TableStep.check).
+- rows picked by ids that the step itself computes (GET_ROWS; ADD_ID, gpt-oss's expert biases,
+  adds them to rows): an id outside the rows is noted by the kernel (which writes zeros there,
+  reading nothing out of bounds) and raised by the step after the table (plan.TableStep.check).
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 from numba import carray
@@ -90,16 +91,18 @@ def _row_value_rows(start, end, a_at, b_at, out_at, n, b_step, op, i6, i7, i8, i
 
 # GET_ROWS' picks: an int64 array of what _pick_rows reads
 P_A, P_A_NB1, P_A_NB2, P_A_NB3, P_A_ROWS, P_IDS, P_IDS_NB0, P_IDS_NB1, P_IDS_NB2, P_N0, P_N1, P_OUT, P_ROW, \
-    P_BAD, P_BAD_ID, P_SIZE = range(16)
+    P_ADD, P_BAD, P_BAD_ID, P_SIZE = range(17)
 
 
 def _pick_rows(start, end, desc_at, i1, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
     """Rows start..end of GET_ROWS' output (float32 [rows, row]): output row r = (i0, i1, i2)
-    of the ids' [n2, n1, n0] takes row ids[i2, i1, i0] of a's matrix (i1, i2).  Strides in
-    elements; an id outside a's rows writes zeros and is noted (desc[P_BAD], desc[P_BAD_ID])."""
+    of the ids' [n2, n1, n0] takes row ids[i2, i1, i0] of a's matrix (i1, i2), plus row r of
+    the rows at desc[P_ADD] where that is not 0 (ADD_ID).  Strides in elements; an id outside
+    a's rows writes zeros and is noted (desc[P_BAD], desc[P_BAD_ID])."""
     d = carray(pointer(desc_at, np.int64), (P_SIZE,))
     n0, n1, row = d[P_N0], d[P_N1], d[P_ROW]
     out = rows_of(d[P_OUT], end, row)
+    added = rows_of(d[P_ADD] if d[P_ADD] else d[P_OUT], end, row)
     for r in range(start, end):
         i0, i1, i2 = r % n0, (r // n0) % n1, r // (n0 * n1)
         ids = carray(pointer(d[P_IDS] + 4 * (i0 * d[P_IDS_NB0] + i1 * d[P_IDS_NB1] + i2 * d[P_IDS_NB2]), np.int32), (1,))
@@ -111,8 +114,12 @@ def _pick_rows(start, end, desc_at, i1, i2, i3, i4, i5, i6, i7, i8, i9, f0, f1):
                 out[r, i] = 0.0
             continue
         a = rows_of(d[P_A] + 4 * (e * d[P_A_NB1] + i1 * d[P_A_NB2] + i2 * d[P_A_NB3]), 1, row)
-        for i in range(row):
-            out[r, i] = a[0, i]
+        if d[P_ADD]:
+            for i in range(row):
+                out[r, i] = added[r, i] + a[0, i]
+        else:
+            for i in range(row):
+                out[r, i] = a[0, i]
 
 
 ScaledSoftmaxArgs, SumArgs, ClampArgs, TopKArgs, RowValueArgs, PickArgs = (
@@ -176,16 +183,19 @@ def row_value_call(op: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Ro
 class PickedRows:
     """GET_ROWS of float32 rows by int32 ids the step may itself compute: a (float32 [n3, n2,
     rows, row], rows of contiguous values), ids (int32 [n2', n1, n0] with n1 = a's n2 and n2' =
-    a's n3 where those are not 1), out (float32 [n2', n1, n0, row], C-contiguous).  ``clear``
-    before the table, ``check`` after it: an id outside a's rows raises."""
+    a's n3 where those are not 1), out (float32 [n2', n1, n0, row], C-contiguous); with ``add``
+    (out's shape, C-contiguous), each picked row added to add's row (ADD_ID).  ``clear`` before
+    the table, ``check`` after it: an id outside a's rows raises ``fail(id)``."""
 
-    def __init__(self, a: np.ndarray, ids: np.ndarray, out: np.ndarray, what: str, name: str) -> None:
+    def __init__(self, a: np.ndarray, ids: np.ndarray, out: np.ndarray, fail: Callable[[int], Exception],
+                 add: np.ndarray | None = None) -> None:
         n2, n1, n0 = ids.shape
         if not (a.ndim == 4 and a.dtype == f32 and a.strides[3] == 4 and all(s % 4 == 0 for s in a.strides)
                 and ids.dtype == np.int32 and all(s % 4 == 0 for s in ids.strides)
                 and a.shape[1] in (1, n1) and a.shape[0] in (1, n2)
-                and out.dtype == f32 and out.flags.c_contiguous and out.shape == (n2, n1, n0, a.shape[3])):
-            raise ValueError("GET_ROWS: arrays of other layouts")
+                and out.dtype == f32 and out.flags.c_contiguous and out.shape == (n2, n1, n0, a.shape[3])
+                and (add is None or (add.dtype == f32 and add.flags.c_contiguous and add.shape == out.shape))):
+            raise ValueError("picked rows: arrays of other layouts")
         desc = [0] * P_SIZE
         desc[P_A], desc[P_A_ROWS] = address_of(a), a.shape[2]
         # a's matrices: one for every (i1, i2), or the same one where a has a single one
@@ -195,8 +205,9 @@ class PickedRows:
         desc[P_IDS], desc[P_IDS_NB0], desc[P_IDS_NB1], desc[P_IDS_NB2] = (
             address_of(ids), ids.strides[2] // 4, ids.strides[1] // 4, ids.strides[0] // 4)
         desc[P_N0], desc[P_N1], desc[P_OUT], desc[P_ROW] = n0, n1, address_of(out), a.shape[3]
+        desc[P_ADD] = 0 if add is None else address_of(add)
         self.desc = np.array(desc, dtype=np.int64)
-        self.rows, self.what, self.name, self.hold = a.shape[2], what, name, (a, ids, out)
+        self.fail, self.hold = fail, (a, ids, out, add)
         self.n_out = n0 * n1 * n2
 
     def call(self) -> RowCall:
@@ -207,8 +218,7 @@ class PickedRows:
 
     def check(self) -> None:
         if self.desc[P_BAD]:
-            raise IndexError(f"{self.what}: index out of range [0, {self.rows}) in {self.name} "
-                             f"({int(self.desc[P_BAD_ID])})")
+            raise self.fail(int(self.desc[P_BAD_ID]))
 
 
 @part("picks", 0.6, LAYERS)

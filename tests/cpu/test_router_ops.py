@@ -119,3 +119,30 @@ def test_clamp_rows_as_numpys_clip():
     pg.tensor_set(x, xv)
     sched.graph_compute(graph)
     np.testing.assert_array_equal(pg.tensor_array(out).reshape(xv.shape), np.clip(xv, np.float32(-1), np.float32(0.5)))
+
+
+def test_each_chosen_experts_bias_is_added_by_its_id():
+    """ADD_ID (gpt-oss's expert biases) as picked rows added: a[:, u, t] + b[:, ids[u, t]]; an id
+    outside the experts raises after the table, and the plan runs on."""
+    n, n_expert = 40, 5
+    a = pg.new_tensor(Type.F32, (n, N_USED, N_TOKENS), "a").set_input()
+    b = pg.new_tensor(Type.F32, (n, n_expert), "b").set_input()
+    ids = pg.new_tensor(Type.I32, (N_USED, N_TOKENS), "ids").set_input()
+    out = ops.add_id(a, b, ids)
+    graph = pg.build_forward(out)
+    sched = pg.Scheduler([pg.cpu_device().init_backend()])
+    sched.alloc_graph(graph)
+    rng = np.random.default_rng(8)
+    av = rng.standard_normal((N_TOKENS, N_USED, n)).astype(np.float32)
+    bv = rng.standard_normal((n_expert, n)).astype(np.float32)
+    pg.tensor_set(a, av)
+    pg.tensor_set(b, bv)
+    bad = rng.integers(0, n_expert, (N_TOKENS, N_USED)).astype(np.int32)
+    bad[2, 1] = n_expert
+    pg.tensor_set(ids, bad)
+    with pytest.raises(ValueError, match=f"ADD_ID: id {n_expert} outside 0..{n_expert - 1}"):
+        sched.graph_compute(graph)
+    good = rng.integers(0, n_expert, (N_TOKENS, N_USED)).astype(np.int32)
+    pg.tensor_set(ids, good)
+    sched.graph_compute(graph)
+    np.testing.assert_array_equal(pg.tensor_array(out).reshape(av.shape), av + bv[good])

@@ -144,8 +144,13 @@ def bind_glu(node: Tensor, shared: dict) -> Step:
 
 
 def bind_add_id(node: Tensor, shared: dict) -> Step:
-    a, b, ids = (reader(t) for t in node.src[:3])
     out, n_expert = tensor_view(node), node.src[1].ne[1]
+    a_view, b_view, ids_view = (tensor_view(t) for t in node.src[:3])
+    if a_view.flags.c_contiguous and out.flags.c_contiguous:  # each chosen expert's bias, picked by id and added
+        picks = router.PickedRows(b_view, ids_view[0], out[0][None], lambda bad: ValueError(
+            f"ADD_ID: id {bad} outside 0..{n_expert - 1}"), add=a_view[0][None])
+        return TableStep(lambda: [picks.call()], picks.clear, hold=(picks,), check=picks.check)
+    a, b, ids = (reader(t) for t in node.src[:3])
 
     def step() -> None:
         idx = ids()[0, 0].astype(np.int64)      # [n_tokens, n_used]

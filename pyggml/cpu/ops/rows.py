@@ -61,8 +61,9 @@ def bind_get_rows(node: Tensor, shared: dict) -> Step:
                          reads=(idx,))
     if a.type == Type.F32 and idx.type == Type.I32 and tensor_view(node).flags.c_contiguous and a.nb[0] == 4:
         # float rows (a layer's outputs, a router's chosen weights) by ids the step may compute itself
-        picks = router.PickedRows(tensor_view(a), tensor_view(idx)[0], tensor_view(node), "GET_ROWS",
-                                  idx.name or "indices")
+        n_rows, name = a.ne[1], idx.name or "indices"
+        picks = router.PickedRows(tensor_view(a), tensor_view(idx)[0], tensor_view(node), lambda bad: IndexError(
+            f"GET_ROWS: index out of range [0, {n_rows}) in {name} ({bad})"))
         return TableStep(lambda: [picks.call()], picks.clear, hold=(picks,), check=picks.check)
     index = _row_ids(idx, a.ne[1], "GET_ROWS", shared)  # [1, i2, i1, n]
     out = tensor_view(node)    # [i2, i1, n, ne0]
