@@ -290,6 +290,29 @@ def swiglu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> RowCall:
     return _glu_call(a, g, out, True, _NO_TABLE, _kernel(_silu_rows))
 
 
+def _swiglu_oai_rows(start, end, a_at, g_at, out_at, n, i4, i5, i6, i7, i8, i9, alpha, limit):
+    """gpt-oss's gate (ggml's swiglu_oai), float32 step by step: x = min(a, limit), y = g
+    clamped to +-limit, x / (1 + expf(alpha * -x)) * (y + 1), expf correctly rounded (the exp
+    in double, then rounded), as glibc's."""
+    a, g, out = rows_of(a_at, end, n), rows_of(g_at, end, n), rows_of(out_at, end, n)
+    al, lim = f32(alpha), f32(limit)
+    for r in range(start, end):
+        for i in range(n):
+            x = min(a[r, i], lim)
+            y = min(max(g[r, i], -lim), lim)
+            e = f32(math.exp(np.float64(al * -x)))
+            out[r, i] = x / (f32(1.0) + e) * (y + f32(1.0))
+
+
+SwigluOaiArgs = row_args(_swiglu_oai_rows)
+
+
+def swiglu_oai_call(a: np.ndarray, g: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> RowCall:
+    _same_rows("swiglu_oai", a, g, out)
+    return rows_call(_kernel(_swiglu_oai_rows), a.shape[0], SwigluOaiArgs(
+        a_at=address_of(a), g_at=address_of(g), out_at=address_of(out), n=a.shape[1], alpha=alpha, limit=limit))
+
+
 def geglu_call(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> RowCall:
     return _glu_call(a, g, out, True, gelu_table(), _kernel(_gelu_rows))
 

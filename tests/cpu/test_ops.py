@@ -158,3 +158,19 @@ def test_flash_attention_every_head_size(head_dim, n_tokens):
     want = attention_reference(qv[0], kv[0], vv[0], mv[0, 0], scale)
     # probabilities rounded to F16 (as ggml does): a few parts in 10^4 of the values
     assert np.abs(out.reshape(want.shape) - want).max() < 2e-3
+
+
+def test_gpt_oss_gate_rows_are_ggmls_float32_steps():
+    """swiglu_oai as a row kernel of the table (gate and up apart, as gpt-oss's experts give
+    them): x = min(a, limit), y = b clamped, x / (1 + expf(alpha * -x)) * (y + 1) - each step in
+    float32 and expf correctly rounded, as ggml's code with glibc computes it (the numpy form
+    for other layouts: _swiglu_oai)."""
+    from pyggml.cpu.ops.elementwise import _swiglu_oai
+    av = (rng.standard_normal((3, 96)) * 6).astype(np.float32)
+    bv = (rng.standard_normal((3, 96)) * 6).astype(np.float32)
+    av[0, :4] = [7.0, 7.5, -30.0, 0.0]
+    a, b = (pg.new_tensor(Type.F32, (96, 3), n).set_input() for n in "ab")
+    got = run_graph(ops.swiglu_oai(a, b, 1.702, 7.0), {a: av, b: bv})[0, 0]
+    want = np.empty_like(av)
+    _swiglu_oai(av, bv, want, 1.702, 7.0)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -11,7 +11,7 @@ from ...tensor import Tensor
 from .. import nn, router
 from ..activations import SERIAL_ROWS, block_kind, pack_call
 from ..buffer import tensor_rows, tensor_view
-from ..parts import GATES, part
+from ..parts import GATES, part, sample_x
 from ..plan import TableStep
 from ..rows import RowCall
 
@@ -107,7 +107,11 @@ def bind_unary(node: Tensor, shared: dict) -> Step:
 
 
 # the GLUs whose kernels take rows, as calls (GLU's forms for arrays of any shape call them by rows)
-ROW_GLU: dict[int, Callable[..., RowCall]] = {GluOp.SWIGLU: nn.swiglu_call, GluOp.GEGLU: nn.geglu_call}
+ROW_GLU: dict[int, Callable[..., RowCall]] = {
+    GluOp.SWIGLU: lambda a, b, out, p: nn.swiglu_call(a, b, out),
+    GluOp.GEGLU: lambda a, b, out, p: nn.geglu_call(a, b, out),
+    GluOp.SWIGLU_OAI: lambda a, b, out, p: nn.swiglu_oai_call(a, b, out, p.alpha, p.limit),
+}
 
 
 def bind_glu(node: Tensor, shared: dict) -> Step:
@@ -118,7 +122,7 @@ def bind_glu(node: Tensor, shared: dict) -> Step:
             call = ROW_GLU[p.op]
             if p.swapped:
                 a, b = b, a
-            return TableStep(lambda: [call(a, b, out_rows)])
+            return TableStep(lambda: [call(a, b, out_rows, p)])
     fn, out = GLU[p.op], tensor_view(node)
     first = reader(node.src[0])
     if node.src[1] is None:  # gate and value side by side in one tensor
@@ -207,6 +211,8 @@ def bind_clamp(node: Tensor, shared: dict) -> Step:
     return lambda: np.clip(x(), lo, hi, out=out)
 
 
-@part("swiglu_oai", 0.0, GATES)
+@part("swiglu_oai", 0.3, GATES)
 def _compile_swiglu_oai() -> None:
-    """gpt-oss's gate (_swiglu_oai) is numpy's: nothing to compile."""
+    """gpt-oss's gate: its row kernel (a call made, not run); the numpy form has nothing to compile."""
+    x = sample_x(2)
+    nn.swiglu_oai_call(x, x, np.empty_like(x), 1.702, 7.0)
