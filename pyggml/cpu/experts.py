@@ -28,13 +28,16 @@ import functools
 import numpy as np
 from numba import carray
 
-from .activations import SERIAL_ROWS, activation_shapes, quantize_call
+from .activations import activation_shapes, quantize_call
 from .parts import part
 from .qdot import ActivationBytesArgs, activation_bytes_at, activation_bytes_width, batch_rows, lane_sums, row_chunks
 from .rows import ROWS, RowCall, address_of, row_args, row_kernel, rows_call, serial_call
 from .simd import call_address, pointer
 
 HEAD = 3  # ROUTE's first entries: groups, a bad id seen (0 or 1), that id
+# pairs whose activations are gathered, quantized and scattered in the calling thread: a decoding
+# step's few rows take less than waking the threads for them
+SERIAL_PAIRS = 16
 
 
 def route_size(n_pairs: int, n_keys: int) -> int:
@@ -220,7 +223,8 @@ class ExpertCalls:
         self.scratch = scratch
         route_at, gather_at, product_at, scatter_at = _kernels()
         route = address_of(self.route)
-        spread = rows_call if n_pairs > SERIAL_ROWS else serial_call
+        threads = n_pairs > SERIAL_PAIRS
+        spread = rows_call if threads else serial_call
         n_chunks, per = row_chunks(m_rows, n_tokens)
         return [
             serial_call(route_at, 1, RouteArgs(ids_at=address_of(ids), ids_stride=ids.strides[0] // 4, n_tokens=n_tokens,
@@ -230,7 +234,7 @@ class ExpertCalls:
             spread(gather_at, n_pairs, GatherArgs(x_at=address_of(x), slot_stride=x.strides[1] // 4,
                                                   token_stride=x.strides[0] // 4, n_b=n_b, k=k, route_at=route,
                                                   n_used=n_used, xg_at=address_of(xg))),
-            quantize_call(xg, self.kind, yq, yd, ys, threads=n_pairs > SERIAL_ROWS),
+            quantize_call(xg, self.kind, yq, yd, ys, threads=threads),
             serial_call(activation_bytes_at(), n_pairs, ActivationBytesArgs(yq_at=address_of(yq), k=k, yb_at=address_of(yb),
                                                                             width=yb.shape[1], offset=lane_sums(fmt))),
             RowCall(ROWS, product_at, m_rows, n_chunks, per,
