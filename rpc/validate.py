@@ -194,7 +194,10 @@ def node_cost(node: Tensor) -> tuple[int, int]:
     elif node.op == Op.MUL_MAT_ID:  # one product per (token, used expert); the ids are checked when it runs
         work = node.nelements() * srcs[0].ne[0]
         converted = srcs[1:] if srcs[0].type.has_vec_dot else srcs
-        scratch += 4 * node.nelements() + 4 * srcs[1].ne[0] * node.ne[1] * node.ne[2]
+        pairs = node.ne[1] * node.ne[2]
+        # the pairs' results, their activations gathered (float32), quantized (float32 values,
+        # then bytes with lane sums) and the route (cpu/experts.py: per pair and per expert)
+        scratch += 4 * node.nelements() + 12 * srcs[1].ne[0] * pairs + 8 * (5 * pairs + srcs[0].ne[2] + 8)
     elif node.op == Op.FLASH_ATTN_EXT:
         q, k, v = srcs[:3]
         work = q.ne[1] * q.ne[2] * q.ne[3] * k.ne[1] * (q.ne[0] + v.ne[0])

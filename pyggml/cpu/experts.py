@@ -19,7 +19,7 @@ Python step did with numpy at every run, reading that data where the table has w
 The addresses the kernels need and the route's arrays live in arrays the step holds (a table
 holds addresses only).  ``ROUTE``: one int64 array per step - the number of groups, the bad id
 flag and value, then the pairs' order, the groups' first columns, their experts, their runs
-(qdot's [0, columns] each) and the sort's counts.
+(qdot's [0, columns] each) and the sort's counts (one per expert).
 """
 from __future__ import annotations
 
@@ -40,18 +40,19 @@ HEAD = 3  # ROUTE's first entries: groups, a bad id seen (0 or 1), that id
 SERIAL_PAIRS = 16
 
 
-def route_size(n_pairs: int, n_keys: int) -> int:
-    """ROUTE's length for n_pairs (token, slot) pairs and n_keys = experts x runs."""
-    return HEAD + 5 * n_pairs + 1 + n_keys + 1
+def route_size(n_pairs: int, n_expert: int) -> int:
+    """ROUTE's length for n_pairs (token, slot) pairs over n_expert experts: never more than the
+    pairs and the experts, whatever the runs (a graph from the network sizes both)."""
+    return HEAD + 5 * n_pairs + 1 + n_expert + 1
 
 
 def _route_rows(start, end, ids_at, ids_stride, n_tokens, n_used, n_expert, runs_at, runs_size, route_at, i8, i9,
                 f0, f1):
-    """The pairs grouped by (expert, run), into ROUTE (one call: start and end unused)."""
+    """The pairs grouped by (expert, run), into ROUTE (one call: start and end unused): sorted by
+    expert, stably, so an expert's pairs stay in token order and so in run order - a group ends
+    where the expert or the run changes."""
     n_pairs = n_tokens * n_used
-    n_runs = max(runs_size - 1, 1)
-    n_keys = n_expert * n_runs
-    route = carray(pointer(route_at, np.int64), (HEAD + 5 * n_pairs + 1 + n_keys + 1,))
+    route = carray(pointer(route_at, np.int64), (HEAD + 5 * n_pairs + 1 + n_expert + 1,))
     route[0] = route[1] = route[2] = 0
     if n_pairs == 0:
         return
@@ -61,8 +62,9 @@ def _route_rows(start, end, ids_at, ids_stride, n_tokens, n_used, n_expert, runs
     o_used = o_starts + n_pairs + 1
     o_runs = o_used + n_pairs
     o_counts = o_runs + 2 * n_pairs
-    keys = o_runs  # (the runs' place holds each pair's key until the groups are known)
-    for j in range(n_keys + 1):
+    # (the runs' place holds each pair's expert and run until the groups are known)
+    expert_of, run_of = o_runs, o_runs + n_pairs
+    for j in range(n_expert + 1):
         route[o_counts + j] = 0
     run = 0
     for t in range(n_tokens):
@@ -77,24 +79,25 @@ def _route_rows(start, end, ids_at, ids_stride, n_tokens, n_used, n_expert, runs
                     route[1] = 1
                     route[2] = e
                 e = 0
-            key = e * n_runs + run
-            route[keys + t * n_used + u] = key
-            route[o_counts + key + 1] += 1
-    for j in range(n_keys):
+            route[expert_of + t * n_used + u] = e
+            route[run_of + t * n_used + u] = run
+            route[o_counts + e + 1] += 1
+    for j in range(n_expert):
         route[o_counts + j + 1] += route[o_counts + j]
-    for p in range(n_pairs):  # stable: pairs in token order within a key
-        key = route[keys + p]
-        route[o_order + route[o_counts + key]] = p
-        route[o_counts + key] += 1
+    for p in range(n_pairs):  # stable: pairs in token order within an expert
+        e = route[expert_of + p]
+        route[o_order + route[o_counts + e]] = p
+        route[o_counts + e] += 1
     n_groups = 0
     for c in range(n_pairs):
-        key = route[keys + route[o_order + c]]
-        if c == 0 or key != route[keys + route[o_order + c - 1]]:
+        p = route[o_order + c]
+        q = route[o_order + c - 1] if c else p
+        if c == 0 or route[expert_of + p] != route[expert_of + q] or route[run_of + p] != route[run_of + q]:
             route[o_starts + n_groups] = c
-            route[o_used + n_groups] = key // n_runs
+            route[o_used + n_groups] = route[expert_of + p]
             n_groups += 1
     route[o_starts + n_groups] = n_pairs
-    for g in range(n_groups):  # (past the keys' last read)
+    for g in range(n_groups):  # (past the experts' and runs' last read)
         route[o_runs + 2 * g] = 0
         route[o_runs + 2 * g + 1] = route[o_starts + g + 1] - route[o_starts + g]
     route[0] = n_groups
@@ -172,15 +175,14 @@ def _compile_experts() -> None:
     _kernels()
 
 
-def takes(w: np.ndarray, x: np.ndarray, ids: np.ndarray, runs: np.ndarray | None, out: np.ndarray) -> bool:
-    """Whether ExpertCalls takes these arrays (as its docstring says)."""
+def takes(w: np.ndarray, x: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
+    """Whether ExpertCalls takes these arrays (as its docstring says; runs are checked ones)."""
     n_tokens, n_used, m_rows = out.shape
     return (w.ndim == 3 and w.dtype == np.uint8 and w.flags.c_contiguous and w.shape[1] == m_rows
             and out.dtype == np.float32 and out.flags.c_contiguous
             and x.ndim == 3 and x.shape[0] == n_tokens and x.dtype == np.float32
             and x.strides[2] == 4 and x.strides[0] % 4 == 0 and x.strides[1] % 4 == 0
-            and ids.shape == (n_tokens, n_used) and ids.dtype == np.int32 and ids.strides[1] == 4 and ids.strides[0] % 4 == 0
-            and (runs is None or (runs.dtype == np.int64 and runs.flags.c_contiguous and runs.size >= 2)))
+            and ids.shape == (n_tokens, n_used) and ids.dtype == np.int32 and ids.strides[1] == 4 and ids.strides[0] % 4 == 0)
 
 
 class ExpertCalls:
@@ -196,11 +198,11 @@ class ExpertCalls:
         n_expert, m_rows, _ = w.shape
         n_tokens, _, k = x.shape
         n_pairs = n_tokens * ids.shape[1]
-        if not takes(w, x, ids, runs, out):
+        if not takes(w, x, ids, out) or not (runs is None or (runs.dtype == np.int64 and runs.flags.c_contiguous
+                                                              and runs.size >= 2)):
             raise ValueError("MUL_MAT_ID's calls: arrays of other layouts")
         self.fmt, self.kind, self.w, self.x, self.ids, self.runs, self.out = fmt, kind, w, x, ids, runs, out
-        n_runs = 1 if runs is None else runs.size - 1
-        self.route = np.zeros(route_size(n_pairs, n_expert * n_runs), dtype=np.int64)
+        self.route = np.zeros(route_size(n_pairs, n_expert), dtype=np.int64)
         # the grouped activations, quantized (activation_arrays), as bytes (qdot), and the grouped results
         self.specs = (((n_pairs, k), np.float32), *((shape, np.float32) for shape in activation_shapes(n_pairs, k, kind)),
                       ((n_pairs, activation_bytes_width(k, lane_sums(fmt))), np.int8), ((n_pairs, m_rows), np.float32))

@@ -316,3 +316,17 @@ def test_a_product_takes_only_its_own_blocks():
     ops.mul_mat(w, ops.cast(x, Type.Q8_K))
     with pytest.raises(ValueError, match="cannot be cut into Q8_K blocks"):
         ops.cast(pg.new_tensor(Type.F32, (96, 2), "y"), Type.Q8_K)
+
+
+def test_mul_mat_ids_route_grows_with_its_pairs_and_experts_not_its_runs():
+    """A graph from the network sizes the runs: thousands of empty runs must not size the
+    route's arrays (cpu/experts.py sorts by expert alone; runs stay in token order)."""
+    from pyggml.cpu.experts import ExpertCalls, route_size
+    from pyggml.cpu.qmatmul import QuantProduct
+    n_expert, m, k, n_tokens, n_used = 6, 8, 64, 3, 2
+    raw = np.zeros((n_expert, m, Type.Q8_0.row_size(k)), np.uint8)
+    runs = np.array([0] * 5000 + [1, 3], np.int64)
+    product = QuantProduct(raw[0], Type.Q8_0)
+    calls = ExpertCalls(product.fmt, product.kind, raw, np.zeros((n_tokens, 1, k), np.float32),
+                        np.zeros((n_tokens, n_used), np.int32), runs, np.zeros((n_tokens, n_used, m), np.float32))
+    assert calls.route.size == route_size(n_tokens * n_used, n_expert) < 64

@@ -195,8 +195,7 @@ def bind_mul_mat_id(node: Tensor, shared: dict) -> Step:
     n_expert, n_b, m_rows = a.ne[2], b.ne[1], a.ne[1]
     rows = tensor_rows(a)[0] if a.type.has_vec_dot else None  # [n_expert, M, row_bytes]
     x_rows = tensor_view(b)[0] if b.type == Type.F32 else None  # [n_tokens, n_b, K]
-    runs_like = np.empty(2, np.int64) if runs_t is not None else None  # (for takes: what _checked_runs gives)
-    if rows is not None and a.type in EXACT and x_rows is not None and takes(rows, x_rows, index, runs_like, out):
+    if rows is not None and a.type in EXACT and x_rows is not None and takes(rows, x_rows, index, out):
         product = QuantProduct(rows[0], a.type)
         runs, prepare = _checked_runs(node, runs_t, b.ne[2], shared) if runs_t is not None else (None, None)
         calls = ExpertCalls(product.fmt, product.kind, frozen(rows), x_rows, index, runs, out)
